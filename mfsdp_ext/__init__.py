@@ -1,0 +1,17 @@
+"""mfsdp_ext: fully sharded data parallel (ZeRO) for PyTorch, a drop-in for FSDP2's ``fully_shard``."""
+
+from .api import fully_shard, microbatch, reset_parameters
+from .mixed_precision import MixedPrecisionPolicy
+from .module import FsdpModule, Strategy
+
+
+def build_info() -> dict:
+    """What the native extension was built with (CPU kernels, CUDA kernels, NCCL symmetric memory)."""
+    from . import _native
+
+    return _native.build_info()
+
+
+__all__ = ["fully_shard", "microbatch", "reset_parameters", "MixedPrecisionPolicy", "FsdpModule", "Strategy",
+           "build_info"]
+__version__ = "0.1.0"

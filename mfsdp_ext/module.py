@@ -1,0 +1,324 @@
+"""FsdpUnit (the per-module state machine and its hooks) and FsdpModule (the class users' modules become).
+
+Lifecycle of a unit in one iteration (ZeRO-3):
+  pre-forward     make the model weights current, all-gather (or wait for the prefetch), prefetch the next unit
+  post-forward    swap back to sharded parameters and free the gathered storage (not the root)
+  pre-backward    gather again, prefetch the next unit in backward order
+  post-backward   pack grads, reduce-scatter into main_grad on the reduce-scatter stream, free gathered storage
+  final callback  (root) finish units that had no post-backward, wait for the reduce stream, reset
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import comm
+from .context import FsdpContext
+from .mixed_precision import MixedPrecisionPolicy
+from .param_group import ParamGroup
+
+
+class Strategy(str, Enum):
+    NO_SHARD = "no_shard"  # DDP-like: full weights everywhere, grads all-reduced on the last microbatch
+    OPTIM = "optim"  # ZeRO-1: optimizer state sharded; grads reduced on the last microbatch
+    OPTIM_GRADS = "optim_grads"  # ZeRO-2: grads reduce-scattered every microbatch; weights stay gathered
+    OPTIM_GRADS_PARAMS = "optim_grads_params"  # ZeRO-3: weights gathered for compute only
+
+    @property
+    def keeps_weights_gathered(self) -> bool:
+        return self is not Strategy.OPTIM_GRADS_PARAMS
+
+    @property
+    def reduces_every_microbatch(self) -> bool:
+        return self in (Strategy.OPTIM_GRADS, Strategy.OPTIM_GRADS_PARAMS)
+
+
+def _in_backward() -> bool:
+    """True while autograd executes a backward pass: a forward then is an activation-checkpoint recompute."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's forward inputs; its backward runs once the unit's own backward is complete."""
+
+    @staticmethod
+    def forward(ctx, unit, *inputs):
+        ctx.unit = unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit.post_backward()
+        return (None,) + grads
+
+
+class FsdpUnit:
+    def __init__(self, module: nn.Module, name: str, groups: list[ParamGroup], strategy: Strategy,
+                 reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy, device: torch.device):
+        self.module = module
+        self.name = name or module.__class__.__name__
+        self.groups = groups
+        self.strategy = strategy
+        self.reshard_after_forward = reshard_after_forward and not strategy.keeps_weights_gathered
+        self.mp_policy = mp_policy
+        self.device = device
+        self.context: Optional[FsdpContext] = None
+        self.requires_gradient_sync = True
+        self.is_unsharded = False
+        self.unshard_event = None
+        self.gathered_versions: list[Optional[int]] = [None] * len(groups)
+        self.reset_iteration()
+
+    def reset_iteration(self) -> None:
+        self.pre_backward_done = False
+        self.post_backward_done = False
+        self.post_backward_registered = False
+        self.ran_forward = False
+
+    @property
+    def is_root(self) -> bool:
+        return self.context is not None and self.context.root is self
+
+    # ------------------------------------------------------------------ lazy init
+    def lazy_init(self) -> FsdpContext:
+        if self.context is not None:
+            return self.context
+        units = [m._mfsdp_unit for m in self.module.modules() if isinstance(m, FsdpModule)]
+        for unit in units:
+            for g in unit.groups:
+                if g.on_meta:
+                    raise RuntimeError(
+                        f"mfsdp_ext: unit '{unit.name}' still has parameters on the meta device. Materialize "
+                        "the model first: model.to_empty(device=...) then mfsdp_ext.reset_parameters(model).")
+        ctx = FsdpContext(self, units, self.device)
+        for unit in units:
+            unit.context = ctx
+        return ctx
+
+    # ------------------------------------------------------------------ unshard / reshard
+    def _gathered_is_current(self) -> bool:
+        return self.is_unsharded and all(
+            v == g.main_weight.data._version for v, g in zip(self.gathered_versions, self.groups))
+
+    def unshard(self) -> None:
+        """Issue the all-gather of every group on the all-gather stream (does not wait for it)."""
+        ctx = self.context
+        if self._gathered_is_current() or (self.is_unsharded and not ctx.weight_sync_allowed()):
+            return
+        with ctx.nvtx(f"mfsdp.unshard {self.name}"):
+            if ctx.is_cuda:
+                ctx.ag_stream.wait_stream(ctx.compute_stream())
+            with ctx.on_stream(ctx.ag_stream):
+                for i, g in enumerate(self.groups):
+                    if ctx.weight_sync_allowed() or g._synced_version is None:
+                        with ctx.nvtx(f"mfsdp.weight_sync {self.name}"):
+                            g.sync_model_weight()
+                    g.all_gather()
+                    self.gathered_versions[i] = g.main_weight.data._version
+                if ctx.is_cuda:
+                    self.unshard_event = ctx.ag_stream.record_event()
+        self.is_unsharded = True
+
+    def wait_unshard(self) -> None:
+        """Make compute wait for this unit's all-gather only, then compute on the gathered parameters."""
+        if self.unshard_event is not None:
+            self.context.compute_stream().wait_event(self.unshard_event)
+            self.unshard_event = None
+        for g in self.groups:
+            g.use_unsharded_params()
+
+    def reshard(self) -> None:
+        """Back to sharded parameters; the gathered storage is freed in stream order (see FsdpContext)."""
+        with self.context.nvtx(f"mfsdp.reshard {self.name}"):
+            for g in self.groups:
+                g.use_sharded_params()
+                g.free_unsharded()
+        self.is_unsharded = False
+        self.unshard_event = None
+
+    def rest_params(self) -> None:
+        """Sharded parameters visible to the user; gathered storage kept only where the strategy keeps it."""
+        if self.strategy.keeps_weights_gathered:
+            for g in self.groups:
+                g.use_sharded_params()
+        elif self.is_unsharded:
+            self.reshard()
+
+    # ------------------------------------------------------------------ forward hooks
+    def pre_forward(self, module, args, kwargs):
+        ctx = self.lazy_init()
+        if _in_backward():  # activation-checkpoint recompute: gather if needed, no prefetch, no reshard
+            self.unshard()
+            self.wait_unshard()
+            args, kwargs = self._register_post_backward(args, kwargs)
+            return args, kwargs
+        if self.is_root and ctx.forward_order and not ctx.callback_queued:
+            ctx.end_iteration()  # the previous forward had no backward (evaluation)
+        ctx.record_forward(self)
+        self.ran_forward = True
+        self.unshard()
+        self.wait_unshard()
+        nxt = ctx.next_in_forward(self)
+        if nxt is not None and nxt is not self:
+            nxt.unshard()
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        return self._register_post_backward(args, kwargs)
+
+    def post_forward(self, module, args, output):
+        if _in_backward():
+            return output
+        if not torch.is_grad_enabled():
+            self.rest_params()  # evaluation: nothing will need the gathered weights
+        else:
+            if self.reshard_after_forward and not self.is_root:
+                self.reshard()
+            self._register_pre_backward(output)
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floating(output, self.mp_policy.output_dtype)
+        return output
+
+    def _register_post_backward(self, args, kwargs):
+        if not torch.is_grad_enabled() or self.post_backward_registered:
+            return args, kwargs
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+        if not idx:
+            return args, kwargs
+        outs = _PostBackward.apply(self, *[flat[i] for i in idx])
+        for i, t in zip(idx, outs):
+            flat[i] = t
+        self.post_backward_registered = True
+        return tree_unflatten(flat, spec)
+
+    def _register_pre_backward(self, output) -> None:
+        flat, _ = tree_flatten(output)
+        for t in flat:
+            if torch.is_tensor(t) and t.requires_grad:
+                t.register_hook(self._pre_backward_hook)
+
+    # ------------------------------------------------------------------ backward hooks
+    def _pre_backward_hook(self, grad):
+        if self.pre_backward_done:
+            return grad
+        self.pre_backward_done = True
+        ctx = self.context
+        ctx.queue_final_callback()
+        self.unshard()
+        self.wait_unshard()
+        prev = ctx.next_in_backward(self)
+        if prev is not None and prev.ran_forward and not prev.post_backward_done:
+            prev.unshard()
+        return grad
+
+    def post_backward(self) -> None:
+        if self.post_backward_done:
+            return
+        self.post_backward_done = True
+        ctx = self.context
+        with ctx.nvtx(f"mfsdp.reduce {self.name}"):
+            for g in self.groups:
+                if g.requires_grad and g.has_unsharded_grads():
+                    self._reduce(g)
+        self.rest_params()
+
+    def finish_backward(self) -> None:
+        """Called from the root's final callback for every unit."""
+        if not self.post_backward_done and (self.ran_forward or any(g.has_unsharded_grads() for g in self.groups)):
+            self.post_backward()
+        else:
+            self.rest_params()
+
+    def _reduce(self, g: ParamGroup) -> None:
+        ctx = self.context
+        sync = self.requires_gradient_sync
+        last = sync and ctx.is_last_microbatch
+        if not (sync if self.strategy.reduces_every_microbatch else last):
+            return  # keep accumulating the unsharded grads locally
+        replicas = dist.get_world_size(g.replicate_group) if g.replicate_group is not None else 1
+        if ctx.is_cuda:
+            ctx.rs_stream.wait_stream(ctx.compute_stream())
+        with ctx.on_stream(ctx.rs_stream):
+            packed = torch.empty(g.layout.total_numel, dtype=g.reduce_dtype, device=g.device)
+            g.pack_grads(packed, scale=1.0 / (g.world * replicas))  # pre-divide: no overflow in low precision
+            for grad in g.drop_unsharded_grads():
+                if ctx.is_cuda:
+                    grad.record_stream(ctx.rs_stream)  # autograd allocated it on the compute stream
+            if g.world > 1:
+                reduced = torch.empty(g.layout.shard_numel, dtype=g.reduce_dtype, device=g.device)
+                comm.reduce_scatter_into(reduced, packed, g.shard_group)
+            else:
+                reduced = packed
+            if g.replicate_group is not None and not self.strategy.reduces_every_microbatch:
+                comm.all_reduce(reduced, g.replicate_group)
+            g.accumulate_main_grad(reduced)
+            if g.replicate_group is not None and self.strategy.reduces_every_microbatch and last:
+                comm.all_reduce(g.main_grad.data, g.replicate_group)  # HSDP: once per step, on the last microbatch
+            g.stats.reduces += 1
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    flat, spec = tree_flatten(tree)
+    flat = [t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() and t.dtype != dtype else t for t in flat]
+    return tree_unflatten(flat, spec)
+
+
+class FsdpModule:
+    """Mixin that ``fully_shard`` adds to a module's class; the FSDP2-shaped per-module controls."""
+
+    _mfsdp_unit: FsdpUnit
+
+    def unshard(self, async_op: bool = False):
+        unit = self._mfsdp_unit
+        unit.lazy_init()
+        unit.unshard()
+        if not async_op:
+            unit.wait_unshard()
+        return None
+
+    def reshard(self) -> None:
+        unit = self._mfsdp_unit
+        unit.lazy_init()
+        unit.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        modules = self.modules() if recurse else [self]
+        for m in modules:
+            if isinstance(m, FsdpModule):
+                m._mfsdp_unit.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        modules = self.modules() if recurse else [self]
+        for m in modules:
+            if isinstance(m, FsdpModule):
+                u = m._mfsdp_unit
+                u.reshard_after_forward = reshard_after_forward and not u.strategy.keeps_weights_gathered
+
+    def _apply(self, fn, recurse=True):
+        """Keep the flat-buffer parameters out of nn.Module._apply; materialize meta groups on to_empty()."""
+        unit = self._mfsdp_unit
+        probe = torch.zeros(1)
+        moved = fn(probe)
+        for g in unit.groups:
+            same_device = moved.device.type == g.device.type and moved.device.index in (None, g.device.index)
+            if not same_device or moved.dtype != probe.dtype:
+                raise RuntimeError(
+                    "mfsdp_ext: a sharded module cannot be moved to another device or cast with .to()/.cuda()/"
+                    f".half() (unit '{unit.name}' lives on {g.device}); build it on the target device, or on meta "
+                    "and call to_empty(device=...), before fully_shard, and choose dtypes with MixedPrecisionPolicy.")
+            g.materialize(g.device)  # no-op unless the group is still on meta
+        owned = [(place.module, place.name) for g in unit.groups for info in g.infos for place in info.places]
+        for m, n in owned:
+            m._parameters[n] = None  # nn.Module._apply skips None entries; the order of _parameters is kept
+        try:
+            super()._apply(fn, recurse=recurse)  # buffers and inner units
+        finally:
+            for g in unit.groups:
+                g.use_sharded_params()
+        return self
