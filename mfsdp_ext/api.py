@@ -63,6 +63,8 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
             reduce_dtype=mp_policy.reduction_dtype(dtype), main_grad_dtype=mp_policy.main_grad_dtype
             if dtype == torch.float32 else dtype, device=device, shard_group=shard_group,
             replicate_group=replicate_group))
+    for fqn, p, _ in params:
+        p._mfsdp_owner = module  # the original Parameter: a use of it outside this unit is caught later
     for g in groups:
         for info in g.infos:
             info.sharded._mfsdp_owner = module
@@ -76,6 +78,7 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
     module._mfsdp_unit = unit
     module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(unit.post_forward, prepend=False)
+    module.register_load_state_dict_post_hook(lambda mod, keys: [g.mark_main_weight_changed() for g in groups])
     # Inner units now belong to this subtree's context (built lazily at the first forward).
     for m in module.modules():
         if isinstance(m, FsdpModule):

@@ -104,7 +104,7 @@ class FsdpUnit:
     # ------------------------------------------------------------------ unshard / reshard
     def _gathered_is_current(self) -> bool:
         return self.is_unsharded and all(
-            v == g.main_weight.data._version for v, g in zip(self.gathered_versions, self.groups))
+            v == g.weights_version() for v, g in zip(self.gathered_versions, self.groups))
 
     def unshard(self) -> None:
         """Issue the all-gather of every group on the all-gather stream (does not wait for it)."""
@@ -120,7 +120,7 @@ class FsdpUnit:
                         with ctx.nvtx(f"mfsdp.weight_sync {self.name}"):
                             g.sync_model_weight()
                     g.all_gather()
-                    self.gathered_versions[i] = g.main_weight.data._version
+                    self.gathered_versions[i] = g.weights_version()
                 if ctx.is_cuda:
                     self.unshard_event = ctx.ag_stream.record_event()
         self.is_unsharded = True

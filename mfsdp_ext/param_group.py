@@ -15,10 +15,25 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _native, comm
 from .flat_buffer import FlatBuffer
 from .layout import FlatLayout
+
+
+# Optimizer steps update the main weights through DTensor ops, which do not bump the local tensor's version
+# counter; a global step hook counts steps of every torch.optim optimizer instead. Writes to the local tensor
+# itself (our init, load) do bump the version counter, so a group's weights are identified by both.
+_optimizer_steps = 0
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 @dataclass
@@ -78,7 +93,8 @@ class ParamGroup:
         self.model_weight = FlatBuffer(self.layout, compute_dtype, storage_device, rank=self.rank) if needs_cast else None
         self.unsharded = FlatBuffer(self.layout, compute_dtype, storage_device)
         self.main_grad = None  # allocated at the first reduction
-        self._synced_version = None  # main_weight version the model weight was cast from
+        self._synced_version = None  # weights_version() the model weight was cast from
+        self._external_writes = 0
         self._segments = None
         self._make_params()
         self.unsharded.free()
@@ -133,15 +149,22 @@ class ParamGroup:
                 place.module._parameters[place.name] = info.unsharded
 
     # ------------------------------------------------------------------ weights
+    def weights_version(self) -> tuple[int, int, int]:
+        """Changes whenever the main weights may have changed: optimizer step, direct write, load."""
+        return (_optimizer_steps, self.main_weight.data._version, self._external_writes)
+
+    def mark_main_weight_changed(self) -> None:
+        self._external_writes += 1
+
     def needs_weight_sync(self) -> bool:
-        return self.model_weight is not None and self._synced_version != self.main_weight.data._version
+        return self.model_weight is not None and self._synced_version != self.weights_version()
 
     def sync_model_weight(self) -> None:
         """Cast main_weight into model_weight (one fused kernel) if the main weights changed since the last cast."""
         if not self.needs_weight_sync():
             return
         _native.cast(self.main_weight.data, self.model_weight.data)
-        self._synced_version = self.main_weight.data._version
+        self._synced_version = self.weights_version()
         self.stats.weight_syncs += 1
 
     def gather_source(self) -> torch.Tensor:

@@ -1,0 +1,37 @@
+import pytest
+import torch
+
+from .dist_pool import RankPool
+
+_POOLS: dict = {}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA GPUs (run on a GPU machine: pytest -m gpu)")
+
+
+def get_pool(world: int, backend: str = "gloo") -> RankPool:
+    key = (world, backend)
+    if key not in _POOLS:
+        if backend == "nccl" and torch.cuda.device_count() < world:
+            pytest.skip(f"needs {world} GPUs, found {torch.cuda.device_count()}")
+        _POOLS[key] = RankPool(world, backend)
+    return _POOLS[key]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+@pytest.fixture(params=[2, 4], ids=lambda w: f"{w}ranks")
+def cpu_pool(request):
+    return get_pool(request.param, "gloo")
+
+
+@pytest.fixture(params=[2, 4], ids=lambda w: f"{w}gpus")
+def gpu_pool(request):
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA not available")
+    return get_pool(request.param, "nccl")

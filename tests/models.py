@@ -1,0 +1,103 @@
+"""Small models and a training loop shared by the distributed tests (run inside the rank processes)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, ffn: int, checkpointing: str = "off"):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, ffn)
+        self.fc2 = nn.Linear(ffn, dim)
+        self.checkpointing = checkpointing  # "off", "reentrant", "non_reentrant"
+
+    def _body(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+    def forward(self, x):
+        if self.checkpointing == "off":
+            return self._body(x)
+        return checkpoint(self._body, x, use_reentrant=self.checkpointing == "reentrant")
+
+
+class TinyLM(nn.Module):
+    """Odd sizes on purpose: vocab 11 and a 3-wide aux head do not divide by 2 or 4 ranks."""
+
+    def __init__(self, vocab: int = 11, dim: int = 12, ffn: int = 20, n_layers: int = 3, tie: bool = True,
+                 checkpointing: str = "off"):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, ffn, checkpointing) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+        self.aux = nn.Linear(dim, 3)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.norm(h)), self.aux(h)
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits, aux = model(tokens)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) + 0.1 * aux.float().square().mean()
+
+
+def batch(step: int, batch_size: int, seq: int = 6, vocab: int = 11, device="cpu"):
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, vocab, (batch_size, seq + 1), generator=g)
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
+def shard_tiny_lm(model: TinyLM, fully_shard, **kwargs) -> TinyLM:
+    for b in model.blocks:
+        fully_shard(b, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def train(model: nn.Module, steps: int, global_batch: int, *, sharded: bool, microbatches: int = 1,
+          lr: float = 1e-2, microbatch_ctx=None, device="cpu") -> list[float]:
+    """AdamW steps on the same global batches; a sharded model sees this rank's slice. Returns global losses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
+    losses = []
+    for step in range(steps):
+        tokens, targets = batch(step, global_batch, device=device)
+        tokens, targets = tokens.chunk(world)[rank], targets.chunk(world)[rank]
+        total = torch.zeros((), device=device)
+        for i, (t, y) in enumerate(zip(tokens.chunk(microbatches), targets.chunk(microbatches))):
+            ctx = microbatch_ctx(model, i == 0, i == microbatches - 1) if microbatch_ctx else _null()
+            with ctx:
+                loss = lm_loss(model, t, y) / microbatches
+                loss.backward()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        if sharded:
+            dist.all_reduce(total)
+            total /= world
+        losses.append(total.item())
+    return losses
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
