@@ -78,12 +78,22 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
     module._mfsdp_unit = unit
     module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(unit.post_forward, prepend=False)
-    module.register_load_state_dict_post_hook(lambda mod, keys: [g.mark_main_weight_changed() for g in groups])
+    module.register_load_state_dict_post_hook(_mark_loaded(groups))
     # Inner units now belong to this subtree's context (built lazily at the first forward).
     for m in module.modules():
         if isinstance(m, FsdpModule):
             m._mfsdp_unit.context = None
     return module
+
+
+def _mark_loaded(groups: list[ParamGroup]):
+    """load_state_dict writes the DTensor params in place, which the step detection cannot see."""
+
+    def hook(module, incompatible_keys) -> None:
+        for g in groups:
+            g.mark_main_weight_changed()
+
+    return hook
 
 
 def _default_mesh() -> DeviceMesh:

@@ -1,0 +1,192 @@
+"""Sharding strategies, microbatches, activation checkpointing and HSDP on gloo ranks.
+
+Parity is against a single-process model on the same global batches; collective counts are read by wrapping
+mfsdp_ext.comm (the only place the library issues collectives from).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import mfsdp_ext.comm as comm
+from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
+
+from .models import TinyLM, batch, lm_loss, shard_tiny_lm, train
+from .test_fully_shard import GLOBAL_BATCH, STEPS, _compare_params
+
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+
+
+@contextlib.contextmanager
+def count_collectives():
+    counts = Counter()
+    originals = {n: getattr(comm, n) for n in ("all_gather_into", "reduce_scatter_into", "all_reduce")}
+
+    def wrap(name, fn):
+        def counted(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    for n, fn in originals.items():
+        setattr(comm, n, wrap(n, fn))
+    try:
+        yield counts
+    finally:
+        for n, fn in originals.items():
+            setattr(comm, n, fn)
+
+
+def _units(model):
+    return [model] + list(model.blocks)
+
+
+def _assert_at_rest(model, strategy):
+    for p in model.parameters():
+        assert isinstance(p, DTensor), "a unit was left with gathered (non-DTensor) parameters"
+    if strategy == "optim_grads_params":
+        for u in _units(model):
+            assert all(g.unsharded.nbytes() == 0 for g in u._mfsdp_unit.groups), "gathered storage not freed"
+
+
+def _case_strategy_matrix(world_for_mesh=None):
+    """Every strategy x microbatches {1,3} x activation checkpointing {off, non-reentrant, reentrant}."""
+    results = {}
+    for strategy, k, ac in itertools.product(STRATEGIES, [1, 3], ["off", "non_reentrant", "reentrant"]):
+        torch.manual_seed(10)
+        model = TinyLM(checkpointing=ac)
+        ref = copy.deepcopy(model)
+        ref_losses = train(ref, STEPS, GLOBAL_BATCH, sharded=False)
+        shard_tiny_lm(model, fully_shard, sharding_strategy=strategy)
+        with count_collectives() as counts:
+            losses = train(model, STEPS, GLOBAL_BATCH, sharded=True, microbatches=k, microbatch_ctx=microbatch)
+        _assert_at_rest(model, strategy)
+        loss_err = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
+        param_err = _compare_params(model, ref)
+        results[(strategy, k, ac)] = (loss_err, param_err, dict(counts))
+    bad = {key: v for key, v in results.items() if v[0] > 1e-5 or v[1] > 1e-5}
+    assert not bad, bad
+    _check_counts(results)
+    return {f"{s}/mb{k}/{ac}": f"loss {v[0]:.1e} param {v[1]:.1e} {v[2]}" for (s, k, ac), v in results.items()}
+
+
+def _check_counts(results):
+    """Collectives per run of STEPS steps, 4 units (root + 3 blocks), one group each."""
+    units, world = 4, dist.get_world_size()
+    for (strategy, k, ac), (_, _, c) in results.items():
+        ag, rs, ar = c.get("all_gather_into", 0), c.get("reduce_scatter_into", 0), c.get("all_reduce", 0)
+        if strategy == "optim_grads_params":
+            # forward: every unit per microbatch; backward: every unit but the root (kept gathered after forward)
+            assert ag == STEPS * k * (2 * units - 1), (strategy, k, ac, c)
+            assert rs == STEPS * k * units and ar == 0, (strategy, k, ac, c)
+        elif strategy == "optim_grads":
+            assert ag == STEPS * units and rs == STEPS * k * units and ar == 0, (strategy, k, ac, c)
+        elif strategy == "optim":
+            assert ag == STEPS * units and rs == STEPS * units and ar == 0, (strategy, k, ac, c)
+        else:  # no_shard: nothing to gather, one all-reduce per unit per step
+            assert ag == 0 and rs == 0 and ar == STEPS * units, (strategy, k, ac, c)
+
+
+def _case_hsdp(k: int):
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(11)
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    ref_losses = train(ref, STEPS, GLOBAL_BATCH, sharded=False)
+    shard_tiny_lm(model, fully_shard, mesh=mesh)
+    with count_collectives() as counts:
+        losses = train(model, STEPS, GLOBAL_BATCH, sharded=True, microbatches=k, microbatch_ctx=microbatch)
+    loss_err = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
+    param_err = _compare_params(model, ref)
+    assert loss_err <= 1e-5 and param_err <= 1e-5, (loss_err, param_err)
+    units = 4
+    # reduce-scatter inside each shard group every microbatch; all-reduce across replicas once per step
+    assert counts["reduce_scatter_into"] == STEPS * k * units, counts
+    assert counts["all_reduce"] == STEPS * units, counts
+    placements = {tuple(type(pl).__name__ for pl in p.placements) for p in model.parameters()}
+    assert placements == {("Replicate", "Shard")}, placements
+    return {"loss_err": loss_err, "param_err": param_err, "counts": dict(counts)}
+
+
+def _case_weight_sync_once_per_step(use_microbatch_api: bool):
+    """A normal bf16 training loop with 3 microbatches: the fused cast runs once per group per step."""
+    torch.manual_seed(12)
+    model = shard_tiny_lm(TinyLM(), fully_shard, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    train(model, STEPS, GLOBAL_BATCH, sharded=True, microbatches=3,
+          microbatch_ctx=microbatch if use_microbatch_api else None)
+    syncs = [g.stats.weight_syncs for u in _units(model) for g in u._mfsdp_unit.groups]
+    assert syncs == [STEPS] * len(syncs), syncs
+    # a weight change outside the optimizer (load_state_dict) is seen by the next forward
+    sd = {k: v for k, v in model.state_dict().items()}
+    model.load_state_dict(sd)
+    tokens, targets = batch(0, 4)
+    lm_loss(model, tokens, targets)
+    syncs_after = [g.stats.weight_syncs for u in _units(model) for g in u._mfsdp_unit.groups]
+    assert syncs_after == [STEPS + 1] * len(syncs), syncs_after
+    return {"syncs_per_group": syncs, "after_load": syncs_after}
+
+
+def _case_microbatch_flags_restored():
+    torch.manual_seed(13)
+    parent = torch.nn.Sequential(TinyLM(), TinyLM())  # only children are wrapped; the parent is plain
+    for lm in parent:
+        shard_tiny_lm(lm, fully_shard)
+    ctxs = [lm._mfsdp_unit.lazy_init() for lm in parent]
+    with pytest.raises(RuntimeError, match="boom"):
+        with microbatch(parent, is_first=False, is_last=False):
+            assert all(not c.is_first_microbatch and not c.is_last_microbatch for c in ctxs)
+            raise RuntimeError("boom")
+    assert all(c.is_first_microbatch and c.is_last_microbatch and not c.explicit_microbatch for c in ctxs)
+    with pytest.raises(ValueError, match="no fully_shard module"):
+        with microbatch(torch.nn.Linear(2, 2)):
+            pass
+    return "ok"
+
+
+def _case_recompute_no_extra_gathers():
+    """Activation checkpointing must not add all-gathers beyond the pre-backward one."""
+    counts = {}
+    for ac in ("off", "non_reentrant", "reentrant"):
+        torch.manual_seed(14)
+        model = shard_tiny_lm(TinyLM(checkpointing=ac), fully_shard)
+        with count_collectives() as c:
+            train(model, 2, GLOBAL_BATCH, sharded=True)
+        counts[ac] = c["all_gather_into"]
+    assert counts["off"] == counts["non_reentrant"] == counts["reentrant"], counts
+    return counts
+
+
+# ----------------------------------------------------------------------------------------------- pytest
+def test_strategy_matrix(cpu_pool):
+    for line in cpu_pool.run(_case_strategy_matrix)[0].items():
+        print(*line)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_hsdp_2x2(k):
+    from .conftest import get_pool
+
+    print(get_pool(4).run(_case_hsdp, k)[0])
+
+
+@pytest.mark.parametrize("use_api", [True, False], ids=["microbatch_api", "plain_loop"])
+def test_weight_sync_once_per_step(cpu_pool, use_api):
+    print(cpu_pool.run(_case_weight_sync_once_per_step, use_api)[0])
+
+
+def test_microbatch_flags_restored(cpu_pool):
+    cpu_pool.run(_case_microbatch_flags_restored)
+
+
+def test_recompute_no_extra_gathers(cpu_pool):
+    print(cpu_pool.run(_case_recompute_no_extra_gathers)[0])
