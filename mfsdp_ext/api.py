@@ -49,6 +49,7 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
 
     params = _owned_params(module)
     _check_same_on_all_ranks(module, params, mesh, device)
+    _move_buffers(module, device)
     if mesh.ndim == 2:
         shard_group, replicate_group = mesh.get_group(1), mesh.get_group(0)
     elif strategy is Strategy.NO_SHARD:
@@ -143,6 +144,17 @@ def _owned_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[Param
             if child is not None and not isinstance(child, FsdpModule):
                 stack.append((f"{prefix}{child_name}.", child))
     return list(found.values())
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    """Buffers (e.g. rotary tables) of the unit's own modules follow the parameters to the mesh device."""
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        for name, b in m._buffers.items():
+            if b is not None and b.device.type != "meta" and b.device != device:
+                m._buffers[name] = b.to(device)
+        stack.extend(c for c in m.children() if not isinstance(c, FsdpModule))
 
 
 def _group_by_kind(params):

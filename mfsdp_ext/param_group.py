@@ -105,9 +105,10 @@ class ParamGroup:
         local, offsets = [], []
         for slot, p in zip(self.layout.slots, params):
             r0, r1 = self.layout.local_rows(slot, self.rank)
-            local.append(p.detach().reshape(slot.shape)[r0:r1].to(self.device, self.dtype).contiguous())
-            lo, _ = self.layout.local_range(slot, self.rank)
-            offsets.append(lo - self.rank * self.layout.shard_numel)
+            if r1 > r0:
+                local.append(p.detach().reshape(slot.shape)[r0:r1].to(self.device, self.dtype).contiguous())
+                lo, _ = self.layout.local_range(slot, self.rank)
+                offsets.append(lo - self.rank * self.layout.shard_numel)
         _native.pack(local, offsets, self.main_weight.data)
 
     def _make_params(self) -> None:

@@ -52,7 +52,15 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> to
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) + 0.1 * aux.float().square().mean()
 
 
-def batch(step: int, batch_size: int, seq: int = 6, vocab: int = 11, device="cpu"):
+def rank_device() -> torch.device:
+    """cuda:<current> under NCCL, cpu under gloo (or without a process group)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def batch(step: int, batch_size: int, seq: int = 6, vocab: int = 11, device=None):
+    device = device or rank_device()
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, vocab, (batch_size, seq + 1), generator=g)
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
@@ -66,10 +74,11 @@ def shard_tiny_lm(model: TinyLM, fully_shard, **kwargs) -> TinyLM:
 
 
 def train(model: nn.Module, steps: int, global_batch: int, *, sharded: bool, microbatches: int = 1,
-          lr: float = 1e-2, microbatch_ctx=None, device="cpu") -> list[float]:
+          lr: float = 1e-2, microbatch_ctx=None) -> list[float]:
     """AdamW steps on the same global batches; a sharded model sees this rank's slice. Returns global losses."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
+    device = rank_device()
     losses = []
     for step in range(steps):
         tokens, targets = batch(step, global_batch, device=device)

@@ -17,7 +17,7 @@ import mfsdp_ext
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 from mfsdp_ext.checkpoint import full_state_dict
 
-from .models import TinyLM, rel_err, shard_tiny_lm, train
+from .models import TinyLM, rank_device, rel_err, shard_tiny_lm, train
 
 STEPS = 5
 GLOBAL_BATCH = 24  # divisible by 2 ranks x 3 microbatches and 4 ranks x 3 microbatches
@@ -43,7 +43,7 @@ def _parity(sharded, ref, *, microbatches=1, use_microbatch_api=False, tol=1e-5)
 def _case_fp32_parity(model_kwargs=None):
     torch.manual_seed(0)
     model = TinyLM(**(model_kwargs or {}))
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model).to(rank_device())
     shard_tiny_lm(model, fully_shard)
     assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -53,7 +53,7 @@ def _case_fp32_parity(model_kwargs=None):
 def _case_grad_accumulation(k: int):
     torch.manual_seed(1)
     model = TinyLM()
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model).to(rank_device())
     shard_tiny_lm(model, fully_shard)
     return _parity(model, ref, microbatches=k, use_microbatch_api=True)
 
@@ -63,7 +63,7 @@ def _case_frozen_params():
     model = TinyLM()
     for p in (model.blocks[1].fc1.weight, model.blocks[0].norm.bias, model.aux.weight):
         p.requires_grad_(False)
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model).to(rank_device())
     shard_tiny_lm(model, fully_shard)
     out = _parity(model, ref)
     for unit_module in (model.blocks[0], model.blocks[1], model):
@@ -76,7 +76,7 @@ def _case_frozen_params():
 def _case_parameterless_parent():
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model).to(rank_device())
     fully_shard(model[0])
     fully_shard(model[2])
     fully_shard(model)  # owns no parameter
@@ -84,7 +84,7 @@ def _case_parameterless_parent():
     rank, world = dist.get_rank(), dist.get_world_size()
     opt, ropt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(STEPS):
-        x = torch.randn(8, 5, generator=torch.Generator().manual_seed(step))
+        x = torch.randn(8, 5, generator=torch.Generator().manual_seed(step)).to(rank_device())
         model(x.chunk(world)[rank]).square().mean().backward()
         ref(x).square().mean().backward()
         opt.step(), ropt.step(), opt.zero_grad(), ropt.zero_grad()
@@ -120,14 +120,14 @@ def _case_meta_init():
     shard_tiny_lm(model, fully_shard)
     for p in model.parameters():
         assert p.device.type == "meta"
-    model.to_empty(device="cpu")
+    model.to_empty(device=rank_device())
     torch.manual_seed(6)
     mfsdp_ext.reset_parameters(model)
 
     torch.manual_seed(5)
     with torch.device("meta"):
         ref = TinyLM()
-    ref.to_empty(device="cpu")
+    ref.to_empty(device=rank_device())
     ref.head.weight = ref.emb.weight  # to_empty keeps the tie; be explicit
     torch.manual_seed(6)
     for m in ref.modules():
@@ -150,7 +150,7 @@ def _case_bf16_vs_fsdp2():
 
     torch.manual_seed(7)
     base = TinyLM()
-    ref, ours, theirs = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    ref, ours, theirs = copy.deepcopy(base).to(rank_device()), copy.deepcopy(base), copy.deepcopy(base)
     shard_tiny_lm(ours, fully_shard, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     shard_tiny_lm(theirs, fsdp2_fully_shard, mp_policy=Fsdp2Policy(param_dtype=torch.bfloat16))
     ref_losses = train(ref, STEPS, GLOBAL_BATCH, sharded=False)
@@ -200,7 +200,7 @@ def _case_errors():
 
     msgs["int"] = _expect(ValueError, "non-floating", lambda: fully_shard(IntParam()))
     world = dist.get_world_size()
-    mesh3 = init_device_mesh("cpu", (1, 1, world))
+    mesh3 = init_device_mesh(rank_device().type, (1, 1, world))
     msgs["mesh"] = _expect(ValueError, "1-D mesh", lambda: fully_shard(nn.Linear(4, 4), mesh=mesh3))
     rank_dependent = nn.Linear(4, 4 + dist.get_rank())
     msgs["mismatch"] = _expect(RuntimeError, "differ across ranks", lambda: fully_shard(rank_dependent))

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 import mfsdp_ext.comm as comm
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 
-from .models import TinyLM, batch, lm_loss, shard_tiny_lm, train
+from .models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm, train
 from .test_fully_shard import GLOBAL_BATCH, STEPS, _compare_params
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -64,7 +64,7 @@ def _case_strategy_matrix(world_for_mesh=None):
     for strategy, k, ac in itertools.product(STRATEGIES, [1, 3], ["off", "non_reentrant", "reentrant"]):
         torch.manual_seed(10)
         model = TinyLM(checkpointing=ac)
-        ref = copy.deepcopy(model)
+        ref = copy.deepcopy(model).to(rank_device())
         ref_losses = train(ref, STEPS, GLOBAL_BATCH, sharded=False)
         shard_tiny_lm(model, fully_shard, sharding_strategy=strategy)
         with count_collectives() as counts:
@@ -98,10 +98,10 @@ def _check_counts(results):
 
 def _case_hsdp(k: int):
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(rank_device().type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(11)
     model = TinyLM()
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model).to(rank_device())
     ref_losses = train(ref, STEPS, GLOBAL_BATCH, sharded=False)
     shard_tiny_lm(model, fully_shard, mesh=mesh)
     with count_collectives() as counts:

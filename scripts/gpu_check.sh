@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The whole GPU check, in stages so one device call fits its 10-minute limit:
+#   scripts/gpu_check.sh build tests kernels symm step      (default: all of them)
+# Logs and result tables go to $OUT (the device runner's output folder; /tmp/out elsewhere).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+stages=${*:-build tests kernels symm step}
+status=0
+run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures, keep going
+    local name=$1; shift
+    echo "=== $name: $*"
+    local t0=$SECONDS
+    "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+    echo "=== $name: rc=$rc in $((SECONDS - t0))s"; tail -n 25 "$OUT/$name.log"
+    [ $rc -eq 0 ] || status=1
+}
+for stage in $stages; do
+    case $stage in
+    build)
+        nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
+        ls mfsdp_ext/_C*.so >/dev/null 2>&1 || run build env MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e . ;;
+    tests) run tests python3 -m pytest -m gpu -q -s tests/test_gpu.py tests/test_kernels.py ;;
+    kernels) run kernels python3 benchmarks/kernels.py --out "$OUT" ;;
+    symm) run symm bash scripts/gpu_symm.sh ;;
+    step) run step bash scripts/gpu_step.sh ;;
+    *) echo "unknown stage $stage"; status=1 ;;
+    esac
+done
+exit $status

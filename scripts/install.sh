@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs what the project needs and builds the native extension in place.
+# CPU machine / CI: torch 2.13.0 (CPU build) from pip. GPU machine: uses the torch already installed there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if python3 -c "import torch" 2>/dev/null; then
+    echo "[install] using installed torch $(python3 -c 'import torch; print(torch.__version__)')"
+else
+    python3 -m pip install -q torch==2.13.0
+fi
+python3 -c "import pybind11, ninja, pytest" 2>/dev/null || python3 -m pip install -q pybind11 ninja pytest
+python3 -m pip install -q --no-build-isolation --no-deps -e .
+python3 -c "import mfsdp_ext; print('[install] mfsdp_ext', mfsdp_ext.__version__, mfsdp_ext.build_info())"

@@ -1,0 +1,158 @@
+"""The parity cases on 2 and 4 GPUs with NCCL, plus what only a GPU shows: overlap and peak memory.
+
+Run on a GPU machine: ``pytest -m gpu tests/test_gpu.py`` (spawns one process per GPU itself).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from mfsdp_ext import MixedPrecisionPolicy, fully_shard
+
+from . import test_fully_shard as fs
+from . import test_strategies as st
+from .models import Block, rank_device
+
+pytestmark = pytest.mark.gpu
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+
+
+def test_fp32_parity(gpu_pool):
+    print(gpu_pool.run(fs._case_fp32_parity)[0])
+
+
+def test_grad_accumulation(gpu_pool):
+    print(gpu_pool.run(fs._case_grad_accumulation, 3)[0])
+
+
+def test_frozen_params(gpu_pool):
+    print(gpu_pool.run(fs._case_frozen_params)[0])
+
+
+def test_parameterless_parent(gpu_pool):
+    print(gpu_pool.run(fs._case_parameterless_parent)[0])
+
+
+def test_unsharded_storage_released(gpu_pool):
+    print(gpu_pool.run(fs._case_unsharded_storage_released)[0])
+
+
+def test_meta_init(gpu_pool):
+    print(gpu_pool.run(fs._case_meta_init)[0])
+
+
+def test_bf16_no_worse_than_fsdp2(gpu_pool):
+    print(gpu_pool.run(fs._case_bf16_vs_fsdp2)[0])
+
+
+def test_strategy_matrix(gpu_pool):
+    for line in gpu_pool.run(st._case_strategy_matrix)[0].items():
+        print(*line)
+
+
+def test_weight_sync_once_per_step(gpu_pool):
+    print(gpu_pool.run(st._case_weight_sync_once_per_step, False)[0])
+
+
+def test_hsdp_2x2():
+    from .conftest import get_pool
+
+    print(get_pool(4, "nccl").run(st._case_hsdp, 3)[0])
+
+
+# ----------------------------------------------------------------------------------------------- overlap
+def _stack(n_blocks: int, dim: int, ffn: int) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block(dim, ffn) for _ in range(n_blocks)])
+    for b in model:
+        fully_shard(b, mp_policy=BF16)
+    return fully_shard(model, mp_policy=BF16)
+
+
+def _kernels(prof):
+    from torch.autograd import DeviceType
+
+    out = []
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            out.append((e.name, e.time_range.start, e.time_range.end))
+    return out
+
+
+def _overlapping(kind: str, kernels) -> tuple[int, int]:
+    """(number of `kind` NCCL kernels, how many of them overlap a GEMM kernel in time)."""
+    gemm = [(s, e) for n, s, e in kernels if any(k in n.lower() for k in ("gemm", "nvjet", "xmma", "cutlass"))]
+    comm = [(s, e) for n, s, e in kernels if kind in n]
+    hits = sum(1 for cs, ce in comm if any(min(ce, ge) > max(cs, gs) for gs, ge in gemm))
+    return len(comm), hits
+
+
+def _case_overlap(n_blocks: int):
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = rank_device()
+    model = _stack(n_blocks, 2048, 8192)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(4, 1024, 2048, device=dev)
+    for _ in range(2):  # the first iteration records the execution order that prefetching follows
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as fwd_prof:
+        loss = model(x).float().square().mean()
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as bwd_prof:
+        loss.backward()
+        torch.cuda.synchronize()
+    fwd_ag, fwd_ag_overlap = _overlapping("AllGather", _kernels(fwd_prof))
+    bwd_rs, bwd_rs_overlap = _overlapping("ReduceScatter", _kernels(bwd_prof))
+    result = {"forward_all_gathers": fwd_ag, "overlapping_gemm": fwd_ag_overlap,
+              "backward_reduce_scatters": bwd_rs, "rs_overlapping_gemm": bwd_rs_overlap}
+    assert fwd_ag == n_blocks and fwd_ag_overlap >= n_blocks - 1, result
+    assert bwd_rs == n_blocks and bwd_rs_overlap >= n_blocks - 1, result
+    return result
+
+
+def test_overlap_profile(gpu_pool):
+    print(gpu_pool.run(_case_overlap, 6)[0])
+
+
+# ----------------------------------------------------------------------------------------------- memory
+FORWARD_BOUND_UNITS = 3  # the unit computing, the one prefetched, one freed in stream order
+BACKWARD_BOUND_UNITS = 6  # gathered + prefetched units, this unit's grads, the pending reduction's buffers
+
+
+def _case_peak_memory():
+    dev = rank_device()
+    n_blocks, dim = 6, 4096
+    model = _stack(n_blocks, dim, dim)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(1, 16, dim, device=dev)  # tiny activations: the gathered weights dominate
+    for _ in range(2):
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    unit = model[0]._mfsdp_unit.groups[0].layout.total_numel * 2  # bf16 gathered bytes of one block
+    slack = 16 << 20
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = model(x).float().square().mean()
+    torch.cuda.synchronize()
+    fwd = torch.cuda.max_memory_allocated() - base
+    base_bwd = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss.backward()
+    torch.cuda.synchronize()
+    bwd = torch.cuda.max_memory_allocated() - base_bwd
+    result = {"unit_MiB": unit / 2**20, "forward_peak_units": fwd / unit, "backward_peak_units": bwd / unit}
+    assert fwd <= FORWARD_BOUND_UNITS * unit + slack, result
+    assert bwd <= BACKWARD_BOUND_UNITS * unit + slack, result
+    return result
+
+
+def test_peak_memory_bound(gpu_pool):
+    print(gpu_pool.run(_case_peak_memory)[0])
