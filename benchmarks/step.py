@@ -1,0 +1,553 @@
+"""End-to-end training-step benchmark: mfsdp_ext ("ours") vs PyTorch FSDP2, side by side in one run.
+
+    torchrun --nproc-per-node 2 benchmarks/step.py --configs 1,2,3,4,5 --out benchmarks/results
+    torchrun --nproc-per-node 4 benchmarks/step.py --extra-ours use_symm_mem=auto --out benchmarks/results
+    torchrun --nproc-per-node 2 benchmarks/step.py --tiny --impls fsdp2 --out /tmp/step   # CPU smoke test
+
+Model: the Llama-style decoder of examples/gpt.py (RMSNorm, causal SDPA, SwiGLU, rotary, vocab 32000,
+n_heads = dim / 128), fp32 master weights, bf16 compute, fp32 gradient reduction
+(``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` for both), AdamW, one ``fully_shard`` unit
+per block plus the root.
+
+By default (``--init full``) every rank builds the full model with one seed and shards it, so all variants
+start from identical weights and their losses can be compared (the report flags one that does not learn or
+ends far from FSDP2's); ``--init meta`` builds on the meta device and initialises the shards instead.
+
+For every config each variant is built, warmed up (``--warmup`` steps) and timed (``--steps`` steps, CUDA
+events around each step; a step's time is the max over ranks), then freed before the next one; the order of
+the variants rotates from config to config. Peak memory is ``max_memory_allocated`` (max over ranks), the
+peak stats reset before each variant (after ``--init full`` has dropped the transient full model).
+
+The floor: forward + backward of the *unsharded* bf16 model on rank 0's GPU (no communication at all; per
+block x layers + embeddings/head if the whole model does not fit), times the microbatches, plus one AdamW
+step over a single rank's fp32 shard (numel / world parameters). efficiency = floor / step time.
+
+Rank 0 writes ``step_<N>gpu.{md,json,png}`` (``step_<N>cpu...`` on CPU) into ``--out`` after every config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import functools
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import gpt  # noqa: E402
+
+warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+
+
+@dataclass
+class BenchConfig:
+    n_layers: int
+    dim: int
+    ffn_dim: int
+    batch: int
+    seq: int
+    microbatches: int = 1
+    vocab: int = 32000
+    head_dim: int = 128
+
+    def model_config(self) -> gpt.GPTConfig:
+        return gpt.GPTConfig(n_layers=self.n_layers, dim=self.dim, n_heads=self.dim // self.head_dim,
+                             ffn_dim=self.ffn_dim, vocab_size=self.vocab, max_seq_len=self.seq)
+
+    def describe(self) -> str:
+        return f"L{self.n_layers} d{self.dim} ffn{self.ffn_dim}"
+
+
+CONFIGS: Dict[int, BenchConfig] = {
+    1: BenchConfig(16, 2048, 5632, batch=2, seq=2048),
+    2: BenchConfig(16, 2048, 5632, batch=1, seq=512),
+    3: BenchConfig(48, 1024, 2816, batch=1, seq=256),
+    4: BenchConfig(8, 4096, 11008, batch=1, seq=1024),
+    5: BenchConfig(8, 4096, 11008, batch=1, seq=1024, microbatches=4),
+}
+
+# Same shapes of problem (big/long, small batch, many thin layers, few wide layers, accumulation) scaled down
+# so that 2 CPU processes finish in well under a minute.
+TINY_CONFIGS: Dict[int, BenchConfig] = {
+    1: BenchConfig(4, 256, 704, batch=2, seq=128, vocab=1024, head_dim=64),
+    2: BenchConfig(4, 256, 704, batch=1, seq=32, vocab=1024, head_dim=64),
+    3: BenchConfig(12, 128, 352, batch=1, seq=32, vocab=1024, head_dim=64),
+    4: BenchConfig(2, 512, 1408, batch=1, seq=64, vocab=1024, head_dim=64),
+    5: BenchConfig(2, 512, 1408, batch=1, seq=64, vocab=1024, head_dim=64, microbatches=4),
+}
+
+
+@dataclass
+class Variant:
+    name: str  # column label
+    impl: str  # "ours" | "fsdp2"
+    extra: dict  # extra keyword arguments for fully_shard
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="1,2,3,4,5")
+    p.add_argument("--impls", default="ours,fsdp2")
+    p.add_argument("--extra-ours", action="append", default=[], metavar="KEY=VAL[,KEY=VAL]",
+                   help="an additional 'ours' column with these fully_shard keywords (repeatable: one column each)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
+    p.add_argument("--floor-steps", type=int, default=5)
+    p.add_argument("--no-floor", action="store_true")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="compute dtype")
+    p.add_argument("--tiny", action="store_true", help="tiny configs (CPU smoke test)")
+    p.add_argument("--init", choices=["meta", "full"], default="full",
+                   help="meta: build on meta, shard, init the shards; full: init the full model on every rank "
+                        "(same seed) and shard it, so every variant starts from identical weights")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    p.add_argument("--timeout-s", type=int, default=600, help="process-group timeout")
+    return p.parse_args(argv)
+
+
+def parse_kv(text: str) -> dict:
+    out = {}
+    for kv in text.split(","):
+        if kv:
+            key, _, val = kv.partition("=")
+            try:
+                out[key.strip()] = ast.literal_eval(val)
+            except (ValueError, SyntaxError):
+                out[key.strip()] = val
+    return out
+
+
+def make_variants(args) -> List[Variant]:
+    variants = []
+    for impl in [s.strip() for s in args.impls.split(",") if s.strip()]:
+        if impl not in gpt.IMPLS:
+            raise SystemExit(f"unknown impl {impl!r}")
+        variants.append(Variant(impl, impl, {}))
+    for text in args.extra_ours:
+        extra = parse_kv(text)
+        variants.append(Variant("ours(" + ",".join(f"{k}={v}" for k, v in extra.items()) + ")", "ours", extra))
+    return variants
+
+
+# ------------------------------------------------------------------------------------------- timing
+
+
+class Clock:
+    """Per-step wall times in ms: CUDA events on GPU (read after one final synchronize), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals_ms(self) -> List[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
+def time_fn(fn: Callable[[], None], steps: int, warmup: int, device: torch.device) -> List[float]:
+    for _ in range(warmup):
+        fn()
+    clock = Clock(device)
+    clock.mark()
+    for _ in range(steps):
+        fn()
+        clock.mark()
+    return clock.intervals_ms()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def make_batches(bc: BenchConfig, device: torch.device, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(bc.microbatches):
+        tokens = torch.randint(bc.vocab, (bc.batch, bc.seq + 1), generator=g).to(device)
+        batches.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return batches
+
+
+# -------------------------------------------------------------------------------------------- floor
+
+
+def _fwd_bwd_ms(model: torch.nn.Module, batches, steps: int, device: torch.device) -> float:
+    def step():
+        x, y = batches[0]
+        model(x, y).backward()
+        for p in model.parameters():
+            p.grad = None
+
+    return statistics.median(time_fn(step, steps, 2, device))
+
+
+def _unsharded_model(cfg: gpt.GPTConfig, dtype: torch.dtype, device: torch.device) -> gpt.GPT:
+    with torch.device("meta"):
+        model = gpt.GPT(cfg).to(dtype)
+    model.to_empty(device=device)
+    model.init_weights()
+    return model
+
+
+def measure_floor(bc: BenchConfig, world: int, dtype: torch.dtype, device: torch.device, steps: int) -> dict:
+    """Single-GPU, communication-free lower bound of one training step (rank 0 only)."""
+    cfg = bc.model_config()
+    batches = make_batches(bc, device, seed=1234)
+    method = "whole model"
+    try:
+        model = _unsharded_model(cfg, dtype, device)
+        fwd_bwd = _fwd_bwd_ms(model, batches, steps, device)
+        full_shapes = [p.shape for p in model.parameters()]
+        del model
+    except torch.cuda.OutOfMemoryError:
+        free_memory(device)
+        method = "per block x layers + embeddings/head"
+        one = _unsharded_model(gpt.GPTConfig(**{**cfg.to_dict(), "n_layers": 1}), dtype, device)
+        root = _unsharded_model(gpt.GPTConfig(**{**cfg.to_dict(), "n_layers": 0}), dtype, device)
+        t1, t0 = _fwd_bwd_ms(one, batches, steps, device), _fwd_bwd_ms(root, batches, steps, device)
+        fwd_bwd = t0 + cfg.n_layers * (t1 - t0)
+        full_shapes = [p.shape for p in root.parameters()] + [p.shape for p in one.layers[0].parameters()] * cfg.n_layers
+        del one, root
+    free_memory(device)
+
+    # AdamW on one rank's fp32 shard: the same tensors as the model (dim 0 split across ranks), fp32.
+    shards = [torch.zeros((math.ceil(s[0] / world), *s[1:]), device=device, requires_grad=True) for s in full_shapes]
+    for t in shards:
+        t.grad = torch.randn_like(t)
+    opt = torch.optim.AdamW(shards, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    adam = statistics.median(time_fn(opt.step, steps, 2, device))
+    shard_numel = sum(t.numel() for t in shards)
+    del shards, opt
+    free_memory(device)
+    return dict(fwd_bwd_ms=fwd_bwd, microbatches=bc.microbatches, adamw_ms=adam, adamw_numel=shard_numel,
+                floor_ms=fwd_bwd * bc.microbatches + adam, method=method)
+
+
+# -------------------------------------------------------------------------------------- the variants
+
+
+def train_step(model, optimizer, batches, impl: str, losses: list) -> None:
+    """One optimizer step over len(batches) microbatches (gradients reduced on the last one)."""
+    k = len(batches)
+    loss_sum = 0.0
+    for i, (x, y) in enumerate(batches):
+        with gpt.grad_sync_context(model, impl, i, k):
+            loss = model(x, y) / k
+            loss.backward()
+        loss_sum = loss_sum + loss.detach()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    losses.append(loss_sum)
+
+
+def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: torch.device, args) -> dict:
+    rank = dist.get_rank()
+    free_memory(device)
+    fully_shard, MixedPrecisionPolicy = gpt.load_impl(v.impl)
+    cfg = bc.model_config()
+    t_build = time.perf_counter()
+    torch.manual_seed(0)
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    if args.init == "meta":
+        with torch.device("meta"):
+            model = gpt.GPT(cfg)
+        gpt.shard_model(model, fully_shard, mesh=mesh, mp_policy=mp, **v.extra)
+        gpt.materialize(model, v.impl, device)
+    else:  # the full model on every rank, same seed: identical initial weights for every variant
+        model = gpt.GPT(cfg, device=device)
+        gpt.shard_model(model, fully_shard, mesh=mesh, mp_policy=mp, **v.extra)
+        free_memory(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    synchronize(device)
+    build_s = time.perf_counter() - t_build
+    batches = make_batches(bc, device, seed=100 + rank)
+    k = bc.microbatches
+    losses = []
+    step = functools.partial(train_step, model, optimizer, batches, v.impl, losses)
+    for _ in range(args.warmup):
+        step()
+    synchronize(device)
+    dist.barrier()
+    times = time_fn(step, args.steps, 0, device)
+
+    # A step takes as long as its slowest rank.
+    t = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    times = t.tolist()
+    if device.type == "cuda":
+        mem = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)],
+                           dtype=torch.float64, device=device)
+    else:  # process RSS high-water: monotonic over the run, not resettable per variant
+        import resource
+
+        mem = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0, 0.0], dtype=torch.float64)
+    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    loss_first, loss_last = float(losses[0]), float(losses[-1])
+    del step, model, optimizer, batches, losses
+    free_memory(device)
+    return dict(median_ms=statistics.median(times), min_ms=min(times), max_ms=max(times), times_ms=times,
+                peak_gib=mem[0].item() / 2**30, resting_gib=mem[1].item() / 2**30, build_s=build_s,
+                loss_first=loss_first, loss_last=loss_last,
+                tokens_per_s=dist.get_world_size() * k * bc.batch * bc.seq / (statistics.median(times) / 1e3))
+
+
+# ------------------------------------------------------------------------------------------- report
+
+
+def environment(device: torch.device, world: int, args) -> dict:
+    env = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
+               python=platform.python_version(), torch=torch.__version__, world=world, device=device.type,
+               steps=args.steps, warmup=args.warmup, dtype=args.dtype, tiny=args.tiny, init=args.init)
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        v = torch.cuda.nccl.version()
+        env["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        env["cuda"] = torch.version.cuda
+    for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NCCL_ALGO", "NCCL_PROTO"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    try:
+        import mfsdp_ext
+
+        env["mfsdp_ext"] = getattr(mfsdp_ext, "__version__", "?")
+        from mfsdp_ext import _native
+
+        env["mfsdp_ext_native"] = _native.build_info()
+    except Exception as e:  # noqa: BLE001 - informational only
+        env["mfsdp_ext"] = f"not importable: {e}"
+    return env
+
+
+def learned(res: dict) -> bool:
+    """The loss must fall over warm-up + timed steps on a fixed batch (catches a step that changes nothing)."""
+    return res["loss_last"] < res["loss_first"] - 1e-3
+
+
+def _fmt(x, spec=".1f", missing="-"):
+    return missing if x is None else format(x, spec)
+
+
+def write_report(results: List[dict], variants: List[Variant], env: dict, out_dir: str, stem: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, stem + ".json.tmp"), "w") as f:
+        json.dump(dict(environment=env, variants=[asdict(v) for v in variants], results=results), f, indent=1)
+    os.replace(os.path.join(out_dir, stem + ".json.tmp"), os.path.join(out_dir, stem + ".json"))
+
+    names = [v.name for v in variants]
+    base = "fsdp2" if "fsdp2" in names else None
+    others = [n for n in names if n != base]
+    head = ["cfg", "model", "batch x seq", "mb"] + [f"{n} ms" for n in names]
+    if base:
+        head += [f"{n}/fsdp2" for n in others]
+    head += [f"{n} peak GiB" for n in names] + ["floor ms"] + [f"{n} eff" for n in names]
+    lines = [
+        f"# Training step: mfsdp_ext vs FSDP2, {env['world']} x {env.get('gpu', env['device'])}",
+        "",
+        f"{env['date']}, torch {env['torch']}" + (f", CUDA {env['cuda']}, NCCL {env['nccl']}" if "nccl" in env else "")
+        + f", {env['steps']} timed steps after {env['warmup']} warm-up, {env['init']} init, compute {env['dtype']},"
+        " fp32 master weights"
+        " and gradient reduction, AdamW." + (" **Tiny CPU smoke-test configs.**" if env["tiny"] else ""),
+        "",
+        "Step time: median over timed steps (max over ranks). Peak: max_memory_allocated (max over ranks)"
+        + ("" if env["device"] == "cuda" else "; on CPU the process RSS high-water, cumulative over the run")
+        + ". floor = unsharded bf16 fwd+bwd on one GPU x microbatches + AdamW on one rank's fp32 shard;"
+        " eff = floor / step time.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join("---" for _ in head) + "|",
+    ]
+    for r in results:
+        bc, res, floor = r["config"], r["variants"], r.get("floor") or {}
+        ms = {n: (res.get(n) or {}).get("median_ms") for n in names}
+        row = [str(r["id"]), f"L{bc['n_layers']} d{bc['dim']} ffn{bc['ffn_dim']}", f"{bc['batch']}x{bc['seq']}",
+               str(bc["microbatches"])]
+        row += [_fmt(ms[n]) if "error" not in (res.get(n) or {}) else "error" for n in names]
+        if base:
+            row += [_fmt(ms[n] / ms[base], ".3f") if ms[n] and ms[base] else "-" for n in others]
+        row += [_fmt((res.get(n) or {}).get("peak_gib"), ".2f") for n in names]
+        f_ms = floor.get("floor_ms")
+        row += [_fmt(f_ms)] + [_fmt(f_ms / ms[n], ".2f") if f_ms and ms[n] else "-" for n in names]
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    same_init = env.get("init") == "full"
+    lines.append("Sanity: training loss on the (fixed, random-token) batches, first -> last step; every variant must"
+                 " learn" + (", and from identical initial weights end close to fsdp2." if same_init else "."))
+    lines.append("")
+    for r in results:
+        parts = []
+        ref = (r["variants"].get("fsdp2") or {}).get("loss_last")
+        for n, res in r["variants"].items():
+            if "error" in res:
+                parts.append(f"{n}: error `{res['error'].strip().splitlines()[-1]}`")
+            elif res.get("loss_first") is not None:
+                flag = "" if learned(res) else " **NOT LEARNING**"
+                if same_init and ref is not None and n != "fsdp2" and abs(res["loss_last"] - ref) > 0.05 * abs(ref) + 1e-3:
+                    flag += " **DIFFERS FROM FSDP2**"
+                parts.append(f"{n} {res['loss_first']:.4f} -> {res['loss_last']:.4f}{flag}")
+        lines.append(f"- config {r['id']}: " + "; ".join(parts))
+        if r.get("floor", {}).get("method", "whole model") != "whole model":
+            lines.append(f"- config {r['id']} floor measured {r['floor']['method']}")
+    lines.append("")
+    with open(os.path.join(out_dir, stem + ".md"), "w") as f:
+        f.write("\n".join(lines))
+    write_chart(results, names, env, os.path.join(out_dir, stem + ".png"))
+
+
+def write_chart(results: List[dict], names: List[str], env: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        if not getattr(write_chart, "_warned", False):
+            print("matplotlib is not importable: skipping the chart", flush=True)
+            write_chart._warned = True
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    labels = [f"{r['id']}\n{r['config']['batch']}x{r['config']['seq']}" + (f"x{r['config']['microbatches']}mb"
+              if r["config"]["microbatches"] > 1 else "") for r in results]
+    width = 0.8 / max(1, len(names))
+    have_floor = all((r.get("floor") or {}).get("floor_ms") for r in results)
+    for i, n in enumerate(names):
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(results))]
+        vals, mems = [], []
+        for r in results:
+            res = r["variants"].get(n) or {}
+            ms = res.get("median_ms")
+            vals.append((r["floor"]["floor_ms"] / ms if have_floor else ms) if ms else 0)
+            mems.append(res.get("peak_gib") or 0)
+        axes[0].bar(xs, vals, width, label=n)
+        axes[1].bar(xs, mems, width, label=n)
+    axes[0].set_ylabel("efficiency = floor / step time" if have_floor else "step time (ms)")
+    if have_floor:
+        axes[0].axhline(1.0, color="gray", lw=0.8, ls="--")
+    axes[1].set_ylabel("peak memory (GiB)" if env["device"] == "cuda" else "RSS high-water (GiB)")
+    for ax in axes:
+        ax.set_xticks(range(len(results)))
+        ax.set_xticklabels(labels)
+        ax.set_xlabel("config")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"training step, {env['world']} x {env.get('gpu', env['device'])}, torch {env['torch']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    timeout = datetime.timedelta(seconds=args.timeout_s)
+    if use_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    table = TINY_CONFIGS if args.tiny else CONFIGS
+    config_ids = [int(c) for c in args.configs.split(",") if c.strip()]
+    variants = make_variants(args)
+    env = environment(device, world, args)
+    stem = f"step_{world}{'gpu' if device.type == 'cuda' else 'cpu'}"
+
+    def log(*a):
+        if rank == 0:
+            print(*a, flush=True)
+
+    log(f"step benchmark: world={world} {env.get('gpu', 'cpu')} torch={torch.__version__} "
+        f"variants={[v.name for v in variants]} configs={config_ids} -> {os.path.join(args.out, stem)}.*")
+    results = []
+    for n_cfg, cid in enumerate(config_ids):
+        bc = table[cid]
+        n_params = gpt.num_params(gpt.GPT(bc.model_config(), device="meta"))
+        log(f"\n== config {cid}: {bc.describe()} vocab {bc.vocab}, {n_params / 1e6:.0f}M params, "
+            f"batch {bc.batch} x seq {bc.seq} x {bc.microbatches} microbatches per rank")
+        entry = dict(id=cid, config=asdict(bc), n_params=n_params, variants={}, floor=None)
+
+        if not args.no_floor:
+            if rank == 0:
+                try:
+                    entry["floor"] = measure_floor(bc, world, dtype, device, args.floor_steps)
+                    fl = entry["floor"]
+                    log(f"  floor {fl['floor_ms']:.1f} ms = fwd+bwd {fl['fwd_bwd_ms']:.1f} x {fl['microbatches']} "
+                        f"+ AdamW {fl['adamw_ms']:.1f} ({fl['method']})")
+                except Exception:  # noqa: BLE001 - the floor is optional
+                    log("  floor failed:\n" + traceback.format_exc())
+                    free_memory(device)
+            dist.barrier()
+
+        order = variants[n_cfg % len(variants):] + variants[: n_cfg % len(variants)]
+        for v in order:
+            try:
+                res = run_variant(v, bc, mesh, dtype, device, args)
+                log(f"  {v.name:<24} median {res['median_ms']:8.1f} ms (min {res['min_ms']:.1f}, max {res['max_ms']:.1f})"
+                    f" | peak {res['peak_gib']:6.2f} GiB | rest {res['resting_gib']:6.2f} GiB"
+                    f" | {res['tokens_per_s']:9.0f} tok/s | build {res['build_s']:.1f} s"
+                    f" | loss {res['loss_first']:.4f} -> {res['loss_last']:.4f}"
+                    + ("" if learned(res) else "  !! loss did not fall: is the optimizer step reaching the model?"))
+            except Exception:  # noqa: BLE001 - record and go on (assumes all ranks failed alike, e.g. OOM)
+                res = dict(error=traceback.format_exc())
+                print(f"[rank {rank}] config {cid} {v.name} failed:\n{res['error']}", flush=True)
+                free_memory(device)
+            entry["variants"][v.name] = res
+
+        names = [v.name for v in variants]
+        if "fsdp2" in names:
+            base = entry["variants"]["fsdp2"].get("median_ms")
+            for n in names:
+                ms = entry["variants"][n].get("median_ms")
+                if n != "fsdp2" and ms and base:
+                    log(f"  {n}/fsdp2 = {ms / base:.3f}")
+        results.append(entry)
+        if rank == 0:
+            write_report(results, variants, env, args.out, stem)
+    log(f"\nwrote {os.path.join(args.out, stem)}.md / .json" + (" / .png" if os.path.exists(os.path.join(args.out, stem + ".png")) else ""))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,313 @@
+"""A small GPT / Llama-style decoder, plus the glue that shards it with FSDP2 or mfsdp_ext.
+
+The model: token embedding (+ learned positions, or rotary), ``n_layers`` pre-norm blocks (RMSNorm, causal
+``F.scaled_dot_product_attention``, SwiGLU MLP), a final RMSNorm and an lm-head (optionally tied to the
+embedding). Every module that owns parameters has ``reset_parameters()`` initialising *only its own*
+parameters, so the model can be built on the meta device, sharded, materialised with ``to_empty`` and then
+initialised in place (``GPT.init_weights()`` calls them all).
+
+The glue (bottom of the file) lets the same script run PyTorch FSDP2 or our ``mfsdp_ext`` by a flag:
+``load_impl("fsdp2" | "ours")`` returns the ``fully_shard`` / ``MixedPrecisionPolicy`` pair,
+``shard_model`` applies ``fully_shard`` to each block and then the root, ``materialize`` initialises a
+meta-built sharded model, and ``grad_sync_context`` is the per-microbatch gradient-accumulation context.
+
+Used by ``examples/train_gpt.py`` and ``benchmarks/step.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class GPTConfig:
+    n_layers: int = 4
+    dim: int = 256
+    n_heads: int = 4
+    ffn_dim: int = 0  # 0: Llama's rule, ~8/3 * dim rounded up to a multiple of 256
+    vocab_size: int = 32000
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    rope: bool = True  # False: learned absolute positions
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ffn_dim <= 0:
+            self.ffn_dim = 256 * math.ceil(int(8 * self.dim / 3) / 256)
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.rope and (self.dim // self.n_heads) % 2:
+            raise ValueError("rotary embeddings need an even head dimension")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Presets used by train_gpt.py (--model) and as a reference for sizes.
+PRESETS: Dict[str, dict] = {
+    # ~1 M parameters: 2 ranks on 2 CPU cores run tens of steps in about a minute
+    "tiny": dict(n_layers=4, dim=128, n_heads=4, ffn_dim=384, vocab_size=512, max_seq_len=256),
+    # ~30 M parameters
+    "small": dict(n_layers=6, dim=512, n_heads=8, ffn_dim=1536, vocab_size=8192, max_seq_len=1024),
+    # ~0.5 B parameters: the GPU default
+    "medium": dict(n_layers=16, dim=1536, n_heads=12, ffn_dim=4096, vocab_size=32000, max_seq_len=2048),
+    # ~1.3 B parameters
+    "large": dict(n_layers=24, dim=2048, n_heads=16, ffn_dim=5632, vocab_size=32000, max_seq_len=2048),
+}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Modules. Each reset_parameters() touches only the module's own parameters (works on DTensor parameters).
+
+
+class Linear(nn.Linear):
+    """Bias-free linear layer initialised N(0, init_std)."""
+
+    def __init__(self, in_features: int, out_features: int, init_std: float = 0.02, device=None) -> None:
+        self.__dict__["init_std"] = init_std  # read by reset_parameters(), which nn.Linear.__init__ calls
+        super().__init__(in_features, out_features, bias=False, device=device)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+
+
+class Embedding(nn.Embedding):
+    """Embedding initialised N(0, init_std)."""
+
+    def __init__(self, num_embeddings: int, dim: int, init_std: float = 0.02, device=None) -> None:
+        self.__dict__["init_std"] = init_std
+        super().__init__(num_embeddings, dim, device=device)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5, device=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (batch, seq, heads, head_dim); cos/sin: (seq, 1, head_dim // 2); "rotate half" convention.
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig, device=None) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.wq = Linear(cfg.dim, cfg.dim, cfg.init_std, device)
+        self.wk = Linear(cfg.dim, cfg.dim, cfg.init_std, device)
+        self.wv = Linear(cfg.dim, cfg.dim, cfg.init_std, device)
+        self.wo = Linear(cfg.dim, cfg.dim, out_std, device)
+
+    def forward(self, x: torch.Tensor, rope: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, s, self.n_heads, self.head_dim)
+        v = self.wv(x).view(b, s, self.n_heads, self.head_dim)
+        if rope is not None:
+            cos, sin = rope
+            q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: GPTConfig, device=None) -> None:
+        super().__init__()
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.w1 = Linear(cfg.dim, cfg.ffn_dim, cfg.init_std, device)  # gate
+        self.w3 = Linear(cfg.dim, cfg.ffn_dim, cfg.init_std, device)  # up
+        self.w2 = Linear(cfg.ffn_dim, cfg.dim, out_std, device)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """One pre-norm decoder block: the unit that fully_shard wraps."""
+
+    def __init__(self, cfg: GPTConfig, device=None) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
+        self.attn = Attention(cfg, device)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
+        self.mlp = SwiGLU(cfg, device)
+        # Checkpointing happens *inside* forward, so FSDP hooks on this module stay outside the checkpointed
+        # region (the order torchtitan uses: fully_shard(checkpoint_wrapper(block))).
+        self.activation_checkpointing = cfg.activation_checkpointing
+
+    def _forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, rope, use_reentrant=False)
+        return self._forward(x, rope)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig, device=None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = Embedding(cfg.vocab_size, cfg.dim, cfg.init_std, device)
+        self.pos_emb = None if cfg.rope else Embedding(cfg.max_seq_len, cfg.dim, cfg.init_std, device)
+        self.layers = nn.ModuleList(Block(cfg, device) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
+        if cfg.tie_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(cfg.dim, cfg.vocab_size, cfg.dim**-0.5, device)
+        # Rotary tables are computed on first use per (seq_len, device) and cached; not buffers, so nothing
+        # needs re-initialising after meta-device construction + to_empty().
+        self._rope_cache: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        self.cfg.activation_checkpointing = enabled
+        for layer in self.layers:
+            layer.activation_checkpointing = enabled
+
+    def init_weights(self) -> None:
+        """Initialise every parameter in place (also after meta-device construction and ``to_empty``)."""
+        self._rope_cache.clear()
+        for m in self.modules():
+            if m is not self and hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+
+    def _rope(self, seq_len: int, device: torch.device, dtype: torch.dtype):
+        key = (seq_len, str(device), dtype)
+        if key not in self._rope_cache:
+            hd = self.cfg.head_dim
+            inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
+            angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+            self._rope_cache[key] = (angles.cos()[:, None, :].to(dtype), angles.sin()[:, None, :].to(dtype))
+        return self._rope_cache[key]
+
+    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """tokens: (batch, seq) int64. Returns logits, or the mean cross-entropy (fp32) if targets given."""
+        _, s = tokens.shape
+        if s > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {s} > max_seq_len {self.cfg.max_seq_len}")
+        x = self.tok_emb(tokens)
+        rope = None
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(s, device=tokens.device))
+        else:
+            rope = self._rope(s, tokens.device, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rope)
+        x = self.norm(x)
+        if self.lm_head is not None:
+            logits = self.lm_head(x)
+        else:
+            logits = F.linear(x, self.tok_emb.weight)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def num_params(model: nn.Module) -> int:
+    """Parameter count of the (unsharded) model; works for sharded DTensor parameters too."""
+    seen, n = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            n += p.numel()  # DTensor.numel() is the global size
+    return n
+
+
+def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
+    """Training FLOPs per token (fwd + bwd = 3x fwd): 6 * matmul params + causal attention."""
+    per_layer = 4 * cfg.dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim
+    matmul = cfg.n_layers * per_layer + cfg.dim * cfg.vocab_size
+    attn = cfg.n_layers * 2 * 2 * seq_len * cfg.dim / 2  # QK^T and PV, causal half
+    return 6 * matmul + 3 * attn
+
+
+# --------------------------------------------------------------------------------------------------------
+# FSDP glue: one code path for PyTorch FSDP2 ("fsdp2") and mfsdp_ext ("ours").
+
+IMPLS = ("fsdp2", "ours")
+
+
+# mfsdp_ext: an installed package wins; otherwise the source tree this file lives in.
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO_ROOT not in sys.path:
+    sys.path.append(_REPO_ROOT)
+
+
+def load_impl(impl: str) -> Tuple[Callable, type]:
+    """Return (fully_shard, MixedPrecisionPolicy) of the chosen implementation (imports ours lazily)."""
+    if impl == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        return fully_shard, MixedPrecisionPolicy
+    if impl == "ours":
+        import mfsdp_ext
+
+        return mfsdp_ext.fully_shard, mfsdp_ext.MixedPrecisionPolicy
+    raise ValueError(f"unknown impl {impl!r}; choose from {IMPLS}")
+
+
+def shard_model(model: GPT, fully_shard_fn: Callable, **kwargs) -> GPT:
+    """Apply ``fully_shard`` bottom-up: each block is one unit, then the root (embeddings, norm, head)."""
+    for layer in model.layers:
+        fully_shard_fn(layer, **kwargs)
+    fully_shard_fn(model, **kwargs)
+    return model
+
+
+def materialize(model: GPT, impl: str, device: torch.device) -> None:
+    """Allocate and initialise a meta-device model after sharding (every rank initialises its shard)."""
+    model.to_empty(device=device)
+    if impl == "ours":
+        import mfsdp_ext
+
+        if hasattr(mfsdp_ext, "reset_parameters"):
+            mfsdp_ext.reset_parameters(model)
+            return
+        warnings.warn("mfsdp_ext.reset_parameters is missing: initialising with model.init_weights()")
+    model.init_weights()
+
+
+def grad_sync_context(model: nn.Module, impl: str, index: int, count: int):
+    """Context for microbatch ``index`` of ``count``: gradients are reduced only on the last one."""
+    is_first, is_last = index == 0, index == count - 1
+    if impl == "ours":
+        import mfsdp_ext
+
+        return mfsdp_ext.microbatch(model, is_first=is_first, is_last=is_last)
+    if count > 1:
+        model.set_requires_gradient_sync(is_last)
+    return contextlib.nullcontext()
