@@ -1,13 +1,17 @@
 """Loads the native extension ``mfsdp_ext._C`` and exposes its kernels to the Python layer.
 
-TEMPORARY: until the native kernels land (issue 3), the functions below are plain-torch versions of the
-contract. The kernels issue replaces each body with a call into ``_C`` and keeps these semantics exactly.
+Every function runs one C++ kernel (at::parallel_for) for CPU tensors or one CUDA launch on the current
+stream for CUDA tensors (pack / unpack: one launch per source / destination dtype; one in total when the
+dtypes agree). CPU and CUDA give identical bits. Inputs are checked (dtype, device, contiguity, sizes,
+segment table shape and order) and bad ones raise ``RuntimeError``/``ValueError`` with the function's name.
 
-Contract (all buffers are 1-D, contiguous, on one device; nothing here allocates outputs):
+Contract (all buffers are contiguous and indexed by their flat element index, on one device; nothing here
+allocates outputs; float dtypes are float32 / bfloat16 / float16):
 
 pack(tensors, offsets, out, scale=1.0)
     out[offsets[i] : offsets[i] + tensors[i].numel()] = tensors[i].flatten() * scale, cast to out.dtype (RNE).
     Every element of ``out`` that no tensor covers is set to 0 (the whole output is written).
+    Ranges of different tensors must not overlap in ``out``; the product is taken in fp32 and rounded once.
 unpack(flat, offsets, outs)
     outs[i].view(-1)[:] = flat[offsets[i] : offsets[i] + outs[i].numel()], cast to outs[i].dtype.
 cast(src, dst)
@@ -22,68 +26,127 @@ fp8_cast(src, segments, amax, dst, scale_inv, eps=1e-12)
 fp8_dequantize(src, segments, scale_inv, dst)
     dst[start:end] = src[start:end].float() * scale_inv[i] cast to dst.dtype; elements in no segment are 0.
 grad_accumulate(main_grad, reduced, scale, accumulate)
-    main_grad[:] = (main_grad if accumulate else 0) + scale * reduced.float()  (fp32 arithmetic).
+    main_grad[:] = (main_grad if accumulate else 0) + scale * reduced.float()  (fp32 arithmetic; when
+    accumulating, one fused multiply-add, i.e. a single rounding).
+
+Segment tables: rows sorted and non-overlapping, ``0 <= start_i <= end_i <= src.numel()`` and
+``end_{i-1} <= start_i``; an empty row is written ``(e, e)`` at its place in order (e.g. clipping each
+parameter's range to the local shard keeps this). CPU tables are checked on every call; a CUDA table is
+checked once (one device-to-host copy) and again only when it changes (new tensor or version counter).
+
+Arithmetic: all in fp32; bf16 / fp16 / fp8 conversions round to nearest even; FP8 saturates explicitly;
+NaN results are canonical NaNs (bf16 0x7FC0, fp16 0x7E00, fp8 0x7F, fp32 0x7FC00000 after arithmetic);
+scales: ``scale = fp8_max / max(amax, eps)`` in fp32, ``scale_inv = 1 / scale`` in fp32.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 import torch
 
+try:
+    from . import _C
+except ImportError as exc:  # pragma: no cover - depends on the build
+    raise ImportError(
+        "mfsdp_ext: the native extension mfsdp_ext._C is not built or does not load "
+        f"({type(exc).__name__}: {exc}). Build it from the repository root with "
+        "`pip install --no-build-isolation -e .` (on a GPU machine: "
+        "`pip install --no-build-isolation --no-deps -e .`), with the same torch that imports it."
+    ) from exc
+
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+_BUILD_INFO: dict | None = None
 
 
 def build_info() -> dict:
-    return {"cpu": False, "cuda": False, "nccl": False, "native": False}
+    """What ``_C`` was built with: {"native", "cpu", "cuda", "cuda_arch", "nccl", "nccl_version", ...}."""
+    global _BUILD_INFO
+    if _BUILD_INFO is None:
+        info = dict(_C.build_info())
+        # cuda_arch: compiled architectures, e.g. "sm_90a" (several: "sm_80,sm_90a")
+        if info.get("cuda_arch"):
+            info["cuda_arch"] = ",".join(info["cuda_arch"].split("__"))
+        _BUILD_INFO = info
+    return dict(_BUILD_INFO)
 
 
+# ----------------------------------------------------------------------------------------------
+# CUDA segment tables: validated once per (tensor, version), not on every call
+# ----------------------------------------------------------------------------------------------
+_checked_segments: dict = {}
+
+
+def _segments_key(segments: torch.Tensor, total: int):
+    try:
+        version = segments._version
+    except RuntimeError:  # inference tensors have no version counter
+        version = None
+    return (version, segments.data_ptr(), tuple(segments.shape), total)
+
+
+def _check_cuda_segments(segments: torch.Tensor, total: int) -> None:
+    if not isinstance(segments, torch.Tensor) or not segments.is_cuda:
+        return  # CPU tables are checked in C++; wrong devices are reported there
+    sid = id(segments)
+    key = _segments_key(segments, total)
+    hit = _checked_segments.get(sid)
+    if hit is not None and hit[0]() is segments and hit[1] == key:
+        return
+    if torch.cuda.is_current_stream_capturing():
+        return  # no device-to-host copy inside a CUDA graph capture
+    if segments.dtype == torch.int64 and segments.dim() == 2 and segments.shape[1] == 2:
+        _C.check_segments(segments.detach().cpu(), total)  # raises with a clear message
+    else:
+        return  # shape / dtype errors are reported by the kernel call itself
+
+    def _drop(_ref, sid=sid):
+        _checked_segments.pop(sid, None)
+
+    _checked_segments[sid] = (weakref.ref(segments, _drop), key)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
 def pack(tensors: Sequence[torch.Tensor], offsets: Sequence[int], out: torch.Tensor, scale: float = 1.0) -> None:
-    out.zero_()
-    for t, off in zip(tensors, offsets):
-        dst = out[off : off + t.numel()]
-        dst.copy_(t.reshape(-1))
-        if scale != 1.0:
-            dst.mul_(scale)
+    _C.pack(tensors, offsets, out, float(scale))
 
 
 def unpack(flat: torch.Tensor, offsets: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
-    for t, off in zip(outs, offsets):
-        t.view(-1).copy_(flat[off : off + t.numel()])
+    _C.unpack(flat, offsets, outs)
 
 
 def cast(src: torch.Tensor, dst: torch.Tensor) -> None:
-    dst.copy_(src)
+    _C.cast(src, dst)
 
 
 def segment_amax(src: torch.Tensor, segments: torch.Tensor, amax: torch.Tensor) -> None:
-    for i, (s, e) in enumerate(segments.tolist()):
-        amax[i] = src[s:e].abs().max() if e > s else 0.0
-
-
-def _scales(amax: torch.Tensor, fp8_max: float, eps: float) -> torch.Tensor:
-    scale = fp8_max / torch.clamp(amax, min=eps)
-    bad = (amax == 0) | ~torch.isfinite(amax)
-    return torch.where(bad, torch.ones_like(scale), scale)
+    if segments.is_cuda:
+        _check_cuda_segments(segments, src.numel())
+    _C.segment_amax(src, segments, amax)
 
 
 def fp8_cast(src, segments, amax, dst, scale_inv, eps: float = 1e-12) -> None:
-    fp8_max = FP8_MAX[dst.dtype]
-    scale = _scales(amax, fp8_max, eps)
-    dst.view(torch.uint8).zero_()
-    for i, (s, e) in enumerate(segments.tolist()):
-        dst[s:e] = torch.clamp(src[s:e] * scale[i], -fp8_max, fp8_max).to(dst.dtype)
-    scale_inv.copy_(1.0 / scale)
+    if segments.is_cuda:
+        _check_cuda_segments(segments, src.numel())
+    _C.fp8_cast(src, segments, amax, dst, scale_inv, float(eps))
 
 
 def fp8_dequantize(src, segments, scale_inv, dst) -> None:
-    dst.zero_()
-    for i, (s, e) in enumerate(segments.tolist()):
-        dst[s:e] = src[s:e].float() * scale_inv[i]
+    if segments.is_cuda:
+        _check_cuda_segments(segments, src.numel())
+    _C.fp8_dequantize(src, segments, scale_inv, dst)
 
 
 def grad_accumulate(main_grad: torch.Tensor, reduced: torch.Tensor, scale: float, accumulate: bool) -> None:
-    if accumulate:
-        main_grad.add_(reduced.float(), alpha=scale)
-    else:
-        torch.mul(reduced.float(), scale, out=main_grad)
+    _C.grad_accumulate(main_grad, reduced, float(scale), bool(accumulate))
+
+
+def _scales(amax: torch.Tensor, fp8_max: float, eps: float) -> torch.Tensor:
+    """Reference (plain torch) of the kernels' scale: fp8_max / max(amax, eps), 1 where amax is 0/inf/NaN."""
+    scale = fp8_max / torch.clamp(amax, min=eps)
+    bad = (amax == 0) | ~torch.isfinite(amax)
+    return torch.where(bad, torch.ones_like(scale), scale)

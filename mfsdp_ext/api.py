@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from .mixed_precision import MixedPrecisionPolicy
 from .module import FsdpModule, FsdpUnit, Strategy
 from .param_group import ParamGroup, ParamPlace
+from .symm_path import check_available
 
 _DEFAULT_MESH: dict[str, DeviceMesh] = {}
 _FSDP_CLASSES: dict[type, type] = {}
@@ -38,8 +39,6 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
     strategy = Strategy(sharding_strategy)
     if use_symm_mem not in (False, True, "auto"):
         raise ValueError(f"use_symm_mem must be False, True or 'auto', got {use_symm_mem!r}")
-    if use_symm_mem:
-        raise NotImplementedError("use_symm_mem is not available yet in this build; pass use_symm_mem=False")
     mesh = mesh if mesh is not None else _default_mesh()
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard supports a 1-D mesh (shard) or a 2-D mesh (replicate, shard); got {mesh.ndim}-D")
@@ -56,6 +55,7 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
         shard_group, replicate_group = None, mesh.get_group(0)
     else:
         shard_group, replicate_group = mesh.get_group(0), None
+    use_symm_mem = check_available(use_symm_mem, shard_group)
 
     groups = []
     for (dtype, requires_grad), members in _group_by_kind(params).items():
@@ -71,7 +71,8 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
             info.sharded._mfsdp_owner = module
         g.use_sharded_params()
 
-    unit = FsdpUnit(module, type(module).__name__, groups, strategy, reshard_after_forward, mp_policy, device)
+    unit = FsdpUnit(module, type(module).__name__, groups, strategy, reshard_after_forward, mp_policy, device,
+                    use_symm_mem)
     cls = module.__class__
     if cls not in _FSDP_CLASSES:
         _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FsdpModule, cls), {})

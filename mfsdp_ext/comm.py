@@ -47,3 +47,67 @@ def _gloo_lacks_reduce_scatter(group: dist.ProcessGroup) -> bool:
         except (RuntimeError, NotImplementedError):
             _GLOO_RS_SUPPORT[key] = False
     return not _GLOO_RS_SUPPORT[key]
+
+
+class SymmetricCollectives:
+    """Native NCCL symmetric-memory collectives for one shard group, through two staging buffers.
+
+    NCCL picks its symmetric kernels only when both buffers lie in registered windows, so the all-gather
+    copies this rank's shard into its slot of a pool buffer, gathers in place and copies the result out;
+    gradients are packed straight into a pool buffer and reduce-scattered into a pool buffer. Both stages
+    are used on one stream each (all-gather / reduce-scatter), so one of each suffices. Memory: the largest
+    unit's gathered bytes plus its packed-gradient bytes (+ shard), whatever the number of units.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, ag_bytes: int, rs_bytes: int):
+        from .symm_mem import SymmetricComm
+
+        align = 4096
+        ag_bytes, rs_bytes = _align(ag_bytes, align), _align(rs_bytes, align)
+        # Our own communicator: the process group's may run other collectives on its own stream meanwhile.
+        self.comm = SymmetricComm(group, pool_bytes=ag_bytes + rs_bytes, borrow=False)
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.ag_stage = self.comm.alloc_tensor(ag_bytes, torch.uint8) if ag_bytes else None
+        self.rs_stage = self.comm.alloc_tensor(rs_bytes, torch.uint8) if rs_bytes else None
+        self.nbytes = ag_bytes + rs_bytes
+
+    def all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        stage = self.ag_stage[: output.numel() * output.element_size()].view(output.dtype)
+        n = input.numel()
+        slot = stage[self.rank * n : (self.rank + 1) * n]
+        slot.copy_(input)
+        self.comm.all_gather_into(stage, slot)
+        output.copy_(stage)
+
+    def reduce_scatter_buffers(self, total_numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed input of total_numel, output of total_numel / world), both in the pool."""
+        size = torch.empty((), dtype=dtype).element_size()
+        in_bytes = _align(total_numel * size, 4096)
+        packed = self.rs_stage[: total_numel * size].view(dtype)
+        out = self.rs_stage[in_bytes : in_bytes + total_numel // self.world * size].view(dtype)
+        return packed, out
+
+    def reduce_scatter_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        self.comm.reduce_scatter_into(output, input)
+
+    def close(self) -> None:
+        self.comm.close()
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def time_collective(fn, iters: int = 10) -> float:
+    """Median milliseconds of ``fn()`` on the current CUDA stream (after two warm-up calls)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]

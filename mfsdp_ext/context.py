@@ -35,6 +35,7 @@ class FsdpContext:
         self.explicit_microbatch = False
         self.callback_queued = False
         self.iteration = 0
+        self.symmetric = None  # comm.SymmetricCollectives when some unit uses NCCL symmetric memory
 
     # ------------------------------------------------------------------ streams
     def compute_stream(self):

@@ -60,7 +60,8 @@ class _PostBackward(torch.autograd.Function):
 
 class FsdpUnit:
     def __init__(self, module: nn.Module, name: str, groups: list[ParamGroup], strategy: Strategy,
-                 reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy, device: torch.device):
+                 reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy, device: torch.device,
+                 use_symm_mem: bool | str = False):
         self.module = module
         self.name = name or module.__class__.__name__
         self.groups = groups
@@ -68,6 +69,7 @@ class FsdpUnit:
         self.reshard_after_forward = reshard_after_forward and not strategy.keeps_weights_gathered
         self.mp_policy = mp_policy
         self.device = device
+        self.use_symm_mem = use_symm_mem  # False, True or "auto" (resolved at lazy init)
         self.context: Optional[FsdpContext] = None
         self.requires_gradient_sync = True
         self.is_unsharded = False
@@ -99,6 +101,11 @@ class FsdpUnit:
         ctx = FsdpContext(self, units, self.device)
         for unit in units:
             unit.context = ctx
+        symmetric_units = [u for u in units if u.use_symm_mem and u.groups]
+        if symmetric_units:
+            from .symm_path import setup_symmetric
+
+            ctx.symmetric = setup_symmetric(symmetric_units)
         return ctx
 
     # ------------------------------------------------------------------ unshard / reshard
@@ -119,7 +126,7 @@ class FsdpUnit:
                     if ctx.weight_sync_allowed() or g._synced_version is None:
                         with ctx.nvtx(f"mfsdp.weight_sync {self.name}"):
                             g.sync_model_weight()
-                    g.all_gather()
+                    g.all_gather(ctx.symmetric)
                     self.gathered_versions[i] = g.weights_version()
                 if ctx.is_cuda:
                     self.unshard_event = ctx.ag_stream.record_event()
@@ -245,12 +252,18 @@ class FsdpUnit:
         if ctx.is_cuda:
             ctx.rs_stream.wait_stream(ctx.compute_stream())
         with ctx.on_stream(ctx.rs_stream):
-            packed = torch.empty(g.layout.total_numel, dtype=g.reduce_dtype, device=g.device)
+            symmetric = ctx.symmetric if g.use_symm_reduce_scatter else None
+            if symmetric is not None:  # pack straight into the symmetric-memory stage
+                packed, reduced = symmetric.reduce_scatter_buffers(g.layout.total_numel, g.reduce_dtype)
+            else:
+                packed = torch.empty(g.layout.total_numel, dtype=g.reduce_dtype, device=g.device)
             g.pack_grads(packed, scale=1.0 / (g.world * replicas))  # pre-divide: no overflow in low precision
             for grad in g.drop_unsharded_grads():
                 if ctx.is_cuda:
                     grad.record_stream(ctx.rs_stream)  # autograd allocated it on the compute stream
-            if g.world > 1:
+            if symmetric is not None:
+                symmetric.reduce_scatter_into(reduced, packed)
+            elif g.world > 1:
                 reduced = torch.empty(g.layout.shard_numel, dtype=g.reduce_dtype, device=g.device)
                 comm.reduce_scatter_into(reduced, packed, g.shard_group)
             else:

@@ -96,6 +96,8 @@ class ParamGroup:
         self._synced_version = None  # weights_version() the model weight was cast from
         self._external_writes = 0
         self._segments = None
+        self.use_symm_all_gather = False  # set at lazy init when use_symm_mem picks the native path
+        self.use_symm_reduce_scatter = False
         self._make_params()
         self.unsharded.free()
 
@@ -171,12 +173,16 @@ class ParamGroup:
     def gather_source(self) -> torch.Tensor:
         return (self.model_weight if self.model_weight is not None else self.main_weight).data
 
-    def all_gather(self) -> None:
-        """Gather every rank's model-weight shard straight into the unsharded buffer (no copy-in/out)."""
+    def all_gather(self, symmetric: "comm.SymmetricCollectives | None" = None) -> None:
+        """Gather every rank's model-weight shard straight into the unsharded buffer (no copy-in/out).
+
+        ``symmetric``: gather through the NCCL symmetric-memory stage instead (use_symm_mem)."""
         self.unsharded.alloc()
         with torch.autograd._unsafe_preserve_version_counter(self.unsharded.data):
             if self.world == 1:
                 self.unsharded.data.copy_(self.gather_source())
+            elif symmetric is not None and self.use_symm_all_gather:
+                symmetric.all_gather_into(self.unsharded.data, self.gather_source())
             else:
                 comm.all_gather_into(self.unsharded.data, self.gather_source(), self.shard_group)
         self.stats.all_gathers += 1

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from typing import Any, Optional, Tuple
 
 import torch
@@ -118,7 +119,10 @@ def _native_reason() -> Optional[str]:
         return why
     info_fn = getattr(mod, "symm_comm_build_info", None)
     if info_fn is None:
-        return "mfsdp_ext._C has no symmetric-memory bindings (csrc/symm_comm.cpp was not compiled in)"
+        return (
+            "mfsdp_ext._C was built without NCCL symmetric memory (csrc/symm_comm.cpp is compiled only when torch "
+            "has CUDA and nvcc and nccl.h are found at build time)"
+        )
     info = info_fn()
     if not info.get("built", False) or not hasattr(mod, "SymmComm"):
         return str(info.get("reason", "SymmComm was not compiled in"))
@@ -147,12 +151,16 @@ def _group_reason(group, check_hosts: bool) -> Optional[str]:
     if "nccl" not in backend:
         return f"the process group's backend is {backend!r}, not 'nccl'"
     size = dist.get_world_size(group)
+    local = os.environ.get("LOCAL_WORLD_SIZE")  # set by torchrun
+    single_node_world = bool(local and local.isdigit() and dist.get_world_size() <= int(local))
+    if local and local.isdigit() and size > int(local):
+        return f"the group spans several nodes: {size} ranks > LOCAL_WORLD_SIZE {local} (symmetric kernels are single-node)"
     ndev = torch.cuda.device_count()
-    if size > ndev:
-        return f"the group spans several nodes: {size} ranks but {ndev} GPUs on this node (symmetric kernels are single-node)"
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local and local.isdigit() and group is dist.group.WORLD and size > int(local):
-        return f"the group spans several nodes: world size {size} > LOCAL_WORLD_SIZE {local}"
+    if not single_node_world and not check_hosts and size > ndev:
+        return (
+            f"the group likely spans several nodes: {size} ranks but {ndev} visible GPUs here (symmetric kernels "
+            "are single-node; pass check_hosts=True to compare host names instead)"
+        )
     if check_hosts and size > 1:
         hosts = [None] * size
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
@@ -199,6 +207,18 @@ def _borrow_comm_ptr(group, device: torch.device) -> int:
         return 0
 
 
+def _group_alive(group) -> bool:
+    """False once the process group has been destroyed (its communicator with it)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return False
+    try:
+        return group in dist.distributed_c10d._world.pg_map
+    except Exception:
+        return True
+
+
 def _group_store(group):
     import torch.distributed as dist
 
@@ -237,6 +257,7 @@ class SymmetricComm:
         pool_bytes: bytes to reserve up front (collective). 0: reserve lazily on the first alloc.
         grow_bytes: size of a region added when an alloc does not fit (collective, like the alloc itself).
         borrow: use ProcessGroupNCCL's communicator when available; otherwise (or when False) create one.
+        allow_nvls: accept NCCL_NVLS_ENABLE != 0 (off by default: NVLink multicast stays off here).
 
     Every rank must construct it, allocate, free and close in the same order.
     """
@@ -249,13 +270,14 @@ class SymmetricComm:
         pool_bytes: int = 0,
         grow_bytes: int = 256 << 20,
         borrow: bool = True,
+        allow_nvls: bool = False,
     ) -> None:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("SymmetricComm needs an initialized torch.distributed NCCL process group")
         group = dist.group.WORLD if group is None else group
-        ok, why = is_available(group)
+        ok, why = is_available(group, allow_nvls=allow_nvls)
         if not ok:
             raise RuntimeError(f"NCCL symmetric memory is unavailable: {why}")
         if device is None:
@@ -271,8 +293,14 @@ class SymmetricComm:
         self._native = None
         self.borrowed = False
         if borrow:
+            # The first all-reduce makes sure ProcessGroupNCCL's communicator exists (lazy init); the second
+            # makes every rank take the same path (borrow or create), or they would wait on each other forever.
+            flag = torch.ones(1, dtype=torch.int32, device=device)
+            dist.all_reduce(flag, group=group)
             ptr = _borrow_comm_ptr(group, device)
-            if ptr:
+            flag.fill_(1 if ptr else 0)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+            if int(flag.item()) == 1:
                 self._native = C.SymmComm(comm_ptr=ptr)
                 self.borrowed = True
         if self._native is None:
@@ -317,7 +345,7 @@ class SymmetricComm:
 
         Same call sequence on every rank (offsets must agree). May grow the pool (collective).
         """
-        nbytes = int(numel) * torch.empty((), dtype=dtype).element_size()
+        nbytes = int(numel) * dtype.itemsize
         offset = self._native.alloc(nbytes)
         return self._native.tensor(offset, int(numel), dtype)
 
@@ -348,8 +376,20 @@ class SymmetricComm:
     def close(self) -> None:
         """Collective and idempotent: deregister the windows, free the pool, destroy an owned communicator.
         Call on every rank before ``destroy_process_group()`` when the communicator is borrowed."""
-        if self._native is not None:
-            self._native.close()
+        n = self._native
+        if n is None or n.closed:
+            return
+        if self.borrowed and (not _group_alive(self.group) or _borrow_comm_ptr(self.group, self.device) != n.comm_ptr):
+            # The process group (and its communicator) is gone: any NCCL call on it would be a use after free.
+            warnings.warn(
+                "SymmetricComm.close(): the borrowed ProcessGroupNCCL communicator no longer exists (was "
+                "destroy_process_group() called first?); abandoning the symmetric windows without deregistering",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            n.abandon()
+            return
+        n.close()
 
     def __enter__(self) -> "SymmetricComm":
         return self

@@ -4,7 +4,10 @@
 # Logs and result tables go to $OUT (the device runner's output folder; /tmp/out elsewhere).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# The device runner returns at most 8 files: work in a scratch folder, pack it into $OUT/gpu_check.tgz at exit.
+FINAL_OUT=${OUT:-/tmp/out}; mkdir -p "$FINAL_OUT"
+export OUT=$(mktemp -d /tmp/gpu_check.XXXX)
+trap 'tar czf "$FINAL_OUT/gpu_check.tgz" -C "$OUT" . && echo "logs: $FINAL_OUT/gpu_check.tgz"' EXIT
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 stages=${*:-build tests kernels symm step}
 status=0

@@ -221,6 +221,17 @@ def _case_errors():
     fully_shard(outer.a)
     msgs["tied_across_units"] = _expect(ValueError, "tied parameters must belong to one unit",
                                         lambda: fully_shard(outer))
+    if dist.get_backend() == "gloo":  # no NCCL here: True is an error, "auto" warns once and falls back
+        msgs["symm_true"] = _expect(RuntimeError, "symmetric memory is unavailable",
+                                    lambda: fully_shard(nn.Linear(4, 4), use_symm_mem=True))
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            auto = fully_shard(nn.Linear(4, 4), use_symm_mem="auto")
+        assert auto._mfsdp_unit.use_symm_mem is False
+        assert any("plain collectives" in str(w.message) for w in caught) or getattr(
+            __import__("mfsdp_ext.symm_path").symm_path.check_available, "_warned", False)
     # the pool is still usable afterwards: one more collective
     t = torch.ones(1)
     dist.all_reduce(t)

@@ -156,3 +156,78 @@ def _case_peak_memory():
 
 def test_peak_memory_bound(gpu_pool):
     print(gpu_pool.run(_case_peak_memory)[0])
+
+
+# ----------------------------------------------------------------------------------------------- symmetric memory
+def _case_symm_parity(bf16: bool, k: int):
+    import copy
+
+    from .models import TinyLM, shard_tiny_lm, train
+    from .test_fully_shard import _compare_params
+
+    torch.manual_seed(20)
+    base = TinyLM(vocab=512, dim=256, ffn=1024)
+    mp = BF16 if bf16 else MixedPrecisionPolicy()
+    plain = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=mp)
+    symm = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=mp, use_symm_mem=True)
+    from mfsdp_ext import microbatch
+
+    a = train(plain, 5, 24, sharded=True, microbatches=k, microbatch_ctx=microbatch)
+    b = train(symm, 5, 24, sharded=True, microbatches=k, microbatch_ctx=microbatch)
+    loss_err = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+    from mfsdp_ext.checkpoint import full_state_dict
+
+    pa, pb = full_state_dict(plain), full_state_dict(symm)
+    param_err = max(((pa[n] - pb[n]).norm() / pa[n].norm()).item() for n in pa)
+    tol = 2e-2 if bf16 else 1e-6
+    assert loss_err <= tol and param_err <= (tol if bf16 else 1e-5), (loss_err, param_err, a, b)
+    assert symm._mfsdp_unit.context.symmetric is not None
+    return {"loss_err": loss_err, "param_err": param_err}
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_symm_mem_parity(gpu_pool, bf16, k):
+    print(gpu_pool.run(_case_symm_parity, bf16, k)[0])
+
+
+def _case_symm_kernels(use_symm_mem):
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = rank_device()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block(1024, 4096) for _ in range(4)])
+    for b in model:
+        fully_shard(b, mp_policy=BF16, use_symm_mem=use_symm_mem)
+    fully_shard(model, mp_policy=BF16, use_symm_mem=use_symm_mem)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(2, 256, 1024, device=dev)
+
+    def step():
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    names = [n for n, _, _ in _kernels(prof)]
+    symk = [n for n in names if n.startswith("ncclSymk")]
+    counts = {"symk_all_gather": sum("AllGather" in n for n in symk),
+              "symk_reduce_scatter": sum("ReduceScatter" in n for n in symk),
+              "plain_all_gather": sum("AllGather" in n and not n.startswith("ncclSymk") for n in names),
+              "plain_reduce_scatter": sum("ReduceScatter" in n and not n.startswith("ncclSymk") for n in names)}
+    if use_symm_mem:  # 4 blocks: 4 forward + 4 backward all-gathers, 4 reduce-scatters per step
+        assert counts["symk_all_gather"] == 8 and counts["symk_reduce_scatter"] == 4, counts
+        assert counts["plain_all_gather"] == 0 and counts["plain_reduce_scatter"] == 0, counts
+    else:
+        assert not symk and counts["plain_all_gather"] == 8 and counts["plain_reduce_scatter"] == 4, counts
+    return counts
+
+
+@pytest.mark.parametrize("use_symm_mem", [False, True], ids=["plain", "symm"])
+def test_symm_mem_kernels(gpu_pool, use_symm_mem):
+    print(gpu_pool.run(_case_symm_kernels, use_symm_mem)[0])

@@ -1,0 +1,470 @@
+#!/usr/bin/env python3
+"""All-gather and reduce-scatter: our native NCCL symmetric path vs PyTorch, side by side in one run.
+
+    torchrun --nproc-per-node N benchmarks/collectives.py --out DIR
+
+Methods (bf16, sizes = bytes of the gathered buffer / of the reduce-scatter input):
+  ours       mfsdp_ext.symm_mem.SymmetricComm: buffers from our ncclMemAlloc pool registered as
+             NCCL_WIN_COLL_SYMMETRIC windows, ncclAllGather / ncclReduceScatter(sum) called from C++.
+  plain      torch.distributed all_gather_single / reduce_scatter_single (or *_into_tensor / *_tensor on
+             older torch) on ordinary caching-allocator tensors.
+  torchsymm  the same torch.distributed calls on tensors from PyTorch's symmetric-memory pool
+             (torch.distributed._symmetric_memory, NCCL backend, rendezvous'ed on the group).
+All-gathers are in place (input = this rank's slot of the output, as FSDP uses them) for every method;
+reduce-scatters are out of place.
+
+Timing: CUDA events around every iteration after a warm-up (median over iterations, then the max of the
+per-rank medians), plus one event pair around back-to-back launches (mean per op, host launch rate
+included, no CUDA graphs). busbw = size * (N-1)/N / time, as nccl-tests. Each method's result is checked
+once against plain (exact: the inputs are small integers). A profiler pass counts the NCCL kernels each
+method ran (ncclSymk* = NCCL's symmetric kernels). Rank 0 writes collectives_<N>gpu.{md,json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections import Counter
+
+# NVLink multicast stays off on these machines (never turn it on).
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+MiB = 1 << 20
+DTYPE = torch.bfloat16
+METHODS = ("ours", "plain", "torchsymm")
+COLLS = ("all_gather", "reduce_scatter")
+
+
+def log(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"[collectives] {msg}", flush=True)
+
+
+def torch_ag_fn():
+    fn = getattr(dist, "all_gather_single", None)
+    return (fn, "all_gather_single") if fn is not None else (dist.all_gather_into_tensor, "all_gather_into_tensor")
+
+
+def torch_rs_fn():
+    fn = getattr(dist, "reduce_scatter_single", None)
+    return (fn, "reduce_scatter_single") if fn is not None else (dist.reduce_scatter_tensor, "reduce_scatter_tensor")
+
+
+def agree(ok: bool, device) -> bool:
+    """True only if every rank says True (keeps ranks in lock-step around optional methods)."""
+    t = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+# ----------------------------------------------------------------------------------------------
+# allocators per method
+# ----------------------------------------------------------------------------------------------
+class PlainAlloc:
+    def __init__(self, device):
+        self.device = device
+
+    def __call__(self, numel):
+        return torch.empty(numel, dtype=DTYPE, device=self.device)
+
+    def release(self, t):
+        pass
+
+
+class OursAlloc:
+    def __init__(self, comm):
+        self.comm = comm
+
+    def __call__(self, numel):
+        return self.comm.alloc_tensor(numel, DTYPE)
+
+    def release(self, t):
+        self.comm.free_tensor(t)
+
+
+class TorchSymmAlloc:
+    """PyTorch's symmetric pool (NCCL backend). Tensors are rendezvous'ed (collective) on the group."""
+
+    def __init__(self, device, group):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.symm_mem = symm_mem
+        self.device = device
+        self.group = group
+        self.pool = symm_mem.get_mem_pool(device) if hasattr(symm_mem, "get_mem_pool") else None
+        self.keep = []  # torch's pool caches segments; keep tensors alive until the method is done
+
+    def __call__(self, numel):
+        if self.pool is not None:
+            with torch.cuda.use_mem_pool(self.pool):
+                t = torch.empty(numel, dtype=DTYPE, device=self.device)
+        else:
+            t = self.symm_mem.empty(numel, dtype=DTYPE, device=self.device)
+        self.symm_mem.rendezvous(t, self.group.group_name)
+        self.keep.append(t)
+        return t
+
+    def release(self, t):
+        pass
+
+
+def setup_torchsymm(device, group):
+    """(allocator, None) or (None, reason)."""
+    try:
+        import warnings
+
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if hasattr(symm_mem, "set_backend"):
+            get = getattr(symm_mem, "get_backend", None)
+            if get is None or get(device) != "NCCL":
+                symm_mem.set_backend("NCCL")
+        else:
+            return None, "torch.distributed._symmetric_memory has no set_backend (no NCCL backend in this torch)"
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                enable(group.group_name)
+        alloc = TorchSymmAlloc(device, group)
+        probe = alloc(4096)  # allocation + rendezvous smoke test
+        probe.zero_()
+        return alloc, None
+    except Exception as exc:  # pragma: no cover - depends on the torch build
+        return None, f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# one collective on one method
+# ----------------------------------------------------------------------------------------------
+def make_case(method, coll, nbytes, alloc, comm, group, rank, world):
+    """Returns (input, output, run) with inputs filled with small integers (exact in bf16 and in sums)."""
+    numel = nbytes // torch.empty((), dtype=DTYPE).element_size()
+    assert numel % world == 0
+    shard = numel // world
+    ag, _ = torch_ag_fn()
+    rs, _ = torch_rs_fn()
+    if coll == "all_gather":
+        out = alloc(numel)
+        out.zero_()
+        inp = out.narrow(0, rank * shard, shard)
+        inp.copy_((torch.arange(shard, device=out.device) % 251 + 3 * rank) % 256)
+        if method == "ours":
+            run = lambda: comm.all_gather_into(out, inp)  # noqa: E731
+        else:
+            run = lambda: ag(out, inp, group=group)  # noqa: E731
+        return inp, out, run, [out]
+    inp = alloc(numel)
+    out = alloc(shard)
+    inp.copy_(torch.arange(numel, device=inp.device) % 13 + rank)
+    out.zero_()
+    if method == "ours":
+        run = lambda: comm.reduce_scatter_into(out, inp)  # noqa: E731
+    else:
+        run = lambda: rs(out, inp, group=group)  # noqa: E731
+    return inp, out, run, [inp, out]
+
+
+def time_case(run, iters, warmup, device, local_rank):
+    for _ in range(warmup):
+        run()
+    torch.cuda.synchronize(device)
+    dist.barrier(device_ids=[local_rank])
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        run()
+        ends[i].record()
+    torch.cuda.synchronize(device)
+    per_iter_us = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+    dist.barrier(device_ids=[local_rank])
+    e0 = torch.cuda.Event(enable_timing=True)
+    e1 = torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(iters):
+        run()
+    e1.record()
+    torch.cuda.synchronize(device)
+    b2b_us = e0.elapsed_time(e1) * 1e3 / iters
+    stats = torch.tensor([statistics.median(per_iter_us), b2b_us, min(per_iter_us)], dtype=torch.float64, device=device)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank bounds the collective
+    return stats.tolist()
+
+
+def kernel_names(prof) -> Counter:
+    from torch.autograd import DeviceType
+
+    names = Counter()
+    for e in prof.events():
+        if getattr(e, "device_type", None) != DeviceType.CUDA:
+            continue
+        name = e.name.split("(")[0]
+        if name.startswith("nccl"):
+            names[name] += 1
+    return names
+
+
+def iters_for(nbytes: int, scale: float) -> int:
+    base = 200 if nbytes <= 8 * MiB else (100 if nbytes <= 64 * MiB else 40)
+    return max(5, int(base * scale))
+
+
+# ----------------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------------
+def fmt(x, spec=".1f"):
+    return "-" if x is None else format(x, spec)
+
+
+def write_report(out_dir, world, meta, results, kernels, skipped):
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"collectives_{world}gpu")
+    with open(base + ".json", "w") as f:
+        json.dump({"meta": meta, "results": results, "kernels": kernels, "skipped": skipped}, f, indent=2)
+
+    def get(coll, size, method):
+        for r in results:
+            if r["coll"] == coll and r["size_mib"] == size and r["method"] == method:
+                return r
+        return None
+
+    lines = [
+        f"# Collectives on {world} x {meta['gpu']} (bf16)",
+        "",
+        f"torch {meta['torch']}, NCCL (torch) {meta['nccl_torch']}, NCCL (ours) {meta['nccl_ours']}, "
+        f"NCCL_NVLS_ENABLE={meta['env'].get('NCCL_NVLS_ENABLE')}, "
+        f"TORCH_SYMM_MEM_DISABLE_MULTICAST={meta['env'].get('TORCH_SYMM_MEM_DISABLE_MULTICAST')}.",
+        f"plain/torchsymm use `{meta['ag_fn']}` / `{meta['rs_fn']}`. All-gathers in place, reduce-scatters out of place.",
+        "Latency: median of per-iteration CUDA-event times (max over ranks); b2b: back-to-back launches, mean per op.",
+        "busbw = size * (N-1)/N / median. Ratios > 1 mean ours is faster.",
+        "",
+    ]
+    for m, why in skipped.items():
+        lines.append(f"- **{m} skipped**: {why}")
+    if skipped:
+        lines.append("")
+    for coll in COLLS:
+        sizes = sorted({r["size_mib"] for r in results if r["coll"] == coll})
+        if not sizes:
+            continue
+        lines += [
+            f"## {coll} (size = {'gathered output' if coll == 'all_gather' else 'reduce-scatter input'})",
+            "",
+            "| size MiB | ours us | plain us | torchsymm us | plain/ours | torchsymm/ours | ours GB/s | plain GB/s "
+            "| torchsymm GB/s | ours b2b us | plain b2b us | torchsymm b2b us | correct (ours/torchsymm) |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        ]
+        for s in sizes:
+            o, p, t = (get(coll, s, m) for m in METHODS)
+            med = lambda r: None if r is None else r["median_us"]  # noqa: E731
+            bw = lambda r: None if r is None else r["busbw_gbps"]  # noqa: E731
+            b2b = lambda r: None if r is None else r["b2b_us"]  # noqa: E731
+            ratio = lambda a, b: None if a is None or b is None or b == 0 else a / b  # noqa: E731
+            ok = lambda r: "-" if r is None else ("yes" if r["correct"] else f"NO ({r['max_abs_diff']})")  # noqa: E731
+            lines.append(
+                f"| {s} | {fmt(med(o))} | {fmt(med(p))} | {fmt(med(t))} | {fmt(ratio(med(p), med(o)), '.2f')} "
+                f"| {fmt(ratio(med(t), med(o)), '.2f')} | {fmt(bw(o))} | {fmt(bw(p))} | {fmt(bw(t))} "
+                f"| {fmt(b2b(o))} | {fmt(b2b(p))} | {fmt(b2b(t))} | {ok(o)} / {ok(t)} |"
+            )
+        lines.append("")
+    if kernels:
+        lines += ["## NCCL kernels seen by the profiler (all sizes, 2 calls each)", "",
+                  "| method | collective | ncclSymk kernels | other NCCL kernels |", "|---|---|---|---|"]
+        for m in METHODS:
+            for coll in COLLS:
+                k = kernels.get(m, {}).get(coll)
+                if k is None:
+                    continue
+                symk = ", ".join(f"{n} x{c}" for n, c in sorted(k.items()) if n.startswith("ncclSymk")) or "none"
+                other = ", ".join(f"{n} x{c}" for n, c in sorted(k.items()) if not n.startswith("ncclSymk")) or "none"
+                lines.append(f"| {m} | {coll} | {symk} | {other} |")
+        lines.append("")
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines))
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for ax, coll in zip(axes, COLLS):
+            for m in METHODS:
+                rs = sorted((r for r in results if r["coll"] == coll and r["method"] == m), key=lambda r: r["size_mib"])
+                if rs:
+                    ax.plot([r["size_mib"] for r in rs], [r["median_us"] for r in rs], marker="o", label=m)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("size (MiB)")
+            ax.set_ylabel("median latency (us)")
+            ax.set_title(f"{coll}, {world} GPUs, bf16")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(base + ".png", dpi=120)
+        plt.close(fig)
+    except Exception as exc:  # matplotlib is optional
+        print(f"[collectives] no chart: {exc}", flush=True)
+    return base
+
+
+# ----------------------------------------------------------------------------------------------
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--sizes-mib", default="1,8,64,256")
+    ap.add_argument("--iters-scale", type=float, default=1.0, help="scale the per-size iteration counts")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--no-profile", action="store_true", help="skip the profiler pass")
+    args = ap.parse_args()
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    group = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.barrier(device_ids=[local_rank])  # make sure the communicator exists before borrowing it
+
+    sizes = [int(s) for s in args.sizes_mib.split(",") if s]
+    sizes = [s for s in sizes if (s * MiB // 2) % world == 0]
+    skipped: dict[str, str] = {}
+
+    # torch's symmetric backend must be chosen before any symmetric allocation.
+    tsymm_alloc, why = setup_torchsymm(device, group)
+    if not agree(tsymm_alloc is not None, device):
+        skipped["torchsymm"] = why or "unavailable on another rank"
+        tsymm_alloc = None
+        log(f"torchsymm skipped: {skipped['torchsymm']}")
+
+    from mfsdp_ext import symm_mem
+
+    comm = None
+    ok, why = symm_mem.is_available(group)
+    if ok:
+        try:
+            pool = int(sum(sizes) * MiB * (1.0 + 1.0 / world)) + 64 * MiB
+            comm = symm_mem.SymmetricComm(group, pool_bytes=pool)
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            traceback.print_exc()
+    if not agree(comm is not None, device):
+        skipped["ours"] = why
+        if comm is not None:
+            comm.close()
+        comm = None
+        log(f"ours skipped: {why}")
+    elif rank == 0:
+        log(f"ours: {comm!r}")
+
+    allocs = {"plain": PlainAlloc(device)}
+    if comm is not None:
+        allocs["ours"] = OursAlloc(comm)
+    if tsymm_alloc is not None:
+        allocs["torchsymm"] = tsymm_alloc
+
+    results = []
+    kernels: dict = {}
+    t_start = time.time()
+    for coll in COLLS:
+        expected = {}
+        for method in ("plain", "ours", "torchsymm"):  # plain first: it is the reference
+            if method not in allocs:
+                continue
+            alloc = allocs[method]
+            cases = {}
+            try:
+                for s in sizes:
+                    cases[s] = make_case(method, coll, s * MiB, alloc, comm, group, rank, world)
+                setup_ok = True
+            except Exception as exc:
+                setup_ok = False
+                err = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                traceback.print_exc()
+            if not agree(setup_ok, device):
+                skipped[f"{method}/{coll}"] = err if not setup_ok else "setup failed on another rank"
+                continue
+            for s in sizes:
+                inp, out, run, _ = cases[s]
+                run()
+                torch.cuda.synchronize(device)
+                if method == "plain":
+                    expected[s] = out.clone()
+                    correct, diff = True, 0.0
+                else:
+                    diff = (out.float() - expected[s].float()).abs().max().item() if out.numel() else 0.0
+                    correct = bool(torch.equal(out, expected[s]))
+                iters = iters_for(s * MiB, args.iters_scale)
+                median_us, b2b_us, min_us = time_case(run, iters, args.warmup, device, local_rank)
+                nbytes = s * MiB
+                busbw = nbytes * (world - 1) / world / (median_us * 1e-6) / 1e9
+                results.append(dict(coll=coll, method=method, size_mib=s, iters=iters, median_us=median_us,
+                                    b2b_us=b2b_us, min_us=min_us, busbw_gbps=busbw, correct=correct,
+                                    max_abs_diff=diff))
+                log(f"{coll:14s} {method:9s} {s:4d} MiB  median {median_us:9.1f} us  b2b {b2b_us:9.1f} us  "
+                    f"busbw {busbw:7.1f} GB/s  correct={correct}")
+            if not args.no_profile:
+                try:
+                    from torch.profiler import ProfilerActivity, profile
+
+                    dist.barrier(device_ids=[local_rank])
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        for s in sizes:
+                            for _ in range(2):
+                                cases[s][2]()
+                        torch.cuda.synchronize(device)
+                    kernels.setdefault(method, {})[coll] = dict(kernel_names(prof))
+                except Exception as exc:  # profiler trouble must not lose the timings
+                    log(f"profiler pass failed for {method}/{coll}: {exc}")
+            torch.cuda.synchronize(device)
+            for s in sizes:
+                for t in cases[s][3]:
+                    alloc.release(t)
+            cases.clear()
+    log(f"measured in {time.time() - t_start:.1f} s")
+
+    if rank == 0:
+        meta = dict(
+            world=world,
+            gpu=torch.cuda.get_device_name(device),
+            torch=torch.__version__,
+            nccl_torch=".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?",
+            nccl_ours=symm_mem.format_nccl_version(symm_mem.nccl_version()),
+            python=platform.python_version(),
+            ag_fn=torch_ag_fn()[1],
+            rs_fn=torch_rs_fn()[1],
+            sizes_mib=sizes,
+            warmup=args.warmup,
+            env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                                 "NCCL_ALGO", "NCCL_PROTO", "CUDA_VISIBLE_DEVICES")},
+            ours_borrowed_comm=None if comm is None else comm.borrowed,
+        )
+        base = write_report(args.out, world, meta, results, kernels, skipped)
+        print(f"[collectives] wrote {base}.md / .json", flush=True)
+        with open(base + ".md") as f:
+            print(f.read(), flush=True)
+
+    dist.barrier(device_ids=[local_rank])
+    if comm is not None:
+        comm.close()
+    if tsymm_alloc is not None:
+        tsymm_alloc.keep.clear()
+    dist.barrier(device_ids=[local_rank])
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

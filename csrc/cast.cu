@@ -1,0 +1,274 @@
+// CUDA kernels of the main->model cast: plain cast (fp32 -> bf16 / fp16), per-segment amax, FP8 cast with
+// per-segment current scaling, FP8 dequantize, and the fp32 gradient accumulation.
+// Per-segment data (segment bounds, amax, scales) is read from small device tables.
+#include <cuda_runtime.h>
+
+#include "kernel_utils.cuh"
+#include "launch.h"
+
+namespace mfsdp {
+namespace cuda {
+namespace {
+
+using namespace detail;
+
+__device__ __forceinline__ bool block_span(int64_t span, int64_t total, int64_t& b0, int64_t& b1) {
+  b0 = static_cast<int64_t>(blockIdx.x) * span;
+  if (b0 >= total) return false;
+  b1 = (b0 + span < total) ? b0 + span : total;
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// cast
+// ---------------------------------------------------------------------------------------------
+template <class In, class Out>
+__global__ void __launch_bounds__(kThreads)
+    cast_kernel(const typename In::raw* __restrict__ src, typename Out::raw* __restrict__ dst, int64_t total,
+                int64_t span) {
+  int64_t b0, b1;
+  if (!block_span(span, total, b0, b1)) return;
+  CopyOp<In, Out> op{src + b0, dst + b0, 1.0f, false};
+  run_range(op, b1 - b0);
+}
+
+template <class In, class Out>
+int launch_cast(const void* src, void* dst, int64_t numel, cudaStream_t stream) {
+  auto kernel = cast_kernel<In, Out>;
+  const Grid g = make_grid(reinterpret_cast<const void*>(kernel), numel);
+  kernel<<<g.blocks, kThreads, 0, stream>>>(static_cast<const typename In::raw*>(src),
+                                            static_cast<typename Out::raw*>(dst), numel, g.span);
+  return last_error();
+}
+
+template <class In>
+int cast_out(const void* src, void* dst, DType out, int64_t numel, cudaStream_t s) {
+  switch (out) {
+    case kF32: return launch_cast<In, F32T>(src, dst, numel, s);
+    case kBF16: return launch_cast<In, BF16T>(src, dst, numel, s);
+    case kF16: return launch_cast<In, F16T>(src, dst, numel, s);
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// segment amax: amax_bits[i] = max over the segment of |x| as fp32 bits (zeroed before the launch)
+// ---------------------------------------------------------------------------------------------
+template <class In>
+__global__ void __launch_bounds__(kThreads)
+    segment_amax_kernel(const typename In::raw* __restrict__ src, int64_t total, const int64_t* __restrict__ seg,
+                        int64_t nseg, int64_t span, uint32_t* __restrict__ amax_bits) {
+  int64_t b0, b1;
+  if (!block_span(span, total, b0, b1)) return;
+  walk_segments(
+      seg, nseg, b0, b1,
+      [&](int64_t i, int64_t p, int64_t q) {
+        AmaxOp<In> op{src + p, 0u};
+        run_range(op, q - p);
+        const uint32_t m = block_max_u32(op.m);
+        if (threadIdx.x == 0 && m != 0u) atomicMax(amax_bits + i, m);
+      },
+      [&](int64_t, int64_t) {});
+}
+
+template <class In>
+int launch_amax(const void* src, int64_t numel, const int64_t* seg, int64_t nseg, float* amax,
+                cudaStream_t stream) {
+  cudaError_t err = cudaMemsetAsync(amax, 0, static_cast<size_t>(nseg) * sizeof(float), stream);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  if (numel == 0) return 0;
+  auto kernel = segment_amax_kernel<In>;
+  const Grid g = make_grid(reinterpret_cast<const void*>(kernel), numel);
+  kernel<<<g.blocks, kThreads, 0, stream>>>(static_cast<const typename In::raw*>(src), numel, seg, nseg, g.span,
+                                            reinterpret_cast<uint32_t*>(amax));
+  return last_error();
+}
+
+// ---------------------------------------------------------------------------------------------
+// fp8 cast with per-segment scales; gaps are written as 0; scale_inv[i] = 1 / scale_i
+// ---------------------------------------------------------------------------------------------
+template <class In, class F8>
+__global__ void __launch_bounds__(kThreads)
+    fp8_cast_kernel(const typename In::raw* __restrict__ src, int64_t total, const int64_t* __restrict__ seg,
+                    int64_t nseg, int64_t span, const float* __restrict__ amax, float eps,
+                    typename F8::raw* __restrict__ dst, float* __restrict__ scale_inv) {
+  const int64_t gtid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t i = gtid; i < nseg; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    scale_inv[i] = fp8_scale_inv(fp8_scale(amax[i], F8::max_value, eps));
+  }
+  int64_t b0, b1;
+  if (!block_span(span, total, b0, b1)) return;
+  walk_segments(
+      seg, nseg, b0, b1,
+      [&](int64_t i, int64_t p, int64_t q) {
+        const float scale = fp8_scale(amax[i], F8::max_value, eps);
+        CopyOp<In, F8> op{src + p, dst + p, scale, true};
+        run_range(op, q - p);
+      },
+      [&](int64_t p, int64_t q) {
+        ZeroOp<F8> op{dst + p};
+        run_range(op, q - p);
+      });
+}
+
+template <class In, class F8>
+int launch_fp8_cast(const void* src, int64_t numel, const int64_t* seg, int64_t nseg, const float* amax,
+                    float eps, void* dst, float* scale_inv, cudaStream_t stream) {
+  auto kernel = fp8_cast_kernel<In, F8>;
+  const int64_t work = numel > nseg ? numel : nseg;
+  if (work == 0) return 0;
+  const Grid g = make_grid(reinterpret_cast<const void*>(kernel), work);
+  kernel<<<g.blocks, kThreads, 0, stream>>>(static_cast<const typename In::raw*>(src), numel, seg, nseg, g.span,
+                                            amax, eps, static_cast<typename F8::raw*>(dst), scale_inv);
+  return last_error();
+}
+
+template <class In>
+int fp8_cast_out(const void* src, int64_t numel, const int64_t* seg, int64_t nseg, const float* amax, float eps,
+                 void* dst, DType out, float* scale_inv, cudaStream_t s) {
+  switch (out) {
+    case kE4M3: return launch_fp8_cast<In, E4M3T>(src, numel, seg, nseg, amax, eps, dst, scale_inv, s);
+    case kE5M2: return launch_fp8_cast<In, E5M2T>(src, numel, seg, nseg, amax, eps, dst, scale_inv, s);
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// fp8 dequantize: dst = src * scale_inv[i] in fp32, cast to dst's dtype; gaps 0
+// ---------------------------------------------------------------------------------------------
+template <class F8, class Out>
+__global__ void __launch_bounds__(kThreads)
+    fp8_dequant_kernel(const typename F8::raw* __restrict__ src, int64_t total, const int64_t* __restrict__ seg,
+                       int64_t nseg, int64_t span, const float* __restrict__ scale_inv,
+                       typename Out::raw* __restrict__ dst) {
+  int64_t b0, b1;
+  if (!block_span(span, total, b0, b1)) return;
+  walk_segments(
+      seg, nseg, b0, b1,
+      [&](int64_t i, int64_t p, int64_t q) {
+        CopyOp<F8, Out> op{src + p, dst + p, scale_inv[i], true};
+        run_range(op, q - p);
+      },
+      [&](int64_t p, int64_t q) {
+        ZeroOp<Out> op{dst + p};
+        run_range(op, q - p);
+      });
+}
+
+template <class F8, class Out>
+int launch_dequant(const void* src, int64_t numel, const int64_t* seg, int64_t nseg, const float* scale_inv,
+                   void* dst, cudaStream_t stream) {
+  if (numel == 0) return 0;
+  auto kernel = fp8_dequant_kernel<F8, Out>;
+  const Grid g = make_grid(reinterpret_cast<const void*>(kernel), numel);
+  kernel<<<g.blocks, kThreads, 0, stream>>>(static_cast<const typename F8::raw*>(src), numel, seg, nseg, g.span,
+                                            scale_inv, static_cast<typename Out::raw*>(dst));
+  return last_error();
+}
+
+template <class F8>
+int dequant_out(const void* src, int64_t numel, const int64_t* seg, int64_t nseg, const float* scale_inv,
+                void* dst, DType out, cudaStream_t s) {
+  switch (out) {
+    case kF32: return launch_dequant<F8, F32T>(src, numel, seg, nseg, scale_inv, dst, s);
+    case kBF16: return launch_dequant<F8, BF16T>(src, numel, seg, nseg, scale_inv, dst, s);
+    case kF16: return launch_dequant<F8, F16T>(src, numel, seg, nseg, scale_inv, dst, s);
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// grad accumulate
+// ---------------------------------------------------------------------------------------------
+template <class Main, class Red>
+__global__ void __launch_bounds__(kThreads)
+    grad_acc_kernel(typename Main::raw* __restrict__ main_grad, const typename Red::raw* __restrict__ red,
+                    int64_t total, int64_t span, float scale, bool accumulate) {
+  int64_t b0, b1;
+  if (!block_span(span, total, b0, b1)) return;
+  GradAccOp<Main, Red> op{main_grad + b0, red + b0, scale, accumulate};
+  run_range(op, b1 - b0);
+}
+
+template <class Main, class Red>
+int launch_grad_acc(void* main_grad, const void* red, int64_t numel, float scale, bool accumulate,
+                    cudaStream_t stream) {
+  if (numel == 0) return 0;
+  auto kernel = grad_acc_kernel<Main, Red>;
+  const Grid g = make_grid(reinterpret_cast<const void*>(kernel), numel);
+  kernel<<<g.blocks, kThreads, 0, stream>>>(static_cast<typename Main::raw*>(main_grad),
+                                            static_cast<const typename Red::raw*>(red), numel, g.span, scale,
+                                            accumulate);
+  return last_error();
+}
+
+template <class Main>
+int grad_acc_red(void* main_grad, const void* red, DType red_dtype, int64_t numel, float scale, bool accumulate,
+                 cudaStream_t s) {
+  switch (red_dtype) {
+    case kF32: return launch_grad_acc<Main, F32T>(main_grad, red, numel, scale, accumulate, s);
+    case kBF16: return launch_grad_acc<Main, BF16T>(main_grad, red, numel, scale, accumulate, s);
+    case kF16: return launch_grad_acc<Main, F16T>(main_grad, red, numel, scale, accumulate, s);
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
+}
+
+}  // namespace
+
+int cast(const void* src, DType in, void* dst, DType out, int64_t numel, void* stream) {
+  if (numel == 0) return 0;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (in) {
+    case kF32: return cast_out<F32T>(src, dst, out, numel, s);
+    case kBF16: return cast_out<BF16T>(src, dst, out, numel, s);
+    case kF16: return cast_out<F16T>(src, dst, out, numel, s);
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
+}
+
+int segment_amax(const void* src, DType in, int64_t numel, const int64_t* segments, int64_t nseg, float* amax,
+                 void* stream) {
+  if (nseg == 0) return 0;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (in) {
+    case kF32: return launch_amax<F32T>(src, numel, segments, nseg, amax, s);
+    case kBF16: return launch_amax<BF16T>(src, numel, segments, nseg, amax, s);
+    case kF16: return launch_amax<F16T>(src, numel, segments, nseg, amax, s);
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
+}
+
+int fp8_cast(const void* src, DType in, int64_t numel, const int64_t* segments, int64_t nseg, const float* amax,
+             float eps, void* dst, DType out, float* scale_inv, void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (in) {
+    case kF32: return fp8_cast_out<F32T>(src, numel, segments, nseg, amax, eps, dst, out, scale_inv, s);
+    case kBF16: return fp8_cast_out<BF16T>(src, numel, segments, nseg, amax, eps, dst, out, scale_inv, s);
+    case kF16: return fp8_cast_out<F16T>(src, numel, segments, nseg, amax, eps, dst, out, scale_inv, s);
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
+}
+
+int fp8_dequantize(const void* src, DType in, int64_t numel, const int64_t* segments, int64_t nseg,
+                   const float* scale_inv, void* dst, DType out, void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (in) {
+    case kE4M3: return dequant_out<E4M3T>(src, numel, segments, nseg, scale_inv, dst, out, s);
+    case kE5M2: return dequant_out<E5M2T>(src, numel, segments, nseg, scale_inv, dst, out, s);
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
+}
+
+int grad_accumulate(void* main_grad, DType main_dtype, const void* reduced, DType red_dtype, int64_t numel,
+                    float scale, bool accumulate, void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (main_dtype) {
+    case kF32: return grad_acc_red<F32T>(main_grad, reduced, red_dtype, numel, scale, accumulate, s);
+    case kBF16: return grad_acc_red<BF16T>(main_grad, reduced, red_dtype, numel, scale, accumulate, s);
+    case kF16: return grad_acc_red<F16T>(main_grad, reduced, red_dtype, numel, scale, accumulate, s);
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
+}
+
+}  // namespace cuda
+}  // namespace mfsdp

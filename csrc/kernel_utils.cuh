@@ -1,0 +1,373 @@
+// Device building blocks shared by pack.cu and cast.cu (plain CUDA, no torch headers).
+//
+// Work split: a kernel covers one flat index space [0, total). Block b owns the contiguous span
+// [b * span, (b + 1) * span) and walks it front to back; where a span meets a segment table it finds its
+// first segment once (a block-cooperative k-ary search, `block_first_end_gt`) and then walks forward.
+// Inside one range (a piece of one segment, or a gap) the block's threads run `run_range`: scalar head until
+// the destination is 16-byte aligned, 16-byte vector loads/stores for the body (when the source is aligned
+// at the same element), scalar tail.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <mutex>
+#include <type_traits>
+#include <unordered_map>
+
+#include "fp8_math.h"
+
+namespace mfsdp {
+namespace cuda {
+namespace detail {
+
+constexpr int kThreads = 256;
+// the smallest span worth a block of its own (elements)
+constexpr int64_t kMinSpan = 4096;
+
+// ---------------------------------------------------------------------------------------------
+// 16-byte vector registers
+// ---------------------------------------------------------------------------------------------
+// N elements of raw type R kept as 32-bit words (element access by shifts, so everything stays in registers)
+template <class R, int N>
+struct VecRegs {
+  static_assert((N * sizeof(R)) % 16 == 0, "vector must be a multiple of 16 bytes");
+  static constexpr int kWords = int(N * sizeof(R) / 4);
+  uint32_t w[kWords];
+  __device__ __forceinline__ R get(int k) const {
+    if constexpr (sizeof(R) == 4) {
+      return static_cast<R>(w[k]);
+    } else if constexpr (sizeof(R) == 2) {
+      return static_cast<R>(w[k >> 1] >> ((k & 1) * 16));
+    } else {
+      return static_cast<R>(w[k >> 2] >> ((k & 3) * 8));
+    }
+  }
+  // elements must be set in increasing k
+  __device__ __forceinline__ void set(int k, R v) {
+    const uint32_t x = static_cast<uint32_t>(v);
+    if constexpr (sizeof(R) == 4) {
+      w[k] = x;
+    } else if constexpr (sizeof(R) == 2) {
+      w[k >> 1] = (k & 1) ? (w[k >> 1] | (x << 16)) : x;
+    } else {
+      w[k >> 2] = (k & 3) ? (w[k >> 2] | (x << ((k & 3) * 8))) : x;
+    }
+  }
+};
+
+template <class R, int N>
+__device__ __forceinline__ void vload(VecRegs<R, N>& r, const R* p) {
+  const uint4* q = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+  for (int k = 0; k < VecRegs<R, N>::kWords / 4; ++k) {
+    const uint4 t = q[k];
+    r.w[4 * k] = t.x;
+    r.w[4 * k + 1] = t.y;
+    r.w[4 * k + 2] = t.z;
+    r.w[4 * k + 3] = t.w;
+  }
+}
+
+template <class R, int N>
+__device__ __forceinline__ void vstore(R* p, const VecRegs<R, N>& r) {
+  uint4* q = reinterpret_cast<uint4*>(p);
+#pragma unroll
+  for (int k = 0; k < VecRegs<R, N>::kWords / 4; ++k) {
+    q[k] = make_uint4(r.w[4 * k], r.w[4 * k + 1], r.w[4 * k + 2], r.w[4 * k + 3]);
+  }
+}
+
+// Elements before `primary` (element size psize) is 16-byte aligned; -1 when `secondary` (element size
+// ssize, may be null) is not 16-byte aligned at that same element (then the range runs scalar).
+__device__ __forceinline__ int64_t vec_head(const void* primary, int psize, const void* secondary, int ssize) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(primary);
+  const int64_t h = static_cast<int64_t>((16u - (a & 15u)) & 15u) / psize;
+  if ((a + h * psize) & 15u) return -1;
+  if (secondary != nullptr && ((reinterpret_cast<uintptr_t>(secondary) + h * ssize) & 15u)) return -1;
+  return h;
+}
+
+// Run `op` over elements [0, n) of one range with the whole block. Op provides:
+//   VEC, U, Regs, head(), load(j, Regs&), store(j, Regs&) for VEC elements at j, one(j) for one element.
+// U vectors per thread per iteration: all loads are issued before the stores.
+template <class Op>
+__device__ __forceinline__ void run_range(Op& op, int64_t n) {
+  constexpr int VEC = Op::VEC;
+  constexpr int U = Op::U;
+  const int tid = threadIdx.x;
+  const int nt = blockDim.x;
+  int64_t head = op.head();
+  if (head < 0) {
+    for (int64_t j = tid; j < n; j += nt) op.one(j);
+    return;
+  }
+  if (head > n) head = n;
+  for (int64_t j = tid; j < head; j += nt) op.one(j);
+  const int64_t nvec = (n - head) / VEC;
+  const int64_t step = static_cast<int64_t>(nt) * U;
+  for (int64_t v0 = 0; v0 < nvec; v0 += step) {
+    typename Op::Regs r[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t v = v0 + static_cast<int64_t>(u) * nt + tid;
+      if (v < nvec) op.load(head + v * VEC, r[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t v = v0 + static_cast<int64_t>(u) * nt + tid;
+      if (v < nvec) op.store(head + v * VEC, r[u]);
+    }
+  }
+  for (int64_t j = head + nvec * VEC + tid; j < n; j += nt) op.one(j);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ops
+// ---------------------------------------------------------------------------------------------
+template <class In, class Out>
+struct CopyOp {
+  using IR = typename In::raw;
+  using OR = typename Out::raw;
+  static constexpr int kMin = sizeof(IR) < sizeof(OR) ? int(sizeof(IR)) : int(sizeof(OR));
+  static constexpr int VEC = 16 / kMin;
+  static constexpr int U = (VEC * sizeof(IR) >= 32 || VEC * sizeof(OR) >= 64) ? 1 : 2;
+  static constexpr bool kSame = std::is_same<In, Out>::value;
+  struct Regs {
+    VecRegs<IR, VEC> v;
+  };
+  const IR* src;
+  OR* dst;
+  float scale;
+  bool use_scale;
+
+  __device__ __forceinline__ int64_t head() const { return vec_head(dst, sizeof(OR), src, sizeof(IR)); }
+  __device__ __forceinline__ OR conv(IR x) const {
+    if constexpr (kSame) {
+      if (!use_scale) return x;
+    }
+    float f = In::load(x);
+    if (use_scale) f = mul_rn(f, scale);
+    return Out::store(f);
+  }
+  __device__ __forceinline__ void load(int64_t j, Regs& r) const { vload(r.v, src + j); }
+  __device__ __forceinline__ void store(int64_t j, const Regs& r) const {
+    if constexpr (kSame) {
+      if (!use_scale) {
+        vstore(dst + j, r.v);
+        return;
+      }
+    }
+    VecRegs<OR, VEC> o;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) o.set(k, conv(r.v.get(k)));
+    vstore(dst + j, o);
+  }
+  __device__ __forceinline__ void one(int64_t j) const { dst[j] = conv(src[j]); }
+};
+
+template <class Out>
+struct ZeroOp {
+  using OR = typename Out::raw;
+  static constexpr int VEC = 16 / sizeof(OR);
+  static constexpr int U = 1;
+  struct Regs {};
+  OR* dst;
+  __device__ __forceinline__ int64_t head() const { return vec_head(dst, sizeof(OR), nullptr, 0); }
+  __device__ __forceinline__ void load(int64_t, Regs&) const {}
+  __device__ __forceinline__ void store(int64_t j, const Regs&) const {
+    *reinterpret_cast<uint4*>(dst + j) = make_uint4(0u, 0u, 0u, 0u);
+  }
+  __device__ __forceinline__ void one(int64_t j) const { dst[j] = OR(0); }
+};
+
+// max |x| as fp32 bits (|x| >= 0 orders like its bit pattern; NaN bits are above inf, so NaN wins)
+template <class In>
+struct AmaxOp {
+  using IR = typename In::raw;
+  static constexpr int VEC = 16 / sizeof(IR);
+  static constexpr int U = 2;
+  struct Regs {
+    VecRegs<IR, VEC> v;
+  };
+  const IR* src;
+  uint32_t m;
+
+  __device__ __forceinline__ int64_t head() const { return vec_head(src, sizeof(IR), nullptr, 0); }
+  __device__ __forceinline__ void take(IR x) {
+    const uint32_t a = f2u(In::load(x)) & 0x7FFFFFFFu;
+    m = a > m ? a : m;
+  }
+  __device__ __forceinline__ void load(int64_t j, Regs& r) const { vload(r.v, src + j); }
+  __device__ __forceinline__ void store(int64_t, const Regs& r) {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) take(r.v.get(k));
+  }
+  __device__ __forceinline__ void one(int64_t j) { take(src[j]); }
+};
+
+// main = (accumulate ? main : 0) + scale * reduced, fp32 arithmetic, one rounding when accumulating
+template <class Main, class Red>
+struct GradAccOp {
+  using MR = typename Main::raw;
+  using RR = typename Red::raw;
+  static constexpr int kMin = sizeof(MR) < sizeof(RR) ? int(sizeof(MR)) : int(sizeof(RR));
+  static constexpr int VEC = 16 / kMin;
+  static constexpr int U = (VEC * sizeof(RR) >= 32) ? 1 : 2;
+  struct Regs {
+    VecRegs<MR, VEC> m;
+    VecRegs<RR, VEC> r;
+  };
+  MR* main;
+  const RR* red;
+  float scale;
+  bool accumulate;
+
+  __device__ __forceinline__ int64_t head() const { return vec_head(main, sizeof(MR), red, sizeof(RR)); }
+  __device__ __forceinline__ MR conv(MR m, RR r) const {
+    const float x = Red::load(r);
+    const float y = accumulate ? fma_rn(scale, x, Main::load(m)) : mul_rn(scale, x);
+    return Main::store(y);
+  }
+  __device__ __forceinline__ void load(int64_t j, Regs& r) const {
+    vload(r.r, red + j);
+    if (accumulate) vload(r.m, main + j);
+  }
+  __device__ __forceinline__ void store(int64_t j, const Regs& r) const {
+    VecRegs<MR, VEC> o;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) o.set(k, conv(accumulate ? r.m.get(k) : MR(0), r.r.get(k)));
+    vstore(main + j, o);
+  }
+  __device__ __forceinline__ void one(int64_t j) const { main[j] = conv(accumulate ? main[j] : MR(0), red[j]); }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Block-level helpers (every thread of the block must call them, with the same arguments)
+// ---------------------------------------------------------------------------------------------
+// First i in [0, n) with ends[i * stride] > p, or n. ends[] must be non-decreasing (a bad table gives a
+// wrong but in-range answer). One round per factor of blockDim in n: one round for n <= 256.
+__device__ __forceinline__ int64_t block_first_end_gt(const int64_t* ends, int64_t stride, int64_t n, int64_t p) {
+  const int64_t nt = blockDim.x;
+  const int64_t tid = threadIdx.x;
+  int64_t lo = 0, len = n;
+  while (len > nt) {
+    const int64_t s = (len + nt - 1) / nt;
+    const int64_t k = tid * s + s - 1;
+    const int pred = (k < len) && (ends[(lo + k) * stride] <= p);
+    const int64_t c = __syncthreads_count(pred);
+    lo += c * s;
+    len = (len - c * s) < s ? (len - c * s) : s;
+  }
+  const int pred = (tid < len) && (ends[(lo + tid) * stride] <= p);
+  return lo + __syncthreads_count(pred);
+}
+
+// Max over the block (result valid in thread 0).
+__device__ __forceinline__ uint32_t block_max_u32(uint32_t v) {
+  __shared__ uint32_t warp_max[32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const uint32_t w = __shfl_xor_sync(0xFFFFFFFFu, v, o);
+    v = w > v ? w : v;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();  // warp_max may still be read by a previous call
+  if (lane == 0) warp_max[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < int((blockDim.x + 31) / 32) ? warp_max[lane] : 0u;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const uint32_t w = __shfl_xor_sync(0xFFFFFFFFu, v, o);
+      v = w > v ? w : v;
+    }
+  }
+  return v;
+}
+
+// Walk the block's span [b0, b1) over a segment table seg (n rows of [start, end), sorted,
+// non-overlapping). on_seg(i, p, q) for [p, q) inside segment i, on_gap(p, q) for elements in no segment.
+// Memory-safe for any table: every range handed out lies inside [b0, b1).
+template <class OnSeg, class OnGap>
+__device__ __forceinline__ void walk_segments(const int64_t* seg, int64_t nseg, int64_t b0, int64_t b1,
+                                              OnSeg&& on_seg, OnGap&& on_gap) {
+  int64_t i = block_first_end_gt(seg + 1, 2, nseg, b0);
+  int64_t p = b0;
+  while (p < b1) {
+    int64_t s = b1, e = b1;
+    if (i < nseg) {
+      s = seg[2 * i];
+      e = seg[2 * i + 1];
+    }
+    if (s > p) {
+      const int64_t q = s < b1 ? s : b1;
+      on_gap(p, q);
+      p = q;
+      continue;
+    }
+    if (e <= p) {
+      ++i;
+      continue;
+    }
+    const int64_t q = e < b1 ? e : b1;
+    on_seg(i, p, q);
+    p = q;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launch configuration
+// ---------------------------------------------------------------------------------------------
+inline int num_sms() {
+  static int cache[128] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 128) return 132;
+  if (cache[dev] == 0) {
+    int v = 0;
+    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
+    cache[dev] = v > 0 ? v : 132;
+  }
+  return cache[dev];
+}
+
+// resident blocks per SM of a kernel at kThreads threads (cached per kernel)
+inline int blocks_per_sm(const void* kernel) {
+  static std::mutex mu;
+  static std::unordered_map<const void*, int> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(kernel);
+  if (it != cache.end()) return it->second;
+  int v = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, kThreads, 0) != cudaSuccess || v < 1) {
+    (void)cudaGetLastError();
+    v = 1;
+  }
+  cache.emplace(kernel, v);
+  return v;
+}
+
+struct Grid {
+  int blocks;
+  int64_t span;
+};
+
+// One wave of resident blocks, each owning a contiguous span (a multiple of 64 elements).
+inline Grid make_grid(const void* kernel, int64_t total) {
+  const int64_t max_blocks = static_cast<int64_t>(num_sms()) * blocks_per_sm(kernel);
+  int64_t blocks = (total + kMinSpan - 1) / kMinSpan;
+  if (blocks > max_blocks) blocks = max_blocks;
+  if (blocks < 1) blocks = 1;
+  int64_t span = (total + blocks - 1) / blocks;
+  span = (span + 63) / 64 * 64;
+  if (span < 64) span = 64;
+  blocks = (total + span - 1) / span;
+  if (blocks < 1) blocks = 1;
+  return Grid{static_cast<int>(blocks), span};
+}
+
+inline int last_error() { return static_cast<int>(cudaGetLastError()); }
+
+}  // namespace detail
+}  // namespace cuda
+}  // namespace mfsdp

@@ -1,0 +1,45 @@
+// Launchers of the CUDA kernels (defined in pack.cu / cast.cu). Plain C++ signatures: raw pointers,
+// sizes, dtype codes and the stream as void* (a cudaStream_t), so the torch glue (.cpp) and the CUDA
+// sources (.cu) share no headers but this one and fp8_math.h. Each returns a cudaError_t as int
+// (0 = success): the launch error checked right after the launch.
+#pragma once
+
+#include <cstdint>
+
+#include "fp8_math.h"
+
+namespace mfsdp {
+namespace cuda {
+
+// Copy table for pack / unpack (int64 words, device memory), n entries:
+//   [0, n]          vstart: prefix sums of the entry lengths (vstart[0] = 0, vstart[n] = total)
+//   [n+1, 2n+1)     src element pointers (0 = write zeros)
+//   [2n+1, 3n+1)    dst element pointers
+// Entry i maps virtual element v in [vstart[i], vstart[i+1]) to dst_i[v - vstart[i]] = cvt(src_i[...] * scale).
+inline int64_t copy_table_words(int64_t n) { return 3 * n + 1; }
+
+int copy_table(const int64_t* table, int64_t n, int64_t total, DType in, DType out, float scale,
+               bool use_scale, void* stream);
+
+// dst[i] = cvt(src[i]) for i < numel (fp32 / bf16 / fp16 / fp8 in and out; fp8 out saturates)
+int cast(const void* src, DType in, void* dst, DType out, int64_t numel, void* stream);
+
+// segments: int64 (n, 2) [start, end) on the device, sorted, non-overlapping, within [0, numel).
+int segment_amax(const void* src, DType in, int64_t numel, const int64_t* segments, int64_t nseg,
+                 float* amax, void* stream);
+
+int fp8_cast(const void* src, DType in, int64_t numel, const int64_t* segments, int64_t nseg,
+             const float* amax, float eps, void* dst, DType out, float* scale_inv, void* stream);
+
+int fp8_dequantize(const void* src, DType in, int64_t numel, const int64_t* segments, int64_t nseg,
+                   const float* scale_inv, void* dst, DType out, void* stream);
+
+int grad_accumulate(void* main_grad, DType main_dtype, const void* reduced, DType red_dtype,
+                    int64_t numel, float scale, bool accumulate, void* stream);
+
+const char* error_string(int err);
+// binaryVersion of the compiled kernels for the current device (e.g. 90), or -1 if none runs here
+int binary_version();
+
+}  // namespace cuda
+}  // namespace mfsdp

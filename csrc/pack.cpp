@@ -1,0 +1,208 @@
+// pack / unpack: host glue and the CPU kernel. Both build a list of copy entries (length, source, destination;
+// a null source writes zeros) and run it as one pass over the concatenated "virtual" index space:
+// at::parallel_for on CPU, one CUDA launch (pack.cu) with the entry table copied to the device.
+#include "pack.h"
+
+#include <array>
+
+#include "common.h"
+
+namespace mfsdp {
+namespace {
+
+struct Entry {
+  int64_t len;
+  const void* src;  // nullptr: write zeros
+  void* dst;
+};
+
+void run_entries_cpu(const std::vector<Entry>& entries, DType in, DType out, float scale, bool use_scale) {
+  const int64_t n = static_cast<int64_t>(entries.size());
+  std::vector<int64_t> vstart(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) vstart[i + 1] = vstart[i] + entries[i].len;
+  const int64_t total = vstart[n];
+  if (total == 0) return;
+  with_float_tag(in, [&](auto in_tag) {
+    with_float_tag(out, [&](auto out_tag) {
+      using In = decltype(in_tag);
+      using Out = decltype(out_tag);
+      using IR = typename In::raw;
+      using OR = typename Out::raw;
+      at::parallel_for(0, total, kCpuGrain, [&](int64_t b0, int64_t b1) {
+        int64_t i = std::upper_bound(vstart.begin() + 1, vstart.end(), b0) - (vstart.begin() + 1);
+        int64_t p = b0;
+        while (p < b1 && i < n) {
+          const int64_t s = vstart[i], e = vstart[i + 1];
+          if (e <= p) {
+            ++i;
+            continue;
+          }
+          const int64_t q = std::min(e, b1);
+          const int64_t off = p - s;
+          OR* dst = static_cast<OR*>(entries[i].dst) + off;
+          if (entries[i].src == nullptr) {
+            cpu_zero_range<Out>(dst, q - p);
+          } else {
+            cpu_copy_range<In, Out>(static_cast<const IR*>(entries[i].src) + off, dst, q - p, scale, use_scale);
+          }
+          p = q;
+        }
+      });
+    });
+  });
+}
+
+// All entries: source dtype `in`, destination dtype `out`, on like's device.
+void run_entries(const std::vector<Entry>& entries, DType in, DType out, float scale, bool use_scale,
+                 const at::Tensor& like, const char* fn) {
+  const int64_t n = static_cast<int64_t>(entries.size());
+  if (n == 0) return;
+  if (like.is_cpu()) {
+    run_entries_cpu(entries, in, out, scale, use_scale);
+    return;
+  }
+#ifdef MFSDP_WITH_CUDA
+  c10::cuda::CUDAGuard guard(like.device());
+  // the table goes through pinned memory; copy_ records the copy on the host allocator, so the pinned block
+  // is not reused before the copy ran
+  at::Tensor host = at::empty({cuda::copy_table_words(n)}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  int64_t* h = host.data_ptr<int64_t>();
+  h[0] = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    h[i + 1] = h[i] + entries[i].len;
+    h[n + 1 + i] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(entries[i].src));
+    h[2 * n + 1 + i] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(entries[i].dst));
+  }
+  const int64_t total = h[n];
+  if (total == 0) return;
+  at::Tensor dev = at::empty({host.numel()}, at::TensorOptions().dtype(at::kLong).device(like.device()));
+  dev.copy_(host, /*non_blocking=*/true);
+  check_cuda(cuda::copy_table(dev.data_ptr<int64_t>(), n, total, in, out, scale, use_scale, cuda_stream(like)), fn);
+#else
+  (void)in;
+  (void)out;
+  (void)scale;
+  (void)use_scale;
+  (void)fn;
+#endif
+}
+
+DType tensor_dtype(const at::Tensor& t, const char* fn, const char* list, size_t i) {
+  DType d;
+  TORCH_CHECK_TYPE(to_dtype(t.scalar_type(), d) && is_float_dtype(d), "mfsdp_ext.", fn, ": ", list, "[", i,
+              "] must be float32, bfloat16 or float16, got ", t.scalar_type());
+  return d;
+}
+
+}  // namespace
+
+void pack(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& offsets, const at::Tensor& out,
+          double scale) {
+  const char* fn = "pack";
+  TORCH_CHECK_VALUE(tensors.size() == offsets.size(), "mfsdp_ext.pack: got ", tensors.size(), " tensors but ",
+              offsets.size(), " offsets");
+  TORCH_CHECK_VALUE(out.defined(), "mfsdp_ext.pack: out is undefined");
+  check_flat(out, fn, "out");
+  check_device_supported(out, fn);
+  const DType od = float_dtype(out, fn, "out");
+  const bool meta = out.is_meta();
+  const int64_t total = out.numel();
+  const int64_t osz = out.element_size();
+  char* out_ptr = static_cast<char*>(out.data_ptr());
+
+  struct Item {
+    int64_t off, len;
+    size_t idx;
+    const void* ptr;
+    DType dtype;
+  };
+  std::vector<Item> items;
+  items.reserve(tensors.size());
+  std::vector<at::Tensor> keep;  // contiguous copies of non-contiguous inputs (alive until the launch)
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    TORCH_CHECK_VALUE(t.defined(), "mfsdp_ext.pack: tensors[", i, "] is undefined");
+    TORCH_CHECK_VALUE(t.device() == out.device(), "mfsdp_ext.pack: tensors[", i, "] is on ", t.device(), " but out is on ",
+                out.device());
+    const DType d = tensor_dtype(t, fn, "tensors", i);
+    const int64_t len = t.numel();
+    const int64_t off = offsets[i];
+    TORCH_CHECK_VALUE(off >= 0 && off <= total - len, "mfsdp_ext.pack: tensors[", i, "] (", len, " elements) at offset ",
+                off, " does not fit in out (", total, " elements)");
+    if (len == 0 || meta) continue;
+    const void* ptr;
+    if (t.is_contiguous()) {
+      ptr = t.data_ptr();
+    } else {
+      keep.push_back(t.contiguous());
+      ptr = keep.back().data_ptr();
+    }
+    TORCH_CHECK_VALUE(!bytes_overlap(ptr, len * t.element_size(), out_ptr, total * osz), "mfsdp_ext.pack: tensors[", i,
+                "] overlaps out in memory");
+    items.push_back(Item{off, len, i, ptr, d});
+  }
+  auto by_off = [](const Item& a, const Item& b) { return a.off < b.off; };
+  if (!std::is_sorted(items.begin(), items.end(), by_off)) std::stable_sort(items.begin(), items.end(), by_off);
+
+  // copy entries per source dtype; the gaps (zeros) go with the first group
+  std::array<std::vector<Entry>, 3> groups;
+  int first_group = items.empty() ? static_cast<int>(kF32) : static_cast<int>(items[0].dtype);
+  int64_t cur = 0;
+  for (size_t k = 0; k < items.size(); ++k) {
+    const Item& it = items[k];
+    if (it.off < cur) {
+      const Item& prev = items[k - 1];
+      TORCH_CHECK_VALUE(false, "mfsdp_ext.pack: tensors[", prev.idx, "] at [", prev.off, ", ", prev.off + prev.len,
+                  ") and tensors[", it.idx, "] at [", it.off, ", ", it.off + it.len, ") overlap in out");
+    }
+    if (it.off > cur) groups[first_group].push_back(Entry{it.off - cur, nullptr, out_ptr + cur * osz});
+    groups[it.dtype].push_back(Entry{it.len, it.ptr, out_ptr + it.off * osz});
+    cur = it.off + it.len;
+  }
+  if (meta) return;
+  if (cur < total) groups[first_group].push_back(Entry{total - cur, nullptr, out_ptr + cur * osz});
+
+  const float fscale = static_cast<float>(scale);
+  const bool use_scale = fscale != 1.0f;
+  for (int g = 0; g < 3; ++g) {
+    run_entries(groups[g], static_cast<DType>(g), od, fscale, use_scale, out, fn);
+  }
+}
+
+void unpack(const at::Tensor& flat, const std::vector<int64_t>& offsets, const std::vector<at::Tensor>& outs) {
+  const char* fn = "unpack";
+  TORCH_CHECK_VALUE(outs.size() == offsets.size(), "mfsdp_ext.unpack: got ", outs.size(), " outputs but ", offsets.size(),
+              " offsets");
+  TORCH_CHECK_VALUE(flat.defined(), "mfsdp_ext.unpack: flat is undefined");
+  check_flat(flat, fn, "flat");
+  check_device_supported(flat, fn);
+  const DType fd = float_dtype(flat, fn, "flat");
+  const bool meta = flat.is_meta();
+  const int64_t total = flat.numel();
+  const int64_t fsz = flat.element_size();
+  const char* flat_ptr = static_cast<const char*>(flat.data_ptr());
+
+  std::array<std::vector<Entry>, 3> groups;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const at::Tensor& t = outs[i];
+    TORCH_CHECK_VALUE(t.defined(), "mfsdp_ext.unpack: outs[", i, "] is undefined");
+    TORCH_CHECK_VALUE(t.device() == flat.device(), "mfsdp_ext.unpack: outs[", i, "] is on ", t.device(),
+                " but flat is on ", flat.device());
+    TORCH_CHECK_VALUE(t.is_contiguous(), "mfsdp_ext.unpack: outs[", i, "] must be contiguous (sizes ", t.sizes(),
+                ", strides ", t.strides(), ")");
+    const DType d = tensor_dtype(t, fn, "outs", i);
+    const int64_t len = t.numel();
+    const int64_t off = offsets[i];
+    TORCH_CHECK_VALUE(off >= 0 && off <= total - len, "mfsdp_ext.unpack: outs[", i, "] (", len, " elements) at offset ",
+                off, " reads past the end of flat (", total, " elements)");
+    if (len == 0 || meta) continue;
+    TORCH_CHECK_VALUE(!bytes_overlap(t.data_ptr(), len * t.element_size(), flat_ptr, total * fsz), "mfsdp_ext.unpack: outs[",
+                i, "] overlaps flat in memory");
+    groups[d].push_back(Entry{len, flat_ptr + off * fsz, t.data_ptr()});
+  }
+  for (int g = 0; g < 3; ++g) {
+    run_entries(groups[g], fd, static_cast<DType>(g), 1.0f, false, flat, fn);
+  }
+}
+
+}  // namespace mfsdp

@@ -1,0 +1,89 @@
+"""Choosing the NCCL symmetric-memory path for the units of a context (use_symm_mem=True / "auto").
+
+NCCL never checks that its symmetric kernel is faster: on H200 we saw the symmetric all-gather win at every
+size and the symmetric reduce-scatter lose from about 8 MiB up. "auto" therefore times both paths once, at
+lazy init, for each distinct (collective, size) of the units, takes the slowest rank's time so that every
+rank decides the same, and keeps the symmetric path only where it beats the plain one by a margin.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .param_group import ParamGroup
+
+AUTO_MARGIN = 0.95  # the symmetric path must be at least 5% faster to be chosen (never slower beyond noise)
+
+
+def check_available(use_symm_mem, group) -> bool | str:
+    """Resolve the user's setting at fully_shard time: an error for True, one warning for "auto"."""
+    if not use_symm_mem:
+        return False
+    from .symm_mem import is_available
+
+    ok, why = (False, "no_shard has no all-gather or reduce-scatter") if group is None else is_available(group)
+    if ok:
+        return use_symm_mem
+    if use_symm_mem is True:
+        raise RuntimeError(f"fully_shard(use_symm_mem=True): NCCL symmetric memory is unavailable: {why}. "
+                           "Pass use_symm_mem='auto' to fall back to the plain path, or False.")
+    if not getattr(check_available, "_warned", False):
+        warnings.warn(f"use_symm_mem='auto': using the plain collectives ({why})", stacklevel=3)
+        check_available._warned = True
+    return False
+
+
+def setup_symmetric(units) -> comm.SymmetricCollectives | None:
+    groups = [(u, g) for u in units for g in u.groups if g.world > 1]
+    if not groups:
+        return None
+    shard_group = groups[0][1].shard_group
+    if any(g.shard_group is not shard_group for _, g in groups):
+        raise ValueError("use_symm_mem: all units under one root must shard over the same group")
+    ag_bytes = max(g.layout.total_numel * _itemsize(g.compute_dtype) for _, g in groups)
+    rs_bytes = max([_rs_bytes(g) for _, g in groups if g.requires_grad] or [0])
+    symmetric = comm.SymmetricCollectives(shard_group, ag_bytes, rs_bytes)
+    symmetric.decisions = {}
+    for unit, g in groups:
+        if unit.use_symm_mem is True:
+            g.use_symm_all_gather, g.use_symm_reduce_scatter = True, g.requires_grad
+        else:
+            g.use_symm_all_gather, g.use_symm_reduce_scatter = _measure(symmetric, g)
+    return symmetric
+
+
+def _measure(symmetric: comm.SymmetricCollectives, g: ParamGroup) -> tuple[bool, bool]:
+    key = (g.layout.total_numel, g.compute_dtype, g.reduce_dtype, g.requires_grad)
+    if key in symmetric.decisions:
+        return symmetric.decisions[key]["choice"]
+    total, shard = g.layout.total_numel, g.layout.shard_numel
+    out = torch.empty(total, dtype=g.compute_dtype, device=g.device)
+    inp = torch.randn(shard, device=g.device).to(g.compute_dtype)
+    times = [comm.time_collective(lambda: comm.all_gather_into(out, inp, g.shard_group)),
+             comm.time_collective(lambda: symmetric.all_gather_into(out, inp))]
+    if g.requires_grad:
+        packed = torch.randn(total, device=g.device).to(g.reduce_dtype)
+        reduced = torch.empty(shard, dtype=g.reduce_dtype, device=g.device)
+        s_packed, s_reduced = symmetric.reduce_scatter_buffers(total, g.reduce_dtype)
+        s_packed.copy_(packed)
+        times += [comm.time_collective(lambda: comm.reduce_scatter_into(reduced, packed, g.shard_group)),
+                  comm.time_collective(lambda: symmetric.reduce_scatter_into(s_reduced, s_packed))]
+    t = torch.tensor(times, dtype=torch.float64, device=g.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g.shard_group)  # slowest rank: every rank decides alike
+    t = t.tolist()
+    choice = (t[1] < AUTO_MARGIN * t[0], len(t) == 4 and t[3] < AUTO_MARGIN * t[2])
+    symmetric.decisions[key] = {"all_gather_ms": (t[0], t[1]), "reduce_scatter_ms": tuple(t[2:]), "choice": choice}
+    return choice
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _rs_bytes(g: ParamGroup) -> int:
+    size = _itemsize(g.reduce_dtype)
+    return (g.layout.total_numel * size + 4095) // 4096 * 4096 + g.layout.shard_numel * size

@@ -1,0 +1,295 @@
+"""NCCL symmetric-memory collectives (mfsdp_ext.symm_mem / mfsdp_ext._C.SymmComm).
+
+CPU tests (always): the module imports without CUDA, is_available() says why not, the environment checks,
+and the deterministic offset allocator behind the pool (when _C is built).
+
+GPU tests (``-m gpu``; need >= 2 CUDA devices and the NCCL build): the shared NCCL rank pool (2 and, when
+present, 4 ranks; init_process_group("nccl", device_id=...))
+allocate from our pool, all-gather / reduce-scatter with ours and with plain torch, compare (exact, the
+inputs are small integers), check the error messages, and check with the profiler that NCCL's symmetric
+kernels (ncclSymk*) ran for ours. Both the borrowed ProcessGroupNCCL communicator and one created by the
+extension are exercised.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from mfsdp_ext import symm_mem
+
+MiB = 1 << 20
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU
+# ----------------------------------------------------------------------------------------------
+def test_import_is_lazy_and_api_present():
+    mod = importlib.reload(symm_mem)
+    for name in ("SymmetricComm", "SymmetricPool", "is_available", "nccl_version", "MIN_NCCL_VERSION"):
+        assert hasattr(mod, name), name
+    assert mod.MIN_NCCL_VERSION == 22807
+    assert mod.format_nccl_version(22809) == "2.28.9"
+    assert mod.format_nccl_version(23203) == "2.32.3"
+    assert mod.format_nccl_version(None) == "none"
+
+
+def test_is_available_returns_reason():
+    ok, why = symm_mem.is_available()
+    assert isinstance(ok, bool) and isinstance(why, str) and why
+    if torch.version.cuda is None:
+        assert not ok
+        assert "CUDA" in why and "CPU-only" in why
+    elif not torch.cuda.is_available():
+        assert not ok and "CUDA device" in why
+
+
+def test_env_reason(monkeypatch):
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
+    monkeypatch.delenv("NCCL_LOCAL_REGISTER", raising=False)
+    assert symm_mem._env_reason() is None
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    assert symm_mem._env_reason() is None
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    assert "NCCL_NVLS_ENABLE" in symm_mem._env_reason()
+    assert symm_mem._env_reason(allow_nvls=True) is None
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    monkeypatch.setenv("NCCL_CUMEM_ENABLE", "0")
+    assert "NCCL_CUMEM_ENABLE" in symm_mem._env_reason()
+
+
+def test_symmetric_comm_refuses_without_group():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    with pytest.raises(RuntimeError, match="process group"):
+        symm_mem.SymmetricComm()
+
+
+def _native_or_skip():
+    mod, why = symm_mem._load_native()
+    if mod is None or not hasattr(mod, "SymmOffsetAllocator"):
+        pytest.skip(why or "mfsdp_ext._C has no SymmOffsetAllocator: csrc/symm_comm.cpp is not compiled into this "
+                    "build (setup.py compiles it only when CUDA and nccl.h are found)")
+    return mod
+
+
+def test_native_build_info_is_consistent():
+    C = _native_or_skip()
+    info = C.symm_comm_build_info()
+    assert info["alignment"] == 4096 and info["min_runtime_version"] == 22807
+    assert isinstance(info["reason"], str) and info["reason"]
+    assert info["built"] == hasattr(C, "SymmComm")
+    if not info["built"]:
+        ok, why = symm_mem.is_available()
+        assert not ok and why
+
+
+def test_offset_allocator_is_deterministic_and_coalesces():
+    C = _native_or_skip()
+
+    def run():
+        a = C.SymmOffsetAllocator()
+        assert a.alignment == 4096
+        assert a.add_region(10 * 4096) == 0
+        assert a.add_region(3000) == 10 * 4096  # rounded up to one 4096-byte page
+        offs = [a.alloc(n) for n in (1, 4096, 4097, 0, 5 * 4096)]
+        assert all(o % 4096 == 0 for o in offs if o >= 0)
+        a.free(offs[1])
+        again = a.alloc(100)  # first fit reuses the freed page
+        return a, offs, again
+
+    a1, offs1, again1 = run()
+    a2, offs2, again2 = run()
+    assert offs1 == offs2 and again1 == again2  # same calls -> same offsets
+    assert offs1 == [0, 4096, 8192, 16384, 20480]
+    assert again1 == 4096
+    assert a1.alloc(4096) == 10 * 4096  # the second region
+    assert a1.alloc(1) == -1  # full
+    with pytest.raises(Exception):
+        a1.free(12345)  # not an allocation start
+    # free everything: neighbours coalesce back into whole regions
+    for off, _ in a1.allocations():
+        a1.free(off)
+    assert a1.used == 0 and a1.largest_free == 10 * 4096
+    assert a1.alloc(10 * 4096) == 0
+    assert a1.find_allocation(4096, 8) == 0 and a1.find_allocation(10 * 4096 + 1, 1) == -1
+    assert a1.region_index(10 * 4096) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: two ranks
+# ----------------------------------------------------------------------------------------------
+def _gpu_skip_reason():
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return "needs >= 2 CUDA devices"
+    ok, why = symm_mem.is_available()
+    if not ok:
+        return f"NCCL symmetric memory unavailable: {why}"
+    return None
+
+
+def _plain_ag(out, inp):
+    import torch.distributed as dist
+
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp)
+
+
+def _plain_rs(out, inp):
+    import torch.distributed as dist
+
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp)
+
+
+def _kernels(fn):
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if getattr(e, "device_type", None) == DeviceType.CUDA]
+
+
+def _check_comm(comm, rank, world, device):
+    """All checks on one SymmetricComm. Every rank runs the same sequence of pool calls."""
+    n = 3 * 4096 + 8  # not a multiple of anything nice
+    # --- all-gather: in place and out of place, every supported dtype, exact against plain torch
+    dtypes = [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.int8]
+    dtypes += [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d]
+    for dtype in dtypes:
+        for in_place in (True, False):
+            full = comm.alloc_tensor(world * n, dtype)
+            assert full.device == device and full.dtype == dtype and full.numel() == world * n
+            assert comm.native.offset_of(full) % 4096 == 0
+            src = ((torch.arange(n, device=device) * 7 + 11 * rank) % 100).to(torch.float32)
+            if in_place:
+                inp = full.narrow(0, rank * n, n)
+            else:
+                inp = comm.alloc_tensor(n, dtype)
+            inp.copy_(src.to(dtype))
+            comm.all_gather_into(full, inp)
+            # reference: plain torch all-gather of the same bytes, on ordinary tensors
+            ref = torch.empty(world * n, dtype=dtype, device=device)
+            _plain_ag(ref.view(torch.uint8), inp.clone().view(torch.uint8))
+            torch.cuda.synchronize()
+            assert torch.equal(full.view(torch.uint8), ref.view(torch.uint8)), (dtype, in_place)
+            if not in_place:
+                comm.free_tensor(inp)
+            comm.free_tensor(full)
+
+    # --- reduce-scatter: sum and average, bf16/fp16/fp32, exact against plain torch (small integers)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for average in (False, True):
+            inp = comm.alloc_tensor(world * n, dtype)
+            out = comm.alloc_tensor(n, dtype)
+            inp.copy_(((torch.arange(world * n, device=device) % 17) + 2 * rank).to(dtype))
+            comm.reduce_scatter_into(out, inp, average=average)
+            ref = torch.empty(n, dtype=dtype, device=device)
+            _plain_rs(ref, inp.clone())
+            if average:
+                ref.mul_(1.0 / world)
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out, ref, rtol=0, atol=0, msg=f"{dtype} average={average}")
+            comm.free_tensor(out)
+            comm.free_tensor(inp)
+
+    # --- in-place reduce-scatter (output = this rank's slot of the input)
+    inp = comm.alloc_tensor(world * n, torch.float32)
+    inp.copy_((torch.arange(world * n, device=device) % 5 + rank).float())
+    ref = torch.empty(n, device=device)
+    _plain_rs(ref, inp.clone())
+    out = inp.narrow(0, rank * n, n)
+    comm.reduce_scatter_into(out, inp)
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    comm.free_tensor(inp)
+
+    # --- clear errors (all local checks: no rank reaches NCCL)
+    a = comm.alloc_tensor(world * 1024, torch.bfloat16)
+    b = comm.alloc_tensor(1024, torch.bfloat16)
+    outside = torch.empty(world * 1024, dtype=torch.bfloat16, device=device)
+    with pytest.raises(RuntimeError, match="symmetric window"):
+        comm.all_gather_into(outside, b)
+    with pytest.raises(RuntimeError, match="symmetric window"):
+        comm.reduce_scatter_into(b, outside)
+    with pytest.raises(RuntimeError, match="elements"):
+        comm.all_gather_into(a, a.narrow(0, 0, 1000))
+    with pytest.raises(RuntimeError, match="elements"):
+        comm.reduce_scatter_into(b.narrow(0, 0, 1000), a)
+    with pytest.raises(RuntimeError, match="dtype"):
+        comm.all_gather_into(a.view(torch.int16), b)
+    with pytest.raises(RuntimeError, match="not supported"):
+        comm.reduce_scatter_into(b.view(torch.int16), a.view(torch.int16))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        comm.all_gather_into(a, a[::world])
+    with pytest.raises(RuntimeError, match="overlaps"):
+        comm.all_gather_into(a, a.narrow(0, 1, 1024))  # inside the output but not this rank's slot
+    assert comm.owns(a) and not comm.owns(outside)
+
+    # --- NCCL's symmetric kernels ran for ours
+    ag_names = _kernels(lambda: comm.all_gather_into(a, a.narrow(0, rank * 1024, 1024)))
+    rs_names = _kernels(lambda: comm.reduce_scatter_into(b, a))
+    assert any(nm.startswith("ncclSymk") and "AllGather" in nm for nm in ag_names), ag_names
+    assert any(nm.startswith("ncclSymk") and "ReduceScatter" in nm for nm in rs_names), rs_names
+    kernels = {"all_gather": sorted(set(ag_names)), "reduce_scatter": sorted(set(rs_names))}
+    comm.free_tensor(b)
+    comm.free_tensor(a)
+
+    # --- growth beyond the reserved pool (collective: same sequence on every rank)
+    cap = comm.native.capacity
+    big = comm.alloc_tensor(cap + 1, torch.uint8)  # cannot fit: reserves another region
+    assert comm.native.capacity > cap
+    assert comm.native.stats()["num_allocations"] == 1
+    comm.free_tensor(big)
+    assert comm.native.bytes_in_use == 0
+    return kernels
+
+
+def _case_symmetric_collectives() -> dict:
+    """Runs on every rank of the NCCL rank pool (init_process_group("nccl", device_id=...) done there)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    dist.barrier(device_ids=[device.index])
+    ok, why = symm_mem.is_available(dist.group.WORLD)
+    assert ok, why
+    seen = {}
+    for borrow in (True, False):
+        comm = symm_mem.SymmetricComm(dist.group.WORLD, pool_bytes=16 * MiB, grow_bytes=8 * MiB, borrow=borrow)
+        assert comm.rank == rank and comm.world_size == world
+        if not borrow:
+            assert not comm.borrowed and comm.native.owns_comm
+        elif comm.borrowed:
+            assert not comm.native.owns_comm
+        seen["borrowed" if comm.borrowed else "owned"] = _check_comm(comm, rank, world, device)
+        view = comm.alloc_tensor(16, torch.float32)
+        comm.close()
+        comm.close()  # idempotent
+        assert comm.closed
+        view.fill_(1.0)  # views stay valid after close (the memory lives until the last view dies)
+        torch.cuda.synchronize()
+        with pytest.raises(RuntimeError, match="closed"):
+            comm.alloc_tensor(16, torch.float32)
+        del view
+    dist.barrier(device_ids=[device.index])
+    assert "borrowed" in seen, "ProcessGroupNCCL's communicator could not be borrowed (pg._get_backend(dev)._comm_ptr())"
+    return seen
+
+
+@pytest.mark.gpu
+def test_symmetric_collectives(gpu_pool):
+    reason = _gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    print(gpu_pool.run(_case_symmetric_collectives)[0])
