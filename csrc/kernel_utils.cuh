@@ -1,4 +1,4 @@
-// Device building blocks shared by pack.cu and cast.cu (plain CUDA, no torch headers).
+// Device building blocks shared by pack_cuda.cu and cast_cuda.cu (plain CUDA, no torch headers).
 //
 // Work split: a kernel covers one flat index space [0, total). Block b owns the contiguous span
 // [b * span, (b + 1) * span) and walks it front to back; where a span meets a segment table it finds its

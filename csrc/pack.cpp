@@ -1,6 +1,6 @@
 // pack / unpack: host glue and the CPU kernel. Both build a list of copy entries (length, source, destination;
 // a null source writes zeros) and run it as one pass over the concatenated "virtual" index space:
-// at::parallel_for on CPU, one CUDA launch (pack.cu) with the entry table copied to the device.
+// at::parallel_for on CPU, one CUDA launch (pack_cuda.cu) with the entry table copied to the device.
 #include "pack.h"
 
 #include <array>
