@@ -118,7 +118,8 @@ def make_extension():
 
     gencode, arch_names = cuda_arch_flags()
     defines = ["-DMFSDP_WITH_CUDA", f"-DMFSDP_CUDA_ARCHS={arch_names}"]
-    sources += [os.path.join(CSRC, f) for f in ("pack_cuda.cu", "cast_cuda.cu")  # not pack.cu: torch names objects by stem, pack.o would clash]
+    # Not pack.cu / cast.cu: torch names object files by stem, so they would clash with pack.o / cast.o.
+    sources += [os.path.join(CSRC, f) for f in ("pack_cuda.cu", "cast_cuda.cu")]
     nvcc_flags += gencode
     if os.environ.get("MFSDP_PTXAS_VERBOSE") == "1":
         nvcc_flags += ["-Xptxas", "-v"]
