@@ -89,6 +89,13 @@ def _overlapping(kind: str, kernels) -> tuple[int, int]:
     return len(comm), hits
 
 
+def _timeline(kernels, limit: int = 60) -> list[str]:
+    """Kernels in start order, as 'start_us +dur name' relative to the first: for reading a failure."""
+    kernels = sorted(kernels, key=lambda k: k[1])
+    t0 = kernels[0][1] if kernels else 0
+    return [f"{(s - t0):9.1f} +{(e - s):7.1f} {n[:60]}" for n, s, e in kernels[:limit]]
+
+
 def _case_overlap(n_blocks: int):
     from torch.profiler import ProfilerActivity, profile
 
@@ -107,10 +114,12 @@ def _case_overlap(n_blocks: int):
     with profile(activities=[ProfilerActivity.CUDA]) as bwd_prof:
         loss.backward()
         torch.cuda.synchronize()
-    fwd_ag, fwd_ag_overlap = _overlapping("AllGather", _kernels(fwd_prof))
+    fwd_kernels = _kernels(fwd_prof)
+    fwd_ag, fwd_ag_overlap = _overlapping("AllGather", fwd_kernels)
     bwd_rs, bwd_rs_overlap = _overlapping("ReduceScatter", _kernels(bwd_prof))
     result = {"forward_all_gathers": fwd_ag, "overlapping_gemm": fwd_ag_overlap,
-              "backward_reduce_scatters": bwd_rs, "rs_overlapping_gemm": bwd_rs_overlap}
+              "backward_reduce_scatters": bwd_rs, "rs_overlapping_gemm": bwd_rs_overlap,
+              "forward_timeline": _timeline(fwd_kernels)}
     assert fwd_ag == n_blocks and fwd_ag_overlap >= n_blocks - 1, result
     assert bwd_rs == n_blocks and bwd_rs_overlap >= n_blocks - 1, result
     return result
