@@ -11,6 +11,7 @@ import importlib
 import os
 import queue
 import socket
+import sys
 import traceback
 
 import torch.multiprocessing as mp
@@ -71,8 +72,10 @@ class RankPool:
             try:
                 rank, ok, payload = self.results.get(timeout=timeout)
             except queue.Empty:
+                msg = f"{fn.__name__}: a rank hung for {timeout}s (got: {errors or 'nothing'})"
+                print(msg, file=sys.stderr, flush=True)  # visible even if the session is cut short
                 self.restart()
-                raise AssertionError(f"{fn.__name__}: a rank hung for {timeout}s (got: {errors or 'nothing'})")
+                raise AssertionError(msg)
             if ok:
                 out[rank] = payload
             else:
@@ -80,8 +83,10 @@ class RankPool:
                 if len(errors) == 1:
                     timeout = min(timeout, 30.0)  # the others may be stuck in a collective
         if errors:
+            msg = f"{fn.__name__} failed:\n" + "\n".join(errors)
+            print(msg, file=sys.stderr, flush=True)
             self.restart()
-            raise AssertionError(f"{fn.__name__} failed:\n" + "\n".join(errors))
+            raise AssertionError(msg)
         return out
 
     def restart(self) -> None:
