@@ -135,8 +135,9 @@ def make_extension():
         log(f"NCCL: include {inc}, lib {lib or '(linker default)'}")
         defines.append("-DMFSDP_WITH_NCCL")
         sources.append(symm)
-        if os.path.exists(os.path.join(ROOT, CSRC, "symm_comm.cu")):
-            sources.append(os.path.join(CSRC, "symm_comm.cu"))
+        # a CUDA part of the NCCL code, if any, must not be named symm_comm.cu (its object would clash)
+        if os.path.exists(os.path.join(ROOT, CSRC, "symm_comm_cuda.cu")):
+            sources.append(os.path.join(CSRC, "symm_comm_cuda.cu"))
         include_dirs.append(inc)
         if lib:
             link_args += [f"-L{lib}", f"-Wl,-rpath,{lib}"]

@@ -23,7 +23,7 @@ namespace detail {
 
 constexpr int kThreads = 256;
 // the smallest span worth a block of its own (elements)
-constexpr int64_t kMinSpan = 4096;
+constexpr int64_t kMinSpan = 1024;
 
 // ---------------------------------------------------------------------------------------------
 // 16-byte vector registers

@@ -1,0 +1,348 @@
+"""Kernel bandwidth benchmark (one GPU): mfsdp_ext kernels vs the GPU's copy bandwidth vs the PyTorch way.
+
+    python benchmarks/kernels.py [--out DIR] [--sizes 1M,4M,16M,64M,256M,1G] [--reps N]
+
+For each size (elements of the fp32 source) it measures, in one run, with CUDA events (warm-up, median of
+many repetitions):
+  copy      device-to-device copy of the fp32 source (8 B/elem)                      -> the roofline
+  bf16 cast mfsdp cast fp32->bf16 (6 B/elem)       vs  src.to(torch.bfloat16)
+  fp8 cast  mfsdp fp8_cast (5 B/elem), segment_amax (4 B/elem) and both (9 B/elem)
+            vs  amax = src.abs().max(); (src * (448 / amax)).clamp(-448, 448).to(float8_e4m3fn)
+  pack      mfsdp pack of 16 uneven fp32 tensors into one flat fp32 buffer (8 B/elem)
+            vs  torch._foreach_copy_(views of the flat buffer, tensors)
+and pack of 2000 small tensors (~4K elements each) vs _foreach_copy_ (GPU time and host time per call).
+GB/s counts the bytes the operation must move (read + write) over its time; for the PyTorch way the same byte
+count is used, so the GB/s columns compare times. Results: <out>/kernels_<gpu>.md, .json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from mfsdp_ext import _native as N  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+GOAL = 0.90  # fraction of copy bandwidth at >= 64 MiB
+GOAL_MIN_BYTES = 64 << 20
+
+
+def parse_size(s: str) -> int:
+    m = re.fullmatch(r"(\d+)([KMG]?)", s.strip().upper())
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {s!r}")
+    return int(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2)]
+
+
+def size_name(n: int) -> str:
+    for unit, v in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n % v == 0:
+            return f"{n // v}{unit}"
+    return str(n)
+
+
+def gpu_tag(name: str) -> str:
+    m = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", name)
+    tag = m.group(1) if m else name
+    return re.sub(r"[^a-z0-9]+", "_", tag.lower()).strip("_") or "gpu"
+
+
+def time_gpu(fn, reps: int, warmup: int = 3) -> float:
+    """Median GPU time of fn() in seconds (CUDA events around each call)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
+
+
+def time_host(fn, reps: int) -> float:
+    """Wall time per call, calls issued back to back, synchronised at the end (host overhead included)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps
+
+
+def reps_for(nbytes: int, base: int) -> int:
+    return int(max(10, min(base, 4e10 / max(nbytes, 1))))
+
+
+def uneven_sizes(n: int, parts: int, g: torch.Generator) -> list[int]:
+    w = torch.rand(parts, generator=g) + 0.5
+    sizes = (w / w.sum() * n).long().tolist()
+    sizes[-1] += n - sum(sizes)
+    return sizes
+
+
+def bench_size(n: int, reps_base: int) -> list[dict]:
+    rows = []
+    reps = reps_for(8 * n, reps_base)
+    src = torch.randn(n, device="cuda")
+    seg = torch.tensor([[0, n]], device="cuda")
+
+    # roofline: device-to-device copy
+    dst32 = torch.empty(n, device="cuda")
+    t_copy = time_gpu(lambda: dst32.copy_(src), reps)
+    copy_bw = 8 * n / t_copy
+
+    def row(kernel, bytes_per_elem, t_ours, t_torch=None, torch_way=""):
+        r = {"kernel": kernel, "elements": n, "src_bytes": 4 * n, "bytes_moved": bytes_per_elem * n,
+             "ours_s": t_ours, "ours_gbps": bytes_per_elem * n / t_ours / 1e9, "copy_gbps": copy_bw / 1e9,
+             "copy_s": t_copy}
+        r["frac_of_copy"] = r["ours_gbps"] / r["copy_gbps"]
+        if t_torch is not None:
+            r.update(torch_s=t_torch, torch_gbps=bytes_per_elem * n / t_torch / 1e9, speedup=t_torch / t_ours,
+                     torch_way=torch_way)
+        rows.append(r)
+
+    # bf16 cast
+    dst16 = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    t_ours = time_gpu(lambda: N.cast(src, dst16), reps)
+    t_torch = time_gpu(lambda: src.to(torch.bfloat16), reps)
+    row("cast fp32->bf16", 6, t_ours, t_torch, "src.to(torch.bfloat16)")
+    ok = torch.equal(dst16, src.to(torch.bfloat16))
+    del dst16
+
+    # fp8: amax + cast
+    amax = torch.empty(1, device="cuda")
+    q = torch.empty(n, dtype=E4M3, device="cuda")
+    sinv = torch.empty(1, device="cuda")
+    t_amax = time_gpu(lambda: N.segment_amax(src, seg, amax), reps)
+    t_fp8 = time_gpu(lambda: N.fp8_cast(src, seg, amax, q, sinv), reps)
+
+    def both():
+        N.segment_amax(src, seg, amax)
+        N.fp8_cast(src, seg, amax, q, sinv)
+
+    t_both = time_gpu(both, reps)
+
+    def torch_fp8():
+        a = src.abs().max()
+        scale = 448.0 / a
+        return (src * scale).clamp(-448.0, 448.0).to(E4M3), 1.0 / scale
+
+    t_torch_fp8 = time_gpu(torch_fp8, max(5, reps // 2))
+    row("segment_amax fp32", 4, t_amax)
+    row("fp8_cast fp32->e4m3", 5, t_fp8)
+    row("amax + fp8_cast", 9, t_both, t_torch_fp8, "abs().max(); (x*s).clamp().to(e4m3)")
+    ok = ok and float(amax[0]) == float(src.abs().max())
+    del q
+
+    # pack: 16 uneven fp32 tensors -> one fp32 flat buffer
+    g = torch.Generator().manual_seed(0)
+    sizes = uneven_sizes(n, 16, g)
+    tensors = [torch.randn(s, device="cuda") for s in sizes]
+    del src
+    offsets, cur = [], 0
+    for s in sizes:
+        offsets.append(cur)
+        cur += s
+    flat = torch.empty(n, device="cuda")
+    views = [flat[o:o + s] for o, s in zip(offsets, sizes)]
+    t_pack = time_gpu(lambda: N.pack(tensors, offsets, flat), reps)
+    t_foreach = time_gpu(lambda: torch._foreach_copy_(views, tensors), reps)
+    row("pack 16 tensors fp32", 8, t_pack, t_foreach, "torch._foreach_copy_(views, tensors)")
+    ok = ok and all(torch.equal(v, t) for v, t in zip(views, tensors))
+    if not ok:
+        print(f"WARNING: a result check failed at n={n}", file=sys.stderr)
+    for r in rows:
+        r["check_ok"] = ok
+    return rows
+
+
+def bench_small_tensors(count: int, reps_base: int) -> list[dict]:
+    rows = []
+    g = torch.Generator().manual_seed(1)
+    sizes = torch.randint(2048, 6145, (count,), generator=g).tolist()
+    for dtype in (torch.float32, torch.bfloat16):
+        tensors = [torch.randn(s, device="cuda", dtype=dtype) for s in sizes]
+        offsets, cur = [], 0
+        for s in sizes:
+            offsets.append(cur)
+            cur += s
+        flat = torch.empty(cur, device="cuda", dtype=dtype)
+        views = [flat[o:o + s] for o, s in zip(offsets, sizes)]
+        esz = flat.element_size()
+        nbytes = 2 * esz * cur
+        n_copy = torch.empty_like(flat)
+        t_copy = time_gpu(lambda: n_copy.copy_(flat), reps_base)
+        t_pack = time_gpu(lambda: N.pack(tensors, offsets, flat), reps_base)
+        t_foreach = time_gpu(lambda: torch._foreach_copy_(views, tensors), reps_base)
+        h_pack = time_host(lambda: N.pack(tensors, offsets, flat), 50)
+        h_foreach = time_host(lambda: torch._foreach_copy_(views, tensors), 50)
+        ok = all(torch.equal(v, t) for v, t in zip(views, tensors))
+        rows.append({"kernel": f"pack {count} small tensors {str(dtype).replace('torch.', '')}", "elements": cur,
+                     "src_bytes": esz * cur, "bytes_moved": nbytes, "ours_s": t_pack, "ours_gbps": nbytes / t_pack / 1e9,
+                     "copy_s": t_copy, "copy_gbps": nbytes / t_copy / 1e9, "frac_of_copy": t_copy / t_pack,
+                     "torch_s": t_foreach, "torch_gbps": nbytes / t_foreach / 1e9, "speedup": t_foreach / t_pack,
+                     "torch_way": "torch._foreach_copy_(views, tensors)", "ours_host_s": h_pack,
+                     "torch_host_s": h_foreach, "check_ok": ok})
+    return rows
+
+
+def write_markdown(path: str, meta: dict, rows: list[dict], goals: list[str]) -> None:
+    lines = [f"# mfsdp_ext kernels on {meta['gpu']}", "",
+             f"{meta['date']} - torch {meta['torch']} - CUDA {meta['cuda']} - build {meta['build']}", "",
+             "GB/s = bytes the operation must move (read + written) / median GPU time (CUDA events). "
+             "`% copy` = ours / device-to-device copy bandwidth measured in the same run. "
+             "`speedup` = PyTorch time / our time.", "",
+             "| kernel | elements | src MiB | ours GB/s | copy GB/s | % copy | PyTorch GB/s | speedup | ours us | PyTorch us |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        tg = f"{r['torch_gbps']:.0f}" if "torch_gbps" in r else ""
+        sp = f"{r['speedup']:.2f}x" if "speedup" in r else ""
+        tu = f"{r['torch_s'] * 1e6:.1f}" if "torch_s" in r else ""
+        lines.append(f"| {r['kernel']} | {size_name(r['elements'])} | {r['src_bytes'] / 2**20:.1f} | "
+                     f"{r['ours_gbps']:.0f} | {r['copy_gbps']:.0f} | {100 * r['frac_of_copy']:.0f}% | {tg} | {sp} | "
+                     f"{r['ours_s'] * 1e6:.1f} | {tu} |")
+    small = [r for r in rows if "ours_host_s" in r]
+    if small:
+        lines += ["", "Host time per call (calls back to back, includes Python/C++ overhead and the table upload):", "",
+                  "| case | ours us/call | _foreach_copy_ us/call |", "|---|---:|---:|"]
+        for r in small:
+            lines.append(f"| {r['kernel']} | {r['ours_host_s'] * 1e6:.1f} | {r['torch_host_s'] * 1e6:.1f} |")
+    lines += ["", "Goals (>= 90% of copy bandwidth at >= 64 MiB of fp32 source):", ""] + [f"- {g}" for g in goals]
+    lines += ["", "Legend: fp32->bf16 cast moves 6 B/elem, fp32->e4m3 cast 5 B/elem, amax 4 B/elem, "
+              "amax + cast 9 B/elem, pack fp32 8 B/elem, copy 8 B/elem."]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def write_chart(path: str, meta: dict, rows: list[dict]) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:  # noqa: BLE001
+        print(f"matplotlib not importable ({exc}); skipping the chart", file=sys.stderr)
+        return False
+    sweep = [r for r in rows if "ours_host_s" not in r]
+    kernels = []
+    for r in sweep:
+        if r["kernel"] not in kernels:
+            kernels.append(r["kernel"])
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    copy_pts = {}
+    for r in sweep:
+        copy_pts[r["src_bytes"]] = r["copy_gbps"]
+    xs = sorted(copy_pts)
+    ax.plot([x / 2**20 for x in xs], [copy_pts[x] for x in xs], "k--", lw=2, label="D2D copy")
+    for i, k in enumerate(kernels):
+        pts = [r for r in sweep if r["kernel"] == k]
+        color = f"C{i}"
+        ax.plot([r["src_bytes"] / 2**20 for r in pts], [r["ours_gbps"] for r in pts], "o-", color=color,
+                label=f"mfsdp {k}")
+        if any("torch_gbps" in r for r in pts):
+            ax.plot([r["src_bytes"] / 2**20 for r in pts if "torch_gbps" in r],
+                    [r["torch_gbps"] for r in pts if "torch_gbps" in r], "x:", color=color,
+                    label=f"PyTorch ({pts[0].get('torch_way', '')})"[:60])
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("fp32 source size (MiB)")
+    ax.set_ylabel("GB/s (bytes moved / time)")
+    ax.set_title(f"mfsdp_ext kernels on {meta['gpu']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--sizes", default="1M,4M,16M,64M,256M,1G", help="comma-separated element counts")
+    p.add_argument("--reps", type=int, default=100, help="repetitions at small sizes (fewer at large ones)")
+    p.add_argument("--small-count", type=int, default=2000, help="tensors in the many-small-tensors pack case")
+    args = p.parse_args()
+
+    if not torch.cuda.is_available():
+        print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    info = N.build_info()
+    if not info.get("cuda"):
+        print(f"mfsdp_ext._C was built without CUDA kernels: {info}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    name = torch.cuda.get_device_name()
+    meta = {"gpu": name, "date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "build": info}
+    print(f"# {name}, torch {torch.__version__}, build {info}", flush=True)
+
+    rows: list[dict] = []
+    for n in [parse_size(s) for s in args.sizes.split(",") if s.strip()]:
+        free, _ = torch.cuda.mem_get_info()
+        need = 24 * n + (256 << 20)  # src + copy + bf16 + the PyTorch fp8 temporaries, roughly
+        if need > free:
+            print(f"skip n={size_name(n)}: needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free", flush=True)
+            continue
+        t0 = time.time()
+        new = bench_size(n, args.reps)
+        torch.cuda.empty_cache()
+        rows += new
+        for r in new:
+            extra = f"  PyTorch {r['torch_gbps']:7.0f} GB/s  speedup {r['speedup']:.2f}x" if "speedup" in r else ""
+            print(f"{r['kernel']:24s} n={size_name(n):>5s}  ours {r['ours_gbps']:7.0f} GB/s  "
+                  f"copy {r['copy_gbps']:7.0f} GB/s  {100 * r['frac_of_copy']:5.1f}%{extra}", flush=True)
+        print(f"  ({time.time() - t0:.1f} s)", flush=True)
+    small = bench_small_tensors(args.small_count, args.reps)
+    rows += small
+    for r in small:
+        print(f"{r['kernel']}: ours {r['ours_s'] * 1e6:.1f} us ({r['ours_gbps']:.0f} GB/s), _foreach_copy_ "
+              f"{r['torch_s'] * 1e6:.1f} us, speedup {r['speedup']:.2f}x; host {r['ours_host_s'] * 1e6:.1f} vs "
+              f"{r['torch_host_s'] * 1e6:.1f} us/call", flush=True)
+
+    goals = []
+    all_met = True
+    for k, label in (("cast fp32->bf16", "bf16 cast"), ("fp8_cast fp32->e4m3", "FP8 cast"),
+                     ("pack 16 tensors fp32", "pack")):
+        big = [r for r in rows if r["kernel"] == k and r["src_bytes"] >= GOAL_MIN_BYTES]
+        if not big:
+            goals.append(f"{label}: no size >= 64 MiB measured")
+            continue
+        worst = min(big, key=lambda r: r["frac_of_copy"])
+        met = worst["frac_of_copy"] >= GOAL
+        all_met &= met
+        goals.append(f"{label}: {'MET' if met else 'NOT MET'} (worst {100 * worst['frac_of_copy']:.1f}% of copy at "
+                     f"{size_name(worst['elements'])} elements)")
+    for g in goals:
+        print("goal:", g, flush=True)
+
+    tag = gpu_tag(name)
+    md = os.path.join(args.out, f"kernels_{tag}.md")
+    js = os.path.join(args.out, f"kernels_{tag}.json")
+    png = os.path.join(args.out, f"kernels_{tag}.png")
+    write_markdown(md, meta, rows, goals)
+    with open(js, "w") as f:
+        json.dump({"meta": meta, "rows": rows, "goals": goals}, f, indent=1)
+    wrote_png = write_chart(png, meta, rows)
+    print(f"wrote {md}, {js}" + (f", {png}" if wrote_png else ""), flush=True)
+    checks = all(r.get("check_ok", True) for r in rows)
+    if not checks:
+        print("ERROR: some result checks failed", file=sys.stderr)
+    return 0 if checks else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
