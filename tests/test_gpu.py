@@ -100,9 +100,11 @@ def _case_overlap(n_blocks: int):
     from torch.profiler import ProfilerActivity, profile
 
     dev = rank_device()
-    model = _stack(n_blocks, 2048, 8192)
+    # Blocks large enough that each all-gather (~0.5 ms) outlasts the host's gap between issuing the prefetch
+    # and the next GEMM; with smaller ones a fast 2-GPU gather can end before Python launches the GEMM.
+    model = _stack(n_blocks, 4096, 8192)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(4, 1024, 2048, device=dev)
+    x = torch.randn(4, 1024, 4096, device=dev)
     for _ in range(2):  # the first iteration records the execution order that prefetching follows
         model(x).float().square().mean().backward()
         opt.step()
