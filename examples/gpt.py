@@ -304,10 +304,10 @@ def materialize(model: GPT, impl: str, device: torch.device) -> None:
 def grad_sync_context(model: nn.Module, impl: str, index: int, count: int):
     """Context for microbatch ``index`` of ``count``: gradients are reduced only on the last one."""
     is_first, is_last = index == 0, index == count - 1
+    if count > 1:  # both: keep unsharded grads locally until the last microbatch (FSDP2's no-sync idiom)
+        model.set_requires_gradient_sync(is_last)
     if impl == "ours":
         import mfsdp_ext
 
         return mfsdp_ext.microbatch(model, is_first=is_first, is_last=is_last)
-    if count > 1:
-        model.set_requires_gradient_sync(is_last)
     return contextlib.nullcontext()

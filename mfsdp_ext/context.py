@@ -25,9 +25,13 @@ class FsdpContext:
         self.is_cuda = device.type == "cuda"
         self.ag_stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device) if self.is_cuda else None
         self.rs_stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device) if self.is_cuda else None
-        # Execution order: recorded in this iteration's forward, used for prefetching in the next.
+        # Execution order: recorded in this iteration's forward, used for prefetching in the next. Units are
+        # recorded when their forward starts (forward prefetch) and when it ends: backward runs in the reverse
+        # of the end order (the root's tail, e.g. the LM head, first; then the last block).
         self.forward_order: list["FsdpUnit"] = []
         self.prev_forward_order: list["FsdpUnit"] = []
+        self.forward_end_order: list["FsdpUnit"] = []
+        self.prev_forward_end_order: list["FsdpUnit"] = []
         # Microbatch flags (see api.microbatch): first -> sync main->model weights; last -> finish reductions.
         self.is_first_microbatch = True
         self.is_last_microbatch = True
@@ -67,12 +71,22 @@ class FsdpContext:
             return order[i + 1] if i + 1 < len(order) else None
         return None
 
+    def record_forward_end(self, unit: "FsdpUnit") -> None:
+        if unit not in self.forward_end_order:
+            self.forward_end_order.append(unit)
+
     def next_in_backward(self, unit: "FsdpUnit") -> Optional["FsdpUnit"]:
-        order = self.forward_order
+        order = self.forward_end_order
         if unit in order:
             i = order.index(unit)
             return order[i - 1] if i > 0 else None
         return None
+
+    def needed_first_in_backward(self, unit: "FsdpUnit") -> bool:
+        """The unit whose forward ended last before the root's: backward needs it right after the root, so
+        resharding it after forward would only gather it again at once (judged from the last iteration)."""
+        order = self.prev_forward_end_order
+        return len(order) >= 2 and order[-1] is self.root and order[-2] is unit
 
     # ------------------------------------------------------------------ backward end
     def queue_final_callback(self) -> None:
@@ -95,7 +109,9 @@ class FsdpContext:
         self.callback_queued = False
         if self.forward_order:
             self.prev_forward_order = self.forward_order
+            self.prev_forward_end_order = self.forward_end_order
         self.forward_order = []
+        self.forward_end_order = []
         self.iteration += 1
         for unit in self.units:
             unit.reset_iteration()

@@ -184,7 +184,9 @@ class FsdpUnit:
         if not torch.is_grad_enabled():
             self.rest_params()  # evaluation: nothing will need the gathered weights
         else:
-            if self.reshard_after_forward and not self.is_root:
+            ctx = self.context
+            ctx.record_forward_end(self)
+            if self.reshard_after_forward and not self.is_root and not ctx.needed_first_in_backward(self):
                 self.reshard()
             self._register_pre_backward(output)
         if self.mp_policy.output_dtype is not None:
