@@ -168,6 +168,33 @@ def _case_recompute_no_extra_gathers():
     return counts
 
 
+def _case_no_sync_accumulation():
+    """FSDP2's idiom: set_requires_gradient_sync(False) until the last microbatch; one reduce per step."""
+
+    class NoSync:
+        def __init__(self, model, is_first, is_last):
+            self.model, self.is_last = model, is_last
+
+        def __enter__(self):
+            self.model.set_requires_gradient_sync(self.is_last)
+
+        def __exit__(self, *exc):
+            return False
+
+    torch.manual_seed(15)
+    model = TinyLM()
+    ref = copy.deepcopy(model).to(rank_device())
+    ref_losses = train(ref, STEPS, GLOBAL_BATCH, sharded=False)
+    shard_tiny_lm(model, fully_shard)
+    with count_collectives() as counts:
+        losses = train(model, STEPS, GLOBAL_BATCH, sharded=True, microbatches=3, microbatch_ctx=NoSync)
+    loss_err = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
+    param_err = _compare_params(model, ref)
+    assert loss_err <= 1e-5 and param_err <= 1e-5, (loss_err, param_err)
+    assert counts["reduce_scatter_into"] == STEPS * 4, counts  # 4 units, once per step
+    return {"loss_err": loss_err, "param_err": param_err, "counts": dict(counts)}
+
+
 # ----------------------------------------------------------------------------------------------- pytest
 def test_strategy_matrix(cpu_pool):
     for line in cpu_pool.run(_case_strategy_matrix)[0].items():
@@ -192,3 +219,7 @@ def test_microbatch_flags_restored(cpu_pool):
 
 def test_recompute_no_extra_gathers(cpu_pool):
     print(cpu_pool.run(_case_recompute_no_extra_gathers)[0])
+
+
+def test_no_sync_accumulation(cpu_pool):
+    print(cpu_pool.run(_case_no_sync_accumulation)[0])
