@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mfsdp_ext import _native as N  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
+DEVICE = "cuda"  # --device cpu: a smoke test of this script on a machine without a GPU (numbers meaningless)
 GOAL = 0.90  # fraction of copy bandwidth at >= 64 MiB
 GOAL_MIN_BYTES = 64 << 20
 
@@ -56,11 +57,23 @@ def gpu_tag(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", tag.lower()).strip("_") or "gpu"
 
 
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def time_gpu(fn, reps: int, warmup: int = 3) -> float:
     """Median GPU time of fn() in seconds (CUDA events around each call)."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync()
+    if DEVICE != "cuda":
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
@@ -74,11 +87,11 @@ def time_gpu(fn, reps: int, warmup: int = 3) -> float:
 def time_host(fn, reps: int) -> float:
     """Wall time per call, calls issued back to back, synchronised at the end (host overhead included)."""
     fn()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(reps):
         fn()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - t0) / reps
 
 
@@ -93,39 +106,38 @@ def uneven_sizes(n: int, parts: int, g: torch.Generator) -> list[int]:
     return sizes
 
 
-def bench_size(n: int, reps_base: int) -> list[dict]:
-    rows = []
-    reps = reps_for(8 * n, reps_base)
-    src = torch.randn(n, device="cuda")
-    seg = torch.tensor([[0, n]], device="cuda")
-
-    # roofline: device-to-device copy
-    dst32 = torch.empty(n, device="cuda")
-    t_copy = time_gpu(lambda: dst32.copy_(src), reps)
+def _row(kernel, n, bytes_per_elem, t_ours, copy, t_torch=None, torch_way=""):
+    t_copy = copy
     copy_bw = 8 * n / t_copy
+    r = {"kernel": kernel, "elements": n, "src_bytes": 4 * n, "bytes_moved": bytes_per_elem * n, "ours_s": t_ours,
+         "ours_gbps": bytes_per_elem * n / t_ours / 1e9, "copy_gbps": copy_bw / 1e9, "copy_s": t_copy}
+    r["frac_of_copy"] = r["ours_gbps"] / r["copy_gbps"]
+    if t_torch is not None:
+        r.update(torch_s=t_torch, torch_gbps=bytes_per_elem * n / t_torch / 1e9, speedup=t_torch / t_ours,
+                 torch_way=torch_way)
+    return r
 
-    def row(kernel, bytes_per_elem, t_ours, t_torch=None, torch_way=""):
-        r = {"kernel": kernel, "elements": n, "src_bytes": 4 * n, "bytes_moved": bytes_per_elem * n,
-             "ours_s": t_ours, "ours_gbps": bytes_per_elem * n / t_ours / 1e9, "copy_gbps": copy_bw / 1e9,
-             "copy_s": t_copy}
-        r["frac_of_copy"] = r["ours_gbps"] / r["copy_gbps"]
-        if t_torch is not None:
-            r.update(torch_s=t_torch, torch_gbps=bytes_per_elem * n / t_torch / 1e9, speedup=t_torch / t_ours,
-                     torch_way=torch_way)
-        rows.append(r)
 
-    # bf16 cast
-    dst16 = torch.empty(n, dtype=torch.bfloat16, device="cuda")
-    t_ours = time_gpu(lambda: N.cast(src, dst16), reps)
+def _bench_copy(src: torch.Tensor, reps: int) -> float:
+    dst = torch.empty_like(src)
+    return time_gpu(lambda: dst.copy_(src), reps)
+
+
+def _bench_bf16(src: torch.Tensor, reps: int, t_copy: float) -> tuple[list[dict], bool]:
+    n = src.numel()
+    dst = torch.empty(n, dtype=torch.bfloat16, device=DEVICE)
+    t_ours = time_gpu(lambda: N.cast(src, dst), reps)
     t_torch = time_gpu(lambda: src.to(torch.bfloat16), reps)
-    row("cast fp32->bf16", 6, t_ours, t_torch, "src.to(torch.bfloat16)")
-    ok = torch.equal(dst16, src.to(torch.bfloat16))
-    del dst16
+    ok = torch.equal(dst, src.to(torch.bfloat16))
+    return [_row("cast fp32->bf16", n, 6, t_ours, t_copy, t_torch, "src.to(torch.bfloat16)")], ok
 
-    # fp8: amax + cast
-    amax = torch.empty(1, device="cuda")
-    q = torch.empty(n, dtype=E4M3, device="cuda")
-    sinv = torch.empty(1, device="cuda")
+
+def _bench_fp8(src: torch.Tensor, reps: int, t_copy: float) -> tuple[list[dict], bool]:
+    n = src.numel()
+    seg = torch.tensor([[0, n]], device=DEVICE)
+    amax = torch.empty(1, device=DEVICE)
+    q = torch.empty(n, dtype=E4M3, device=DEVICE)
+    sinv = torch.empty(1, device=DEVICE)
     t_amax = time_gpu(lambda: N.segment_amax(src, seg, amax), reps)
     t_fp8 = time_gpu(lambda: N.fp8_cast(src, seg, amax, q, sinv), reps)
 
@@ -133,35 +145,49 @@ def bench_size(n: int, reps_base: int) -> list[dict]:
         N.segment_amax(src, seg, amax)
         N.fp8_cast(src, seg, amax, q, sinv)
 
-    t_both = time_gpu(both, reps)
-
     def torch_fp8():
         a = src.abs().max()
         scale = 448.0 / a
         return (src * scale).clamp(-448.0, 448.0).to(E4M3), 1.0 / scale
 
-    t_torch_fp8 = time_gpu(torch_fp8, max(5, reps // 2))
-    row("segment_amax fp32", 4, t_amax)
-    row("fp8_cast fp32->e4m3", 5, t_fp8)
-    row("amax + fp8_cast", 9, t_both, t_torch_fp8, "abs().max(); (x*s).clamp().to(e4m3)")
-    ok = ok and float(amax[0]) == float(src.abs().max())
-    del q
+    t_both = time_gpu(both, reps)
+    t_torch = time_gpu(torch_fp8, max(5, reps // 2))
+    ok = float(amax[0]) == float(src.abs().max())
+    return [_row("segment_amax fp32", n, 4, t_amax, t_copy), _row("fp8_cast fp32->e4m3", n, 5, t_fp8, t_copy),
+            _row("amax + fp8_cast", n, 9, t_both, t_copy, t_torch, "abs().max(); (x*s).clamp().to(e4m3)")], ok
 
-    # pack: 16 uneven fp32 tensors -> one fp32 flat buffer
-    g = torch.Generator().manual_seed(0)
-    sizes = uneven_sizes(n, 16, g)
-    tensors = [torch.randn(s, device="cuda") for s in sizes]
-    del src
+
+def _bench_pack(n: int, reps: int, t_copy: float) -> tuple[list[dict], bool]:
+    """16 uneven fp32 tensors -> one fp32 flat buffer, vs _foreach_copy_ into views of it."""
+    sizes = uneven_sizes(n, 16, torch.Generator().manual_seed(0))
+    tensors = [torch.randn(s, device=DEVICE) for s in sizes]
     offsets, cur = [], 0
     for s in sizes:
         offsets.append(cur)
         cur += s
-    flat = torch.empty(n, device="cuda")
+    flat = torch.empty(n, device=DEVICE)
     views = [flat[o:o + s] for o, s in zip(offsets, sizes)]
     t_pack = time_gpu(lambda: N.pack(tensors, offsets, flat), reps)
     t_foreach = time_gpu(lambda: torch._foreach_copy_(views, tensors), reps)
-    row("pack 16 tensors fp32", 8, t_pack, t_foreach, "torch._foreach_copy_(views, tensors)")
-    ok = ok and all(torch.equal(v, t) for v, t in zip(views, tensors))
+    flat.fill_(float("nan"))
+    N.pack(tensors, offsets, flat)
+    ok = all(torch.equal(v, t) for v, t in zip(views, tensors))
+    return [_row("pack 16 tensors fp32", n, 8, t_pack, t_copy, t_foreach, "torch._foreach_copy_(views, tensors)")], ok
+
+
+def bench_size(n: int, reps_base: int) -> list[dict]:
+    reps = reps_for(8 * n, reps_base)
+    src = torch.randn(n, device=DEVICE)
+    t_copy = _bench_copy(src, reps)  # the roofline: device-to-device copy, 8 B/elem
+    rows, ok = _bench_bf16(src, reps, t_copy)
+    more, ok2 = _bench_fp8(src, reps, t_copy)
+    rows += more
+    del src
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    more, ok3 = _bench_pack(n, reps, t_copy)
+    rows += more
+    ok = ok and ok2 and ok3
     if not ok:
         print(f"WARNING: a result check failed at n={n}", file=sys.stderr)
     for r in rows:
@@ -174,12 +200,12 @@ def bench_small_tensors(count: int, reps_base: int) -> list[dict]:
     g = torch.Generator().manual_seed(1)
     sizes = torch.randint(2048, 6145, (count,), generator=g).tolist()
     for dtype in (torch.float32, torch.bfloat16):
-        tensors = [torch.randn(s, device="cuda", dtype=dtype) for s in sizes]
+        tensors = [torch.randn(s, device=DEVICE, dtype=dtype) for s in sizes]
         offsets, cur = [], 0
         for s in sizes:
             offsets.append(cur)
             cur += s
-        flat = torch.empty(cur, device="cuda", dtype=dtype)
+        flat = torch.empty(cur, device=DEVICE, dtype=dtype)
         views = [flat[o:o + s] for o, s in zip(offsets, sizes)]
         esz = flat.element_size()
         nbytes = 2 * esz * cur
@@ -189,6 +215,8 @@ def bench_small_tensors(count: int, reps_base: int) -> list[dict]:
         t_foreach = time_gpu(lambda: torch._foreach_copy_(views, tensors), reps_base)
         h_pack = time_host(lambda: N.pack(tensors, offsets, flat), 50)
         h_foreach = time_host(lambda: torch._foreach_copy_(views, tensors), 50)
+        flat.fill_(float("nan"))
+        N.pack(tensors, offsets, flat)
         ok = all(torch.equal(v, t) for v, t in zip(views, tensors))
         rows.append({"kernel": f"pack {count} small tensors {str(dtype).replace('torch.', '')}", "elements": cur,
                      "src_bytes": esz * cur, "bytes_moved": nbytes, "ours_s": t_pack, "ours_gbps": nbytes / t_pack / 1e9,
@@ -275,31 +303,33 @@ def main() -> int:
     p.add_argument("--sizes", default="1M,4M,16M,64M,256M,1G", help="comma-separated element counts")
     p.add_argument("--reps", type=int, default=100, help="repetitions at small sizes (fewer at large ones)")
     p.add_argument("--small-count", type=int, default=2000, help="tensors in the many-small-tensors pack case")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: smoke-test the script only")
     args = p.parse_args()
 
-    if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("benchmarks/kernels.py needs a CUDA GPU (--device cpu smoke-tests the script)", file=sys.stderr)
         return 2
     info = N.build_info()
-    if not info.get("cuda"):
+    if DEVICE == "cuda" and not info.get("cuda"):
         print(f"mfsdp_ext._C was built without CUDA kernels: {info}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
-    name = torch.cuda.get_device_name()
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke test)"
     meta = {"gpu": name, "date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
             "cuda": torch.version.cuda, "build": info}
     print(f"# {name}, torch {torch.__version__}, build {info}", flush=True)
 
     rows: list[dict] = []
     for n in [parse_size(s) for s in args.sizes.split(",") if s.strip()]:
-        free, _ = torch.cuda.mem_get_info()
+        free = torch.cuda.mem_get_info()[0] if DEVICE == "cuda" else 8 << 30
         need = 24 * n + (256 << 20)  # src + copy + bf16 + the PyTorch fp8 temporaries, roughly
         if need > free:
             print(f"skip n={size_name(n)}: needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free", flush=True)
             continue
         t0 = time.time()
         new = bench_size(n, args.reps)
-        torch.cuda.empty_cache()
         rows += new
         for r in new:
             extra = f"  PyTorch {r['torch_gbps']:7.0f} GB/s  speedup {r['speedup']:.2f}x" if "speedup" in r else ""

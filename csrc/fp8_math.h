@@ -76,16 +76,33 @@ MFSDP_HD bool is_nan_bits(uint32_t u) { return (u & 0x7FFFFFFFu) > 0x7F800000u; 
 // ---------------------------------------------------------------------------------------------
 // fp32 -> bf16 / fp16 (round to nearest even)
 // ---------------------------------------------------------------------------------------------
-MFSDP_HD uint16_t f32_to_bf16_bits(float f) {
+// On the GPU the stores use the hardware's IEEE round-to-nearest-even conversions (cvt.rn / cvt.rn.satfinite,
+// which handle subnormals and overflow exactly like the integer code below) with the NaN result
+// canonicalised, so both give the same bits; tests compare the two on every fp32 bit pattern.
+#if defined(__CUDA_ARCH__)
+#define MFSDP_DEVICE_CVT 1
+#endif
+
+MFSDP_HD uint16_t f32_to_bf16_bits_sw(float f) {
   uint32_t x = f2u(f);
   if (is_nan_bits(x)) return 0x7FC0u;
   // x + 0x7FFF + lsb never overflows 32 bits (largest input 0xFF800000 = -inf)
   return static_cast<uint16_t>((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
 }
 
+MFSDP_HD uint16_t f32_to_bf16_bits(float f) {
+#if defined(MFSDP_DEVICE_CVT) && __CUDA_ARCH__ >= 800
+  uint16_t r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return (f != f) ? static_cast<uint16_t>(0x7FC0u) : r;
+#else
+  return f32_to_bf16_bits_sw(f);
+#endif
+}
+
 MFSDP_HD float bf16_bits_to_f32(uint16_t h) { return u2f(static_cast<uint32_t>(h) << 16); }
 
-MFSDP_HD uint16_t f32_to_f16_bits(float f) {
+MFSDP_HD uint16_t f32_to_f16_bits_sw(float f) {
   uint32_t x = f2u(f);
   const uint32_t sign = (x >> 16) & 0x8000u;
   x &= 0x7FFFFFFFu;
@@ -106,6 +123,16 @@ MFSDP_HD uint16_t f32_to_f16_bits(float f) {
   const uint32_t half = 1u << (shift - 1u);
   if (rem > half || (rem == half && (r & 1u))) ++r;
   return static_cast<uint16_t>(sign | r);
+}
+
+MFSDP_HD uint16_t f32_to_f16_bits(float f) {
+#if defined(MFSDP_DEVICE_CVT)
+  uint16_t r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return (f != f) ? static_cast<uint16_t>(0x7E00u) : r;
+#else
+  return f32_to_f16_bits_sw(f);
+#endif
 }
 
 MFSDP_HD float f16_bits_to_f32(uint16_t h) {
@@ -175,10 +202,41 @@ MFSDP_HD float fp8_to_f32(uint8_t v) {
 
 // e4m3fn: bias 7, 3 mantissa bits, no inf, max 448 = 0x43E00000, code 0x7E
 // e5m2:   bias 15, 2 mantissa bits, inf,   max 57344 = 0x47600000, code 0x7B
-MFSDP_HD uint8_t f32_to_e4m3_bits(float f) { return f32_to_fp8_sat<3, 7, 0x43E00000u, 0x7Eu>(f); }
-MFSDP_HD uint8_t f32_to_e5m2_bits(float f) { return f32_to_fp8_sat<2, 15, 0x47600000u, 0x7Bu>(f); }
+MFSDP_HD uint8_t f32_to_e4m3_bits(float f) {
+#if defined(MFSDP_DEVICE_CVT) && __CUDA_ARCH__ >= 890
+  uint16_t r;  // b -> low byte; satfinite: +-inf and out-of-range saturate to +-448
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(f));
+  return (f != f) ? static_cast<uint8_t>(0x7Fu) : static_cast<uint8_t>(r & 0xFFu);
+#else
+  return f32_to_fp8_sat<3, 7, 0x43E00000u, 0x7Eu>(f);
+#endif
+}
+MFSDP_HD uint8_t f32_to_e5m2_bits(float f) {
+#if defined(MFSDP_DEVICE_CVT) && __CUDA_ARCH__ >= 890
+  uint16_t r;
+  asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(f));
+  return (f != f) ? static_cast<uint8_t>(0x7Fu) : static_cast<uint8_t>(r & 0xFFu);
+#else
+  return f32_to_fp8_sat<2, 15, 0x47600000u, 0x7Bu>(f);
+#endif
+}
+MFSDP_HD uint8_t f32_to_e4m3_bits_sw(float f) { return f32_to_fp8_sat<3, 7, 0x43E00000u, 0x7Eu>(f); }
+MFSDP_HD uint8_t f32_to_e5m2_bits_sw(float f) { return f32_to_fp8_sat<2, 15, 0x47600000u, 0x7Bu>(f); }
+#if defined(MFSDP_DEVICE_CVT) && __CUDA_ARCH__ >= 890
+// fp8 -> f16 (exact) -> f32 (exact) in hardware; NaN stays NaN (payloads are canonicalised on every store)
+#define MFSDP_FP8_DECODE(FMT)                                                                   \
+  uint32_t h2;                                                                                  \
+  asm("cvt.rn.f16x2." FMT "x2 %0, %1;" : "=r"(h2) : "h"(static_cast<uint16_t>(v)));            \
+  float f;                                                                                      \
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<uint16_t>(h2 & 0xFFFFu)));             \
+  return f;
+MFSDP_HD float e4m3_bits_to_f32(uint8_t v) { MFSDP_FP8_DECODE("e4m3") }
+MFSDP_HD float e5m2_bits_to_f32(uint8_t v) { MFSDP_FP8_DECODE("e5m2") }
+#undef MFSDP_FP8_DECODE
+#else
 MFSDP_HD float e4m3_bits_to_f32(uint8_t v) { return fp8_to_f32<3, 7, false>(v); }
 MFSDP_HD float e5m2_bits_to_f32(uint8_t v) { return fp8_to_f32<2, 15, true>(v); }
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // dtype tags: raw storage type + exact conversions to / from fp32

@@ -246,7 +246,7 @@ struct GradAccOp {
 // Block-level helpers (every thread of the block must call them, with the same arguments)
 // ---------------------------------------------------------------------------------------------
 // First i in [0, n) with ends[i * stride] > p, or n. ends[] must be non-decreasing (a bad table gives a
-// wrong but in-range answer). One round per factor of blockDim in n: one round for n <= 256.
+// wrong but in-range answer). One round per factor of blockDim (>= 2) in n: one round for n <= 256.
 __device__ __forceinline__ int64_t block_first_end_gt(const int64_t* ends, int64_t stride, int64_t n, int64_t p) {
   const int64_t nt = blockDim.x;
   const int64_t tid = threadIdx.x;

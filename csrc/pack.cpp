@@ -63,6 +63,9 @@ void run_entries(const std::vector<Entry>& entries, DType in, DType out, float s
   }
 #ifdef MFSDP_WITH_CUDA
   c10::cuda::CUDAGuard guard(like.device());
+  void* stream = cuda_stream(like);
+  TORCH_CHECK_VALUE(!cuda::stream_is_capturing(stream), "mfsdp_ext.", fn,
+                    " cannot be captured in a CUDA graph: its tensor table is uploaded on every call");
   // the table goes through pinned memory; copy_ records the copy on the host allocator, so the pinned block
   // is not reused before the copy ran
   at::Tensor host = at::empty({cuda::copy_table_words(n)}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
@@ -77,7 +80,7 @@ void run_entries(const std::vector<Entry>& entries, DType in, DType out, float s
   if (total == 0) return;
   at::Tensor dev = at::empty({host.numel()}, at::TensorOptions().dtype(at::kLong).device(like.device()));
   dev.copy_(host, /*non_blocking=*/true);
-  check_cuda(cuda::copy_table(dev.data_ptr<int64_t>(), n, total, in, out, scale, use_scale, cuda_stream(like)), fn);
+  check_cuda(cuda::copy_table(dev.data_ptr<int64_t>(), n, total, in, out, scale, use_scale, stream), fn);
 #else
   (void)in;
   (void)out;

@@ -83,6 +83,15 @@ int copy_table(const int64_t* table, int64_t n, int64_t total, DType in, DType o
 
 const char* error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }
 
+int stream_is_capturing(void* stream) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &st) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return st != cudaStreamCaptureStatusNone ? 1 : 0;
+}
+
 int binary_version() {
   cudaFuncAttributes attr;
   if (cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(copy_table_kernel<F32T, F32T>)) != cudaSuccess) {

@@ -463,6 +463,7 @@ def test_bad_inputs_raise_clear_errors(device):
         (ValueError, "same number of elements", lambda: N.grad_accumulate(x, torch.empty(3, device=d), 1.0, True)),
     ]
     for exc, msg, fn in cases:
+        print(f"bad input case: {msg}", flush=True)  # names the case if a crash ends the process
         with pytest.raises(exc, match=msg):
             fn()
 
