@@ -55,28 +55,8 @@ py::dict build_info() {
 
 }  // namespace
 
-// Our own translation of c10 errors for this module's functions: the kernels raise ValueError / TypeError
-// from argument checks, and we do not want to depend on how a given torch build translates those (a CUDA
-// ValueError from an argument check crashed the process under torch 2.11).
-static void translate_c10_errors(std::exception_ptr p) {
-  try {
-    if (p) std::rethrow_exception(p);
-  } catch (const c10::ValueError& e) {
-    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
-  } catch (const c10::TypeError& e) {
-    PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
-  } catch (const c10::IndexError& e) {
-    PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
-  } catch (const c10::NotImplementedError& e) {
-    PyErr_SetString(PyExc_NotImplementedError, e.what_without_backtrace());
-  } catch (const c10::Error& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
-  }
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mfsdp_ext native kernels (see mfsdp_ext/_native.py for the contract)";
-  py::register_local_exception_translator(&translate_c10_errors);
   using release = py::call_guard<py::gil_scoped_release>;
 
   m.def("pack", &mfsdp::pack, release(), py::arg("tensors"), py::arg("offsets"), py::arg("out"),
