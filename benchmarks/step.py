@@ -28,7 +28,6 @@ Rank 0 writes ``step_<N>gpu.{md,json,png}`` (``step_<N>cpu...`` on CPU) into ``-
 from __future__ import annotations
 
 import argparse
-import ast
 import datetime
 import functools
 import gc
@@ -121,16 +120,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def parse_kv(text: str) -> dict:
-    out = {}
-    for kv in text.split(","):
-        if kv:
-            key, _, val = kv.partition("=")
-            try:
-                out[key.strip()] = ast.literal_eval(val)
-            except (ValueError, SyntaxError):
-                out[key.strip()] = val
-    return out
 
 
 def make_variants(args) -> List[Variant]:
@@ -140,7 +129,7 @@ def make_variants(args) -> List[Variant]:
             raise SystemExit(f"unknown impl {impl!r}")
         variants.append(Variant(impl, impl, {}))
     for text in args.extra_ours:
-        extra = parse_kv(text)
+        extra = gpt.parse_kv(text)
         variants.append(Variant("ours(" + ",".join(f"{k}={v}" for k, v in extra.items()) + ")", "ours", extra))
     return variants
 

@@ -16,6 +16,7 @@ Used by ``examples/train_gpt.py`` and ``benchmarks/step.py``.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import math
 import os
@@ -311,3 +312,19 @@ def grad_sync_context(model: nn.Module, impl: str, index: int, count: int):
 
         return mfsdp_ext.microbatch(model, is_first=is_first, is_last=is_last)
     return contextlib.nullcontext()
+
+
+def parse_kv(items) -> dict:
+    """["a=1,b=auto", ...] or "a=1,b=auto" -> {"a": 1, "b": "auto"} (values parsed as Python literals when
+    possible): the --extra-ours keyword arguments of train_gpt.py and step.py."""
+    out = {}
+    for item in [items] if isinstance(items, str) else items:
+        for kv in item.split(","):
+            if not kv:
+                continue
+            key, _, val = kv.partition("=")
+            try:
+                out[key.strip()] = ast.literal_eval(val)
+            except (ValueError, SyntaxError):
+                out[key.strip()] = val
+    return out

@@ -16,7 +16,6 @@ achievable, printed at start-up, so you can see how close training gets.
 from __future__ import annotations
 
 import argparse
-import ast
 import math
 import os
 import resource
@@ -79,19 +78,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def parse_kv(items) -> dict:
-    """["a=1", "b=auto"] -> {"a": 1, "b": "auto"} (values parsed as Python literals when possible)."""
-    out = {}
-    for item in items:
-        for kv in item.split(","):
-            if not kv:
-                continue
-            key, _, val = kv.partition("=")
-            try:
-                out[key.strip()] = ast.literal_eval(val)
-            except (ValueError, SyntaxError):
-                out[key.strip()] = val
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- set-up
@@ -188,7 +174,7 @@ def build_model(args, device: torch.device, world: int):
     if args.reshard_after_forward is not None:
         shard_kwargs["reshard_after_forward"] = args.reshard_after_forward
     if args.impl == "ours":
-        shard_kwargs.update(parse_kv(args.extra_ours))
+        shard_kwargs.update(gpt.parse_kv(args.extra_ours))
 
     torch.manual_seed(args.seed)  # the same full model on every rank (non-meta path shards it)
     if args.meta_init:

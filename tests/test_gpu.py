@@ -5,15 +5,18 @@ Run on a GPU machine: ``pytest -m gpu tests/test_gpu.py`` (spawns one process pe
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
 
-from mfsdp_ext import MixedPrecisionPolicy, fully_shard
+from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
+from mfsdp_ext.checkpoint import full_state_dict
 
 from . import test_fully_shard as fs
 from . import test_strategies as st
-from .models import Block, rank_device
+from .models import Block, TinyLM, rank_device, shard_tiny_lm, train
 
 pytestmark = pytest.mark.gpu
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
@@ -172,23 +175,14 @@ def test_peak_memory_bound(gpu_pool):
 
 # ----------------------------------------------------------------------------------------------- symmetric memory
 def _case_symm_parity(bf16: bool, k: int):
-    import copy
-
-    from .models import TinyLM, shard_tiny_lm, train
-    from .test_fully_shard import _compare_params
-
     torch.manual_seed(20)
     base = TinyLM(vocab=512, dim=256, ffn=1024)
     mp = BF16 if bf16 else MixedPrecisionPolicy()
     plain = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=mp)
     symm = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=mp, use_symm_mem=True)
-    from mfsdp_ext import microbatch
-
     a = train(plain, 5, 24, sharded=True, microbatches=k, microbatch_ctx=microbatch)
     b = train(symm, 5, 24, sharded=True, microbatches=k, microbatch_ctx=microbatch)
     loss_err = max(abs(x - y) / abs(x) for x, y in zip(a, b))
-    from mfsdp_ext.checkpoint import full_state_dict
-
     pa, pb = full_state_dict(plain), full_state_dict(symm)
     param_err = max(((pa[n] - pb[n]).norm() / pa[n].norm()).item() for n in pa)
     print(f"symm parity bf16={bf16} k={k}: loss_err {loss_err:.2e} param_err {param_err:.2e}", flush=True)

@@ -81,7 +81,7 @@ def _case_strategy_matrix(world_for_mesh=None):
 
 def _check_counts(results):
     """Collectives per run of STEPS steps, 4 units (root + 3 blocks), one group each."""
-    units, world = 4, dist.get_world_size()
+    units = 4
     for (strategy, k, ac), (_, _, c) in results.items():
         ag, rs, ar = c.get("all_gather_into", 0), c.get("reduce_scatter_into", 0), c.get("all_reduce", 0)
         if strategy == "optim_grads_params":
