@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from . import checkpoint
 from .mixed_precision import MixedPrecisionPolicy
 from .module import FsdpModule, FsdpUnit, Strategy
 from .param_group import ParamGroup, ParamPlace
@@ -81,6 +82,8 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
     module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(unit.post_forward, prepend=False)
     module.register_load_state_dict_post_hook(_mark_loaded(groups))
+    module.register_state_dict_post_hook(checkpoint.chunked_state_dict_hook(groups))
+    module.register_load_state_dict_pre_hook(checkpoint.row_layout_load_hook(groups))
     # Inner units now belong to this subtree's context (built lazily at the first forward).
     for m in module.modules():
         if isinstance(m, FsdpModule):
@@ -138,9 +141,9 @@ def _owned_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[Param
                 raise ValueError(f"fully_shard: parameter '{fqn}' has non-floating dtype {p.dtype}; only floating "
                                  "parameters can be sharded (make it a buffer)")
             if id(p) in found:
-                found[id(p)][2].append(ParamPlace(m, name))
+                found[id(p)][2].append(ParamPlace(m, name, fqn))
             else:
-                found[id(p)] = (fqn, p, [ParamPlace(m, name)])
+                found[id(p)] = (fqn, p, [ParamPlace(m, name, fqn)])
         for child_name, child in m._modules.items():
             if child is not None and not isinstance(child, FsdpModule):
                 stack.append((f"{prefix}{child_name}.", child))

@@ -42,6 +42,7 @@ class ParamPlace:
 
     module: nn.Module
     name: str
+    fqn: str = ""  # relative to the unit's module, as its state_dict names it
 
 
 @dataclass

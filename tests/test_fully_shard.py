@@ -25,7 +25,7 @@ GLOBAL_BATCH = 24  # divisible by 2 ranks x 3 microbatches and 4 ranks x 3 micro
 
 def _compare_params(model, ref) -> float:
     full = full_state_dict(model)
-    ref_params = dict(ref.named_parameters())
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
     assert full.keys() == ref_params.keys(), (sorted(full), sorted(ref_params))
     return max(rel_err(full[k], ref_params[k].detach()) for k in full)
 
@@ -158,7 +158,7 @@ def _case_bf16_vs_fsdp2():
     their_losses = train(theirs, STEPS, GLOBAL_BATCH, sharded=True)
     ref_params = dict(ref.named_parameters())
     ours_full = full_state_dict(ours)
-    theirs_full = {k: v.full_tensor() for k, v in theirs.named_parameters()}
+    theirs_full = {k: v.full_tensor() for k, v in theirs.named_parameters()}  # deduplicated names, as ref
     our_err = max(rel_err(ours_full[k], ref_params[k].detach()) for k in ref_params)
     their_err = max(rel_err(theirs_full[k], ref_params[k].detach()) for k in ref_params)
     our_loss_err = max(abs(a - b) / b for a, b in zip(our_losses, ref_losses))
@@ -169,6 +169,45 @@ def _case_bf16_vs_fsdp2():
     assert our_loss_err <= 1.25 * their_loss_err + 1e-3, (our_loss_err, their_loss_err)
     return {"ours_param_err": our_err, "fsdp2_param_err": their_err, "ours_loss_err": our_loss_err,
             "fsdp2_loss_err": their_loss_err}
+
+
+def _case_state_dict_roundtrip(tmpdir: str):
+    """state_dict() holds torch.chunk-split DTensors: full_tensor() and DCP see the true values."""
+    import torch.distributed.checkpoint as dcp
+
+    from .models import batch, lm_loss
+
+    torch.manual_seed(8)
+    ref = TinyLM().to(rank_device())
+    trained = shard_tiny_lm(copy.deepcopy(ref), fully_shard)
+    train(trained, 2, GLOBAL_BATCH, sharded=True)
+    truth = full_state_dict(trained)
+    sd = trained.state_dict()
+    assert sd.keys() == truth.keys() and "head.weight" in sd  # tied weight under both names, as nn.Module does
+    for k, v in sd.items():
+        assert isinstance(v, torch.distributed.tensor.DTensor), k
+        assert torch.equal(v.full_tensor(), truth[k]), k
+
+    def fresh(seed):
+        torch.manual_seed(seed)
+        return shard_tiny_lm(TinyLM(), fully_shard)
+
+    from_dtensors = fresh(9)
+    from_dtensors.load_state_dict(sd)
+    from_full = fresh(10)
+    from_full.load_state_dict({k: v.full_tensor() for k, v in sd.items()})
+    from_dcp = fresh(11)
+    dcp.save(sd, checkpoint_id=tmpdir)
+    target = from_dcp.state_dict()
+    dcp.load(target, checkpoint_id=tmpdir)
+    from_dcp.load_state_dict(target)
+    tokens, targets = batch(0, 4)
+    want = lm_loss(trained, tokens, targets).item()
+    for name, m in (("dtensors", from_dtensors), ("full", from_full), ("dcp", from_dcp)):
+        got = full_state_dict(m)
+        assert all(torch.equal(got[k], truth[k]) for k in truth), name
+        assert lm_loss(m, tokens, targets).item() == want, name  # the cast weights follow the load
+    return {"keys": len(sd), "checked": ["full_tensor", "load DTensors", "load full tensors", "DCP save/load"]}
 
 
 def _expect(exc_type, fragment, fn):
@@ -271,6 +310,10 @@ def test_meta_init(cpu_pool):
 
 def test_bf16_no_worse_than_fsdp2(cpu_pool):
     print(cpu_pool.run(_case_bf16_vs_fsdp2)[0])
+
+
+def test_state_dict_roundtrip(cpu_pool, tmp_path):
+    print(cpu_pool.run(_case_state_dict_roundtrip, str(tmp_path / "ckpt"))[0])
 
 
 def test_clear_errors(cpu_pool):
