@@ -124,6 +124,7 @@ class ParamGroup:
             dt = DTensor.from_local(local, self.mesh, placements, run_check=False, shape=info.shape,
                                     stride=_contiguous_stride(info.shape))
             info.sharded = nn.Parameter(dt, requires_grad=self.requires_grad)
+            _use_row_layout_methods(info.sharded, self, i, "main_weight")
             info.unsharded = nn.Parameter(self.unsharded.param_view(i), requires_grad=self.requires_grad)
 
     def materialize(self, device: torch.device) -> None:
@@ -231,6 +232,7 @@ class ParamGroup:
                 local = self.main_grad.param_view(i)
                 info.sharded_grad = DTensor.from_local(local, self.mesh, info.sharded.placements, run_check=False,
                                                        shape=info.shape, stride=_contiguous_stride(info.shape))
+                _use_row_layout_methods(info.sharded_grad, self, i, "main_grad")
             if info.sharded.grad is not info.sharded_grad:
                 info.sharded.grad = info.sharded_grad
 
@@ -240,6 +242,31 @@ class ParamGroup:
             self._segments = torch.tensor(self.layout.local_segments(self.rank), dtype=torch.int64,
                                           device=self.device).reshape(-1, 2)
         return self._segments
+
+
+def _use_row_layout_methods(dt: DTensor, group: "ParamGroup", index: int, buffer: str) -> None:
+    """Our shards are split by whole rows, not as torch.chunk splits them, so DTensor's own full_tensor() /
+    redistribute() would reassemble them wrongly. Give this DTensor a full_tensor() that gathers with the
+    layout, and a redistribute() that says what to do instead."""
+
+    def full_tensor(*, grad_placements=None) -> torch.Tensor:
+        flat = getattr(group, buffer).data
+        full = torch.empty(group.layout.total_numel, dtype=flat.dtype, device=flat.device)
+        if group.world > 1:
+            comm.all_gather_into(full, flat, group.shard_group)
+        else:
+            full.copy_(flat)
+        slot = group.layout.slots[index]
+        return full[slot.offset : slot.end].view(slot.shape)
+
+    def redistribute(*args, **kwargs):
+        raise NotImplementedError(
+            "mfsdp_ext: sharded parameters and gradients are split by whole rows, not as torch.chunk splits "
+            "them, so DTensor.redistribute() would misplace rows. Use .full_tensor() (layout-aware here) or "
+            "module.state_dict(), whose DTensors are split as torch.chunk splits them.")
+
+    dt.full_tensor = full_tensor
+    dt.redistribute = redistribute
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

@@ -188,6 +188,18 @@ def _case_state_dict_roundtrip(tmpdir: str):
         assert isinstance(v, torch.distributed.tensor.DTensor), k
         assert torch.equal(v.full_tensor(), truth[k]), k
 
+    for name, param in trained.named_parameters():  # the parameters themselves reassemble by row layout
+        assert torch.equal(param.full_tensor(), truth[name]), name
+    _expect(NotImplementedError, "split by whole rows", lambda: next(trained.parameters()).redistribute())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref.load_state_dict(truth)
+    tokens, targets = batch(7, GLOBAL_BATCH)
+    lm_loss(trained, tokens.chunk(world)[rank], targets.chunk(world)[rank]).backward()
+    lm_loss(ref, tokens, targets).backward()
+    for (name, param), (_, ref_param) in zip(trained.named_parameters(), ref.named_parameters()):
+        assert rel_err(param.grad.full_tensor(), ref_param.grad) <= 1e-5, name
+    trained.zero_grad(set_to_none=True)
+
     def fresh(seed):
         torch.manual_seed(seed)
         return shard_tiny_lm(TinyLM(), fully_shard)
@@ -207,7 +219,8 @@ def _case_state_dict_roundtrip(tmpdir: str):
         got = full_state_dict(m)
         assert all(torch.equal(got[k], truth[k]) for k in truth), name
         assert lm_loss(m, tokens, targets).item() == want, name  # the cast weights follow the load
-    return {"keys": len(sd), "checked": ["full_tensor", "load DTensors", "load full tensors", "DCP save/load"]}
+    return {"keys": len(sd), "checked": ["state_dict full_tensor", "param/grad full_tensor", "load DTensors",
+                                         "load full tensors", "DCP save/load"]}
 
 
 def _expect(exc_type, fragment, fn):
