@@ -270,11 +270,18 @@ class FsdpUnit:
                 comm.reduce_scatter_into(reduced, packed, g.shard_group)
             else:
                 reduced = packed
-            if g.replicate_group is not None and not self.strategy.reduces_every_microbatch:
+            defer_replicas = g.replicate_group is not None and self.strategy.reduces_every_microbatch
+            if g.replicate_group is not None and not defer_replicas:
                 comm.all_reduce(reduced, g.replicate_group)
+            if defer_replicas and g.main_grad_replica_summed and g.grads_attached():
+                # Gradients kept from the last step are already summed over replicas: the coming all-reduce
+                # would count them `replicas` times, so take 1/replicas of them now.
+                g.main_grad.data.div_(replicas)
             g.accumulate_main_grad(reduced)
-            if g.replicate_group is not None and self.strategy.reduces_every_microbatch and last:
+            g.main_grad_replica_summed = False
+            if defer_replicas and last:
                 comm.all_reduce(g.main_grad.data, g.replicate_group)  # HSDP: once per step, on the last microbatch
+                g.main_grad_replica_summed = True
             g.stats.reduces += 1
 
 

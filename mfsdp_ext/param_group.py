@@ -94,6 +94,7 @@ class ParamGroup:
         self.model_weight = FlatBuffer(self.layout, compute_dtype, storage_device, rank=self.rank) if needs_cast else None
         self.unsharded = FlatBuffer(self.layout, compute_dtype, storage_device)
         self.main_grad = None  # allocated at the first reduction
+        self.main_grad_replica_summed = False  # HSDP: main_grad holds a finished all-reduce over replicas
         self._synced_version = None  # weights_version() the model weight was cast from
         self._external_writes = 0
         self._segments = None

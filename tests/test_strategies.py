@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 import mfsdp_ext.comm as comm
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 
-from .models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm, train
+from .models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm, train
 from .test_fully_shard import GLOBAL_BATCH, STEPS, _compare_params
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -120,6 +120,27 @@ def _case_hsdp(k: int):
     return {"loss_err": loss_err, "param_err": param_err, "counts": dict(counts)}
 
 
+def _case_hsdp_grads_kept_across_steps():
+    """No zero_grad between steps: HSDP must not count the carried-over gradient once per replica."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh(rank_device().type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(16)
+    model = TinyLM()
+    ref = copy.deepcopy(model).to(rank_device())
+    shard_tiny_lm(model, fully_shard, mesh=mesh)
+    rank = dist.get_rank()
+    for step in range(3):
+        tokens, targets = batch(step, GLOBAL_BATCH)
+        for i, (t, y) in enumerate(zip(tokens.chunk(world)[rank].chunk(2), targets.chunk(world)[rank].chunk(2))):
+            with microbatch(model, is_first=i == 0, is_last=i == 1):
+                (lm_loss(model, t, y) / 2).backward()
+        lm_loss(ref, tokens, targets).backward()  # grads accumulate over the 3 steps in both
+    ref_grads = dict(ref.named_parameters())
+    errs = {n: rel_err(p.grad.full_tensor(), ref_grads[n].grad) for n, p in model.named_parameters()}
+    assert max(errs.values()) <= 1e-5, errs
+    return {"max_grad_err": max(errs.values())}
+
+
 def _case_weight_sync_once_per_step(use_microbatch_api: bool):
     """A normal bf16 training loop with 3 microbatches: the fused cast runs once per group per step."""
     torch.manual_seed(12)
@@ -206,6 +227,12 @@ def test_hsdp_2x2(k):
     from .conftest import get_pool
 
     print(get_pool(4).run(_case_hsdp, k)[0])
+
+
+def test_hsdp_grads_kept_across_steps():
+    from .conftest import get_pool
+
+    print(get_pool(4).run(_case_hsdp_grads_kept_across_steps)[0])
 
 
 @pytest.mark.parametrize("use_api", [True, False], ids=["microbatch_api", "plain_loop"])
