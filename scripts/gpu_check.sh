@@ -24,7 +24,7 @@ for stage in $stages; do
     build)
         nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
         ls mfsdp_ext/_C*.so >/dev/null 2>&1 || run build env MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e . ;;
-    tests) run tests python3 -m pytest -m gpu -q -s tests/test_gpu.py tests/test_kernels.py ;;
+    tests) run tests python3 -m pytest -m gpu -q -s tests/test_gpu.py tests/test_kernels.py tests/test_symm_mem.py ;;
     kernels) run kernels python3 benchmarks/kernels.py --out "$OUT" ;;
     symm) run symm bash scripts/gpu_symm.sh ;;
     step) run step bash scripts/gpu_step.sh ;;
