@@ -35,10 +35,8 @@ class FsdpContext:
         # Microbatch flags (see api.microbatch): first -> sync main->model weights; last -> finish reductions.
         self.is_first_microbatch = True
         self.is_last_microbatch = True
-        self.sync_weights_outside_microbatch = True
         self.explicit_microbatch = False
         self.callback_queued = False
-        self.iteration = 0
         self.symmetric = None  # comm.SymmetricCollectives when some unit uses NCCL symmetric memory
 
     # ------------------------------------------------------------------ streams
@@ -112,6 +110,5 @@ class FsdpContext:
             self.prev_forward_end_order = self.forward_end_order
         self.forward_order = []
         self.forward_end_order = []
-        self.iteration += 1
         for unit in self.units:
             unit.reset_iteration()

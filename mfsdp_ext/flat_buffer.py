@@ -38,12 +38,6 @@ class FlatBuffer:
         rows = (hi - lo) // slot.row_numel
         return self.data[lo - base : hi - base].view((rows, *slot.shape[1:]) if len(slot.shape) else (rows,))
 
-    def shard_view(self, rank: int) -> torch.Tensor:
-        """Rank's slot of the unsharded buffer (the all-gather's input position)."""
-        assert not self.sharded
-        n = self.layout.shard_numel
-        return self.data[rank * n : (rank + 1) * n]
-
     # Storage lifetime: free after use, reallocate before the next all-gather.
     @property
     def is_allocated(self) -> bool:

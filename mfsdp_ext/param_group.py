@@ -9,7 +9,7 @@ Buffers (S = shard size, W = shard-group size):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -62,7 +62,6 @@ class GroupStats:
     weight_syncs: int = 0
     all_gathers: int = 0
     reduces: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class ParamGroup:
@@ -97,7 +96,6 @@ class ParamGroup:
         self.main_grad_replica_summed = False  # HSDP: main_grad holds a finished all-reduce over replicas
         self._synced_version = None  # weights_version() the model weight was cast from
         self._external_writes = 0
-        self._segments = None
         self.use_symm_all_gather = False  # set at lazy init when use_symm_mem picks the native path
         self.use_symm_reduce_scatter = False
         self._make_params()
@@ -237,12 +235,6 @@ class ParamGroup:
             if info.sharded.grad is not info.sharded_grad:
                 info.sharded.grad = info.sharded_grad
 
-    def segments(self) -> torch.Tensor:
-        """Per-parameter [start, end) of the local shard, as a device table for the FP8 kernels."""
-        if self._segments is None:
-            self._segments = torch.tensor(self.layout.local_segments(self.rank), dtype=torch.int64,
-                                          device=self.device).reshape(-1, 2)
-        return self._segments
 
 
 def _use_row_layout_methods(dt: DTensor, group: "ParamGroup", index: int, buffer: str) -> None:
