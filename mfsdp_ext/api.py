@@ -64,7 +64,8 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
             members, mesh, compute_dtype=mp_policy.compute_dtype(dtype),
             reduce_dtype=mp_policy.reduction_dtype(dtype), main_grad_dtype=mp_policy.main_grad_dtype
             if dtype == torch.float32 else dtype, device=device, shard_group=shard_group,
-            replicate_group=replicate_group))
+            replicate_group=replicate_group,
+            cache_model_weight=mp_policy.cache_model_weight and not strategy.keeps_weights_gathered))
     for fqn, p, _ in params:
         p._mfsdp_owner = module  # the original Parameter: a use of it outside this unit is caught later
     for g in groups:

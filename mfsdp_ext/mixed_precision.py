@@ -20,6 +20,10 @@ class MixedPrecisionPolicy:
     output_dtype: dtype forward outputs are cast to (None: left as computed).
     cast_forward_inputs: cast floating-point forward inputs to param_dtype.
     main_grad_dtype: dtype of the sharded gradient the optimizer sees (fp32 by default).
+    cache_model_weight: keep a compute-dtype copy of the main-weight shard, cast once per optimizer step
+        (+2 bytes per parameter / world size for bf16). False: cast into this rank's slot of the gathered
+        buffer at every all-gather and gather in place (FSDP2's memory; a cast per all-gather). Strategies
+        that keep the weights gathered (no_shard, optim, optim_grads) never need the copy.
     """
 
     param_dtype: Optional[torch.dtype] = None
@@ -27,6 +31,7 @@ class MixedPrecisionPolicy:
     output_dtype: Optional[torch.dtype] = None
     cast_forward_inputs: bool = True
     main_grad_dtype: torch.dtype = torch.float32
+    cache_model_weight: bool = True
 
     def __post_init__(self):
         if self.param_dtype is not None and self.param_dtype not in COMPUTE_DTYPES:

@@ -67,7 +67,8 @@ class GroupStats:
 class ParamGroup:
     def __init__(self, params: list[tuple[str, nn.Parameter, list[ParamPlace]]], mesh,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, main_grad_dtype: torch.dtype,
-                 device: torch.device, shard_group: dist.ProcessGroup, replicate_group: dist.ProcessGroup | None):
+                 device: torch.device, shard_group: dist.ProcessGroup, replicate_group: dist.ProcessGroup | None,
+                 cache_model_weight: bool = True):
         first = params[0][1]
         self.dtype = first.dtype
         self.requires_grad = first.requires_grad
@@ -90,7 +91,9 @@ class ParamGroup:
         if not self.on_meta:
             self._load_main_weight([p for _, p, _ in params])
         needs_cast = compute_dtype != self.dtype
-        self.model_weight = FlatBuffer(self.layout, compute_dtype, storage_device, rank=self.rank) if needs_cast else None
+        self.cast_in_slot = needs_cast and not cache_model_weight  # cast at every gather, no cached copy
+        self.model_weight = (FlatBuffer(self.layout, compute_dtype, storage_device, rank=self.rank)
+                             if needs_cast and cache_model_weight else None)
         self.unsharded = FlatBuffer(self.layout, compute_dtype, storage_device)
         self.main_grad = None  # allocated at the first reduction
         self.main_grad_replica_summed = False  # HSDP: main_grad holds a finished all-reduce over replicas
@@ -180,12 +183,20 @@ class ParamGroup:
         ``symmetric``: gather through the NCCL symmetric-memory stage instead (use_symm_mem)."""
         self.unsharded.alloc()
         with torch.autograd._unsafe_preserve_version_counter(self.unsharded.data):
-            if self.world == 1:
-                self.unsharded.data.copy_(self.gather_source())
-            elif symmetric is not None and self.use_symm_all_gather:
-                symmetric.all_gather_into(self.unsharded.data, self.gather_source())
+            if self.cast_in_slot:  # cast into this rank's slot and gather in place
+                n = self.layout.shard_numel
+                source = self.unsharded.data[self.rank * n : (self.rank + 1) * n]
+                _native.cast(self.main_weight.data, source)
+                self.stats.weight_syncs += 1
             else:
-                comm.all_gather_into(self.unsharded.data, self.gather_source(), self.shard_group)
+                source = self.gather_source()
+            if self.world == 1:
+                if source.data_ptr() != self.unsharded.data.data_ptr():
+                    self.unsharded.data.copy_(source)
+            elif symmetric is not None and self.use_symm_all_gather:
+                symmetric.all_gather_into(self.unsharded.data, source)
+            else:
+                comm.all_gather_into(self.unsharded.data, source, self.shard_group)
         self.stats.all_gathers += 1
 
     def free_unsharded(self) -> None:

@@ -159,6 +159,32 @@ def _case_weight_sync_once_per_step(use_microbatch_api: bool):
     return {"syncs_per_group": syncs, "after_load": syncs_after}
 
 
+def _case_cast_in_slot(strategy: str):
+    """cache_model_weight=False (cast into the gather slot, gather in place) trains bit-identically."""
+    torch.manual_seed(17)
+    base = TinyLM()
+    runs = {}
+    for cache in (True, False):
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, cache_model_weight=cache)
+        model = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=mp, sharding_strategy=strategy)
+        losses = train(model, STEPS, GLOBAL_BATCH, sharded=True, microbatches=2, microbatch_ctx=microbatch)
+        runs[cache] = (losses, _full_params(model), model)
+    assert runs[True][0] == runs[False][0], (runs[True][0], runs[False][0])
+    assert all(torch.equal(runs[True][1][k], runs[False][1][k]) for k in runs[True][1])
+    no_cache = runs[False][2]
+    groups = [g for u in _units(no_cache) for g in u._mfsdp_unit.groups]
+    assert all(g.model_weight is None for g in groups)
+    # ZeRO-3 casts at every gather; strategies that keep weights gathered cast once per step
+    return {"losses": runs[False][0], "syncs": [g.stats.weight_syncs for g in groups],
+            "gathers": [g.stats.all_gathers for g in groups]}
+
+
+def _full_params(model):
+    from mfsdp_ext.checkpoint import full_state_dict
+
+    return full_state_dict(model)
+
+
 def _case_microbatch_flags_restored():
     torch.manual_seed(13)
     parent = torch.nn.Sequential(TinyLM(), TinyLM())  # only children are wrapped; the parent is plain
@@ -238,6 +264,11 @@ def test_hsdp_grads_kept_across_steps():
 @pytest.mark.parametrize("use_api", [True, False], ids=["microbatch_api", "plain_loop"])
 def test_weight_sync_once_per_step(cpu_pool, use_api):
     print(cpu_pool.run(_case_weight_sync_once_per_step, use_api)[0])
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
+def test_cast_in_slot(cpu_pool, strategy):
+    print(cpu_pool.run(_case_cast_in_slot, strategy)[0])
 
 
 def test_microbatch_flags_restored(cpu_pool):
