@@ -115,12 +115,17 @@ class FlatLayout:
         return (lo - slot.offset) // slot.row_numel, (hi - slot.offset) // slot.row_numel
 
     def local_segments(self, rank: int) -> list[tuple[int, int]]:
-        """Per parameter, [start, end) of its local part relative to rank's shard start."""
+        """Per parameter, [start, end) of its local part relative to rank's shard start: the segment table of
+        the FP8 kernels (sorted; a parameter with no local rows is the empty row (e, e) at its place)."""
         base = rank * self.shard_numel
-        segs = []
+        segs, prev_end = [], 0
         for s in self.slots:
             lo, hi = self.local_range(s, rank)
-            segs.append((lo - base, hi - base) if hi > lo else (0, 0))
+            if hi > lo:
+                prev_end = hi - base
+                segs.append((lo - base, prev_end))
+            else:
+                segs.append((prev_end, prev_end))
         return segs
 
     def __repr__(self) -> str:
