@@ -12,15 +12,7 @@
 # step.py rewrites its report after every config, so a capped run still leaves the configs it finished.
 set -uo pipefail
 
-# NVLink multicast must stay off on these machines (it can take shared GPUs out of service).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-OUT=${OUT:-$ROOT/benchmarks/results/gpu}
-mkdir -p "$OUT"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 
 STEPS=${STEPS:-10}
 WARMUP=${WARMUP:-3}

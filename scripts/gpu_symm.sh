@@ -10,15 +10,7 @@
 # `timeout`, so a hang costs at most its cap.
 set -uo pipefail
 
-# NVLink multicast must stay off on these machines (never turn it on).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$ROOT"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-OUT=${OUT:-$ROOT/benchmarks/results/gpu}
-mkdir -p "$OUT"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 SIZES=${SIZES:-1,8,64,256}
 ITERS_SCALE=${ITERS_SCALE:-1.0}
 TEST_TIMEOUT=${TEST_TIMEOUT:-120}
