@@ -100,12 +100,38 @@ def cuda_arch_flags() -> tuple[list[str], str]:
     return ["-gencode=arch=compute_90a,code=sm_90a"], "sm_90a"
 
 
+def loaded_libstdcxx() -> str | None:
+    """Path of the libstdc++ this process (Python with torch imported) runs with, on Linux; else None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libstdc++.so"):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+class Build(BuildExtension):
+    """torch's BuildExtension, logging the link command."""
+
+    def build_extensions(self):
+        log("link command: " + " ".join(getattr(self.compiler, "linker_so", None) or []))
+        super().build_extensions()
+
+
 def make_extension():
     sources = [os.path.join(CSRC, f) for f in ("bindings.cpp", "pack.cpp", "cast.cpp")]
     cxx = ["-O3", "-ffp-contract=off"]
     nvcc_flags = ["-O3", "-fmad=true"]  # kernels use explicit __fmul_rn / __fmaf_rn where rounding matters
     include_dirs = [os.path.join(ROOT, CSRC)]
-    link_args: list[str] = []
+    # Link the process's shared libstdc++ ahead of the compiler's own. A compiler whose directory holds
+    # only libstdc++.a (the GPU machine's /opt/gcc) otherwise copies parts of libstdc++ into _C, and with
+    # -Bsymbolic-functions (Debian/Ubuntu Python's LDSHARED) _C then formats numbers with its private copy,
+    # whose locale tables were never set up: every error message with a number in it crashed.
+    libstdcxx = loaded_libstdcxx()
+    link_args: list[str] = [libstdcxx] if libstdcxx else []
 
     nvcc = find_nvcc()
     if nvcc is None:
@@ -114,6 +140,7 @@ def make_extension():
             sources=sources,
             include_dirs=include_dirs,
             extra_compile_args={"cxx": cxx},
+            extra_link_args=link_args,
         )
 
     gencode, arch_names = cuda_arch_flags()
@@ -154,5 +181,5 @@ def make_extension():
 
 setup(
     ext_modules=[make_extension()],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": Build},
 )

@@ -486,6 +486,23 @@ def test_device_mismatch_errors():
     N.segment_amax(x, bad, torch.empty(2, device="cuda"))
 
 
+def test_extension_has_no_private_libstdcxx():
+    """_C must use the process's libstdc++. A private copy linked in (a toolchain that only has libstdc++.a)
+    formats numbers with locale tables that were never set up: error messages with numbers segfaulted."""
+    import shutil
+    import subprocess
+
+    from mfsdp_ext import _C
+
+    if shutil.which("nm") is None:
+        pytest.skip("nm (binutils) not installed")
+    defined = subprocess.run(["nm", "-D", "--defined-only", _C.__file__], capture_output=True, text=True,
+                             check=True).stdout
+    copied = [line.split()[-1] for line in defined.splitlines() if "_ZNSo9_M_insert" in line or "codecvt" in line]
+    assert not copied, f"{_C.__file__} defines libstdc++ symbols {copied[:5]}: rebuild with setup.py (it links " \
+                       "the process's libstdc++.so)"
+
+
 def test_meta_tensors_are_accepted():
     m = torch.empty(10, device="meta")
     N.cast(m, torch.empty(10, device="meta", dtype=torch.bfloat16))
