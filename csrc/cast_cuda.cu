@@ -12,12 +12,10 @@ namespace {
 
 using namespace detail;
 
-__device__ __forceinline__ bool block_span(int64_t span, int64_t total, int64_t& b0, int64_t& b1) {
-  b0 = static_cast<int64_t>(blockIdx.x) * span;
-  if (b0 >= total) return false;
-  b1 = (b0 + span < total) ? b0 + span : total;
-  return true;
-}
+// for each chunk [b0, b1) of this block
+#define MFSDP_FOR_EACH_CHUNK(b0, b1)                                        \
+  for (int64_t c_ = blockIdx.x; c_ < nchunks; c_ += gridDim.x)              \
+    for (int64_t b0 = c_ * chunk, b1 = (b0 + chunk < total) ? b0 + chunk : total, once_ = 1; once_; once_ = 0)
 
 // ---------------------------------------------------------------------------------------------
 // cast
@@ -25,11 +23,11 @@ __device__ __forceinline__ bool block_span(int64_t span, int64_t total, int64_t&
 template <class In, class Out>
 __global__ void __launch_bounds__(kThreads)
     cast_kernel(const typename In::raw* __restrict__ src, typename Out::raw* __restrict__ dst, int64_t total,
-                int64_t span) {
-  int64_t b0, b1;
-  if (!block_span(span, total, b0, b1)) return;
-  CopyOp<In, Out> op{src + b0, dst + b0, 1.0f, false};
-  run_range(op, b1 - b0);
+                int64_t chunk, int64_t nchunks) {
+  MFSDP_FOR_EACH_CHUNK(b0, b1) {
+    CopyOp<In, Out> op{src + b0, dst + b0, 1.0f, false};
+    run_range(op, b1 - b0);
+  }
 }
 
 template <class In, class Out>
@@ -37,7 +35,7 @@ int launch_cast(const void* src, void* dst, int64_t numel, cudaStream_t stream) 
   auto kernel = cast_kernel<In, Out>;
   const Grid g = make_grid(reinterpret_cast<const void*>(kernel), numel);
   kernel<<<g.blocks, kThreads, 0, stream>>>(static_cast<const typename In::raw*>(src),
-                                            static_cast<typename Out::raw*>(dst), numel, g.span);
+                                            static_cast<typename Out::raw*>(dst), numel, g.chunk, g.nchunks);
   return last_error();
 }
 
@@ -57,18 +55,32 @@ int cast_out(const void* src, void* dst, DType out, int64_t numel, cudaStream_t 
 template <class In>
 __global__ void __launch_bounds__(kThreads)
     segment_amax_kernel(const typename In::raw* __restrict__ src, int64_t total, const int64_t* __restrict__ seg,
-                        int64_t nseg, int64_t span, uint32_t* __restrict__ amax_bits) {
-  int64_t b0, b1;
-  if (!block_span(span, total, b0, b1)) return;
-  walk_segments(
-      seg, nseg, b0, b1,
-      [&](int64_t i, int64_t p, int64_t q) {
-        AmaxOp<In> op{src + p, 0u};
-        run_range(op, q - p);
-        const uint32_t m = block_max_u32(op.m);
-        if (threadIdx.x == 0 && m != 0u) atomicMax(amax_bits + i, m);
-      },
-      [&](int64_t, int64_t) {});
+                        int64_t nseg, int64_t chunk, int64_t nchunks, uint32_t* __restrict__ amax_bits) {
+  // each thread keeps the running max of the block's current segment; the block reduces it and does one
+  // atomicMax when it moves on to another segment (and at the end)
+  int64_t cur = -1;
+  uint32_t m = 0;
+  auto flush = [&]() {
+    const uint32_t r = block_max_u32(m);
+    if (threadIdx.x == 0 && r != 0u) atomicMax(amax_bits + cur, r);
+  };
+  int64_t hint = 0;
+  MFSDP_FOR_EACH_CHUNK(b0, b1) {
+    walk_segments(
+        seg, nseg, hint, b0, b1,
+        [&](int64_t i, int64_t p, int64_t q) {
+          if (i != cur) {
+            if (cur >= 0) flush();
+            cur = i;
+            m = 0;
+          }
+          AmaxOp<In> op{src + p, m};
+          run_range(op, q - p);
+          m = op.m;
+        },
+        [&](int64_t, int64_t) {});
+  }
+  if (cur >= 0) flush();
 }
 
 template <class In>
@@ -79,8 +91,8 @@ int launch_amax(const void* src, int64_t numel, const int64_t* seg, int64_t nseg
   if (numel == 0) return 0;
   auto kernel = segment_amax_kernel<In>;
   const Grid g = make_grid(reinterpret_cast<const void*>(kernel), numel);
-  kernel<<<g.blocks, kThreads, 0, stream>>>(static_cast<const typename In::raw*>(src), numel, seg, nseg, g.span,
-                                            reinterpret_cast<uint32_t*>(amax));
+  kernel<<<g.blocks, kThreads, 0, stream>>>(static_cast<const typename In::raw*>(src), numel, seg, nseg, g.chunk,
+                                            g.nchunks, reinterpret_cast<uint32_t*>(amax));
   return last_error();
 }
 
@@ -90,36 +102,36 @@ int launch_amax(const void* src, int64_t numel, const int64_t* seg, int64_t nseg
 template <class In, class F8>
 __global__ void __launch_bounds__(kThreads)
     fp8_cast_kernel(const typename In::raw* __restrict__ src, int64_t total, const int64_t* __restrict__ seg,
-                    int64_t nseg, int64_t span, const float* __restrict__ amax, float eps,
+                    int64_t nseg, int64_t chunk, int64_t nchunks, const float* __restrict__ amax, float eps,
                     typename F8::raw* __restrict__ dst, float* __restrict__ scale_inv) {
   const int64_t gtid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t i = gtid; i < nseg; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     scale_inv[i] = fp8_scale_inv(fp8_scale(amax[i], F8::max_value, eps));
   }
-  int64_t b0, b1;
-  if (!block_span(span, total, b0, b1)) return;
-  walk_segments(
-      seg, nseg, b0, b1,
-      [&](int64_t i, int64_t p, int64_t q) {
-        const float scale = fp8_scale(amax[i], F8::max_value, eps);
-        CopyOp<In, F8> op{src + p, dst + p, scale, true};
-        run_range(op, q - p);
-      },
-      [&](int64_t p, int64_t q) {
-        ZeroOp<F8> op{dst + p};
-        run_range(op, q - p);
-      });
+  int64_t hint = 0;
+  MFSDP_FOR_EACH_CHUNK(b0, b1) {
+    walk_segments(
+        seg, nseg, hint, b0, b1,
+        [&](int64_t i, int64_t p, int64_t q) {
+          const float scale = fp8_scale(amax[i], F8::max_value, eps);
+          CopyOp<In, F8> op{src + p, dst + p, scale, true};
+          run_range(op, q - p);
+        },
+        [&](int64_t p, int64_t q) {
+          ZeroOp<F8> op{dst + p};
+          run_range(op, q - p);
+        });
+  }
 }
 
 template <class In, class F8>
 int launch_fp8_cast(const void* src, int64_t numel, const int64_t* seg, int64_t nseg, const float* amax,
                     float eps, void* dst, float* scale_inv, cudaStream_t stream) {
   auto kernel = fp8_cast_kernel<In, F8>;
-  const int64_t work = numel > nseg ? numel : nseg;
-  if (work == 0) return 0;
-  const Grid g = make_grid(reinterpret_cast<const void*>(kernel), work);
-  kernel<<<g.blocks, kThreads, 0, stream>>>(static_cast<const typename In::raw*>(src), numel, seg, nseg, g.span,
-                                            amax, eps, static_cast<typename F8::raw*>(dst), scale_inv);
+  if (numel == 0 && nseg == 0) return 0;
+  const Grid g = make_grid(reinterpret_cast<const void*>(kernel), numel);  // at least one block (scale_inv)
+  kernel<<<g.blocks, kThreads, 0, stream>>>(static_cast<const typename In::raw*>(src), numel, seg, nseg, g.chunk,
+                                            g.nchunks, amax, eps, static_cast<typename F8::raw*>(dst), scale_inv);
   return last_error();
 }
 
@@ -139,20 +151,21 @@ int fp8_cast_out(const void* src, int64_t numel, const int64_t* seg, int64_t nse
 template <class F8, class Out>
 __global__ void __launch_bounds__(kThreads)
     fp8_dequant_kernel(const typename F8::raw* __restrict__ src, int64_t total, const int64_t* __restrict__ seg,
-                       int64_t nseg, int64_t span, const float* __restrict__ scale_inv,
+                       int64_t nseg, int64_t chunk, int64_t nchunks, const float* __restrict__ scale_inv,
                        typename Out::raw* __restrict__ dst) {
-  int64_t b0, b1;
-  if (!block_span(span, total, b0, b1)) return;
-  walk_segments(
-      seg, nseg, b0, b1,
-      [&](int64_t i, int64_t p, int64_t q) {
-        CopyOp<F8, Out> op{src + p, dst + p, scale_inv[i], true};
-        run_range(op, q - p);
-      },
-      [&](int64_t p, int64_t q) {
-        ZeroOp<Out> op{dst + p};
-        run_range(op, q - p);
-      });
+  int64_t hint = 0;
+  MFSDP_FOR_EACH_CHUNK(b0, b1) {
+    walk_segments(
+        seg, nseg, hint, b0, b1,
+        [&](int64_t i, int64_t p, int64_t q) {
+          CopyOp<F8, Out> op{src + p, dst + p, scale_inv[i], true};
+          run_range(op, q - p);
+        },
+        [&](int64_t p, int64_t q) {
+          ZeroOp<Out> op{dst + p};
+          run_range(op, q - p);
+        });
+  }
 }
 
 template <class F8, class Out>
@@ -161,8 +174,8 @@ int launch_dequant(const void* src, int64_t numel, const int64_t* seg, int64_t n
   if (numel == 0) return 0;
   auto kernel = fp8_dequant_kernel<F8, Out>;
   const Grid g = make_grid(reinterpret_cast<const void*>(kernel), numel);
-  kernel<<<g.blocks, kThreads, 0, stream>>>(static_cast<const typename F8::raw*>(src), numel, seg, nseg, g.span,
-                                            scale_inv, static_cast<typename Out::raw*>(dst));
+  kernel<<<g.blocks, kThreads, 0, stream>>>(static_cast<const typename F8::raw*>(src), numel, seg, nseg, g.chunk,
+                                            g.nchunks, scale_inv, static_cast<typename Out::raw*>(dst));
   return last_error();
 }
 
@@ -183,11 +196,11 @@ int dequant_out(const void* src, int64_t numel, const int64_t* seg, int64_t nseg
 template <class Main, class Red>
 __global__ void __launch_bounds__(kThreads)
     grad_acc_kernel(typename Main::raw* __restrict__ main_grad, const typename Red::raw* __restrict__ red,
-                    int64_t total, int64_t span, float scale, bool accumulate) {
-  int64_t b0, b1;
-  if (!block_span(span, total, b0, b1)) return;
-  GradAccOp<Main, Red> op{main_grad + b0, red + b0, scale, accumulate};
-  run_range(op, b1 - b0);
+                    int64_t total, int64_t chunk, int64_t nchunks, float scale, bool accumulate) {
+  MFSDP_FOR_EACH_CHUNK(b0, b1) {
+    GradAccOp<Main, Red> op{main_grad + b0, red + b0, scale, accumulate};
+    run_range(op, b1 - b0);
+  }
 }
 
 template <class Main, class Red>
@@ -197,8 +210,8 @@ int launch_grad_acc(void* main_grad, const void* red, int64_t numel, float scale
   auto kernel = grad_acc_kernel<Main, Red>;
   const Grid g = make_grid(reinterpret_cast<const void*>(kernel), numel);
   kernel<<<g.blocks, kThreads, 0, stream>>>(static_cast<typename Main::raw*>(main_grad),
-                                            static_cast<const typename Red::raw*>(red), numel, g.span, scale,
-                                            accumulate);
+                                            static_cast<const typename Red::raw*>(red), numel, g.chunk,
+                                            g.nchunks, scale, accumulate);
   return last_error();
 }
 

@@ -1,11 +1,14 @@
 // Device building blocks shared by pack_cuda.cu and cast_cuda.cu (plain CUDA, no torch headers).
 //
-// Work split: a kernel covers one flat index space [0, total). Block b owns the contiguous span
-// [b * span, (b + 1) * span) and walks it front to back; where a span meets a segment table it finds its
-// first segment once (a block-cooperative k-ary search, `block_first_end_gt`) and then walks forward.
+// Work split: a kernel covers one flat index space [0, total) cut into chunks of `chunk` elements (a multiple
+// of 64). One wave of resident blocks; block b takes chunks b, b + gridDim, ... (so the blocks running at one
+// time read one contiguous window of memory, as a grid-stride loop does). Where a chunk meets a segment table
+// the block finds the chunk's first segment with a block-cooperative k-ary search (`block_first_end_gt`),
+// starting from the segment it stopped at in its previous chunk, and walks forward.
 // Inside one range (a piece of one segment, or a gap) the block's threads run `run_range`: scalar head until
-// the destination is 16-byte aligned, 16-byte vector loads/stores for the body (when the source is aligned
-// at the same element), scalar tail.
+// the destination is 16-byte aligned, then 16-byte vector stores and 16-byte vector loads for the body (a
+// source that is not 16-byte aligned at the same element is read with aligned loads and funnel shifts, so
+// every load stays a coalesced 16-byte load), scalar tail.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,8 +25,9 @@ namespace cuda {
 namespace detail {
 
 constexpr int kThreads = 256;
-// the smallest span worth a block of its own (elements)
-constexpr int64_t kMinSpan = 1024;
+// chunk size bounds (elements), see make_grid
+constexpr int64_t kMinChunk = 1024;
+constexpr int64_t kMaxChunk = 16384;
 
 // ---------------------------------------------------------------------------------------------
 // 16-byte vector registers
@@ -78,23 +82,79 @@ __device__ __forceinline__ void vstore(R* p, const VecRegs<R, N>& r) {
   }
 }
 
-// Elements before `primary` (element size psize) is 16-byte aligned; -1 when `secondary` (element size
-// ssize, may be null) is not 16-byte aligned at that same element (then the range runs scalar).
-__device__ __forceinline__ int64_t vec_head(const void* primary, int psize, const void* secondary, int ssize) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(primary);
-  const int64_t h = static_cast<int64_t>((16u - (a & 15u)) & 15u) / psize;
-  if ((a + h * psize) & 15u) return -1;
-  if (secondary != nullptr && ((reinterpret_cast<uintptr_t>(secondary) + h * ssize) & 15u)) return -1;
+// N elements of R starting at p, which is NOT 16-byte aligned: aligned 16-byte loads of the window around
+// them, then funnel shifts. WS = (p & 15) / 4 words, bs = 8 * (p & 3) bits (0 or 16 for 2-byte elements,
+// 0/8/16/24 for bytes). The last load may read up to 15 bytes past the last element, never past the 16-byte
+// block holding it (so never into another page).
+template <int WS, class R, int N>
+__device__ __forceinline__ void vload_shift(VecRegs<R, N>& r, const R* p, int bs) {
+  constexpr int W = VecRegs<R, N>::kWords;
+  constexpr int K = W / 4 + 1;
+  const uint4* q = reinterpret_cast<const uint4*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t(15));
+  uint32_t t[4 * K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const uint4 v = q[k];
+    t[4 * k] = v.x;
+    t[4 * k + 1] = v.y;
+    t[4 * k + 2] = v.z;
+    t[4 * k + 3] = v.w;
+  }
+#pragma unroll
+  for (int i = 0; i < W; ++i) r.w[i] = __funnelshift_r(t[i + WS], t[i + WS + 1], bs);
+}
+
+// Elements before `dst` (element size dsize) is 16-byte aligned, or -1 if dst is not even element-aligned.
+__device__ __forceinline__ int64_t vec_head(const void* dst, int dsize) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(dst);
+  const int64_t h = static_cast<int64_t>((16u - (a & 15u)) & 15u) / dsize;
+  if ((a + h * dsize) & 15u) return -1;
   return h;
 }
 
+// Byte misalignment (0..15) of src at element h.
+__device__ __forceinline__ int src_misalign(const void* src, int ssize, int64_t h) {
+  return static_cast<int>((reinterpret_cast<uintptr_t>(src) + h * ssize) & 15u);
+}
+
+// The vector body of run_range: vectors [0, nvec) starting at element `head`; MODE -1: aligned source,
+// MODE 0..3: source misaligned by 4 * MODE + bs / 8 bytes.
+template <int MODE, class Op>
+__device__ __forceinline__ void run_body(Op& op, int64_t head, int64_t nvec, int bs) {
+  constexpr int VEC = Op::VEC;
+  constexpr int U = Op::U;
+  const int tid = threadIdx.x;
+  const int nt = blockDim.x;
+  const int64_t step = static_cast<int64_t>(nt) * U;
+  for (int64_t v0 = 0; v0 < nvec; v0 += step) {
+    typename Op::Regs r[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t v = v0 + static_cast<int64_t>(u) * nt + tid;
+      if (v < nvec) {
+        if constexpr (MODE < 0) {
+          op.load(head + v * VEC, r[u]);
+        } else {
+          op.template load_shift<MODE>(head + v * VEC, r[u], bs);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t v = v0 + static_cast<int64_t>(u) * nt + tid;
+      if (v < nvec) op.store(head + v * VEC, r[u]);
+    }
+  }
+}
+
 // Run `op` over elements [0, n) of one range with the whole block. Op provides:
-//   VEC, U, Regs, head(), load(j, Regs&), store(j, Regs&) for VEC elements at j, one(j) for one element.
+//   VEC, U, Regs, head() (elements before its destination is 16-byte aligned), src_mis(h) (byte misalignment
+//   of its source at element h; 0 if it has none), load(j, Regs&) / load_shift<WS>(j, Regs&, bs) and
+//   store(j, Regs&) for VEC elements at j, one(j) for one element.
 // U vectors per thread per iteration: all loads are issued before the stores.
 template <class Op>
 __device__ __forceinline__ void run_range(Op& op, int64_t n) {
   constexpr int VEC = Op::VEC;
-  constexpr int U = Op::U;
   const int tid = threadIdx.x;
   const int nt = blockDim.x;
   int64_t head = op.head();
@@ -105,18 +165,20 @@ __device__ __forceinline__ void run_range(Op& op, int64_t n) {
   if (head > n) head = n;
   for (int64_t j = tid; j < head; j += nt) op.one(j);
   const int64_t nvec = (n - head) / VEC;
-  const int64_t step = static_cast<int64_t>(nt) * U;
-  for (int64_t v0 = 0; v0 < nvec; v0 += step) {
-    typename Op::Regs r[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t v = v0 + static_cast<int64_t>(u) * nt + tid;
-      if (v < nvec) op.load(head + v * VEC, r[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t v = v0 + static_cast<int64_t>(u) * nt + tid;
-      if (v < nvec) op.store(head + v * VEC, r[u]);
+  if (nvec > 0) {
+    const int mis = op.src_mis(head);
+    const int bs = (mis & 3) * 8;
+    switch (mis >> 2) {
+      case 0:
+        if (mis == 0) {
+          run_body<-1>(op, head, nvec, 0);
+        } else {
+          run_body<0>(op, head, nvec, bs);
+        }
+        break;
+      case 1: run_body<1>(op, head, nvec, bs); break;
+      case 2: run_body<2>(op, head, nvec, bs); break;
+      default: run_body<3>(op, head, nvec, bs); break;
     }
   }
   for (int64_t j = head + nvec * VEC + tid; j < n; j += nt) op.one(j);
@@ -141,7 +203,8 @@ struct CopyOp {
   float scale;
   bool use_scale;
 
-  __device__ __forceinline__ int64_t head() const { return vec_head(dst, sizeof(OR), src, sizeof(IR)); }
+  __device__ __forceinline__ int64_t head() const { return vec_head(dst, sizeof(OR)); }
+  __device__ __forceinline__ int src_mis(int64_t h) const { return src_misalign(src, sizeof(IR), h); }
   __device__ __forceinline__ OR conv(IR x) const {
     if constexpr (kSame) {
       if (!use_scale) return x;
@@ -151,6 +214,10 @@ struct CopyOp {
     return Out::store(f);
   }
   __device__ __forceinline__ void load(int64_t j, Regs& r) const { vload(r.v, src + j); }
+  template <int WS>
+  __device__ __forceinline__ void load_shift(int64_t j, Regs& r, int bs) const {
+    vload_shift<WS>(r.v, src + j, bs);
+  }
   __device__ __forceinline__ void store(int64_t j, const Regs& r) const {
     if constexpr (kSame) {
       if (!use_scale) {
@@ -173,8 +240,11 @@ struct ZeroOp {
   static constexpr int U = 1;
   struct Regs {};
   OR* dst;
-  __device__ __forceinline__ int64_t head() const { return vec_head(dst, sizeof(OR), nullptr, 0); }
+  __device__ __forceinline__ int64_t head() const { return vec_head(dst, sizeof(OR)); }
+  __device__ __forceinline__ int src_mis(int64_t) const { return 0; }
   __device__ __forceinline__ void load(int64_t, Regs&) const {}
+  template <int WS>
+  __device__ __forceinline__ void load_shift(int64_t, Regs&, int) const {}
   __device__ __forceinline__ void store(int64_t j, const Regs&) const {
     *reinterpret_cast<uint4*>(dst + j) = make_uint4(0u, 0u, 0u, 0u);
   }
@@ -193,12 +263,15 @@ struct AmaxOp {
   const IR* src;
   uint32_t m;
 
-  __device__ __forceinline__ int64_t head() const { return vec_head(src, sizeof(IR), nullptr, 0); }
+  __device__ __forceinline__ int64_t head() const { return vec_head(src, sizeof(IR)); }
+  __device__ __forceinline__ int src_mis(int64_t) const { return 0; }
   __device__ __forceinline__ void take(IR x) {
     const uint32_t a = f2u(In::load(x)) & 0x7FFFFFFFu;
     m = a > m ? a : m;
   }
   __device__ __forceinline__ void load(int64_t j, Regs& r) const { vload(r.v, src + j); }
+  template <int WS>
+  __device__ __forceinline__ void load_shift(int64_t, Regs&, int) const {}
   __device__ __forceinline__ void store(int64_t, const Regs& r) {
 #pragma unroll
     for (int k = 0; k < VEC; ++k) take(r.v.get(k));
@@ -223,7 +296,8 @@ struct GradAccOp {
   float scale;
   bool accumulate;
 
-  __device__ __forceinline__ int64_t head() const { return vec_head(main, sizeof(MR), red, sizeof(RR)); }
+  __device__ __forceinline__ int64_t head() const { return vec_head(main, sizeof(MR)); }
+  __device__ __forceinline__ int src_mis(int64_t h) const { return src_misalign(red, sizeof(RR), h); }
   __device__ __forceinline__ MR conv(MR m, RR r) const {
     const float x = Red::load(r);
     const float y = accumulate ? fma_rn(scale, x, Main::load(m)) : mul_rn(scale, x);
@@ -231,6 +305,11 @@ struct GradAccOp {
   }
   __device__ __forceinline__ void load(int64_t j, Regs& r) const {
     vload(r.r, red + j);
+    if (accumulate) vload(r.m, main + j);
+  }
+  template <int WS>
+  __device__ __forceinline__ void load_shift(int64_t j, Regs& r, int bs) const {
+    vload_shift<WS>(r.r, red + j, bs);
     if (accumulate) vload(r.m, main + j);
   }
   __device__ __forceinline__ void store(int64_t j, const Regs& r) const {
@@ -286,13 +365,14 @@ __device__ __forceinline__ uint32_t block_max_u32(uint32_t v) {
   return v;
 }
 
-// Walk the block's span [b0, b1) over a segment table seg (n rows of [start, end), sorted,
-// non-overlapping). on_seg(i, p, q) for [p, q) inside segment i, on_gap(p, q) for elements in no segment.
+// Walk the chunk [b0, b1) over a segment table seg (n rows of [start, end), sorted, non-overlapping).
+// on_seg(i, p, q) for [p, q) inside segment i, on_gap(p, q) for elements in no segment. `hint`: no segment
+// before it ends after b0 (0 at first; updated for the block's next chunk, which starts after b1).
 // Memory-safe for any table: every range handed out lies inside [b0, b1).
 template <class OnSeg, class OnGap>
-__device__ __forceinline__ void walk_segments(const int64_t* seg, int64_t nseg, int64_t b0, int64_t b1,
-                                              OnSeg&& on_seg, OnGap&& on_gap) {
-  int64_t i = block_first_end_gt(seg + 1, 2, nseg, b0);
+__device__ __forceinline__ void walk_segments(const int64_t* seg, int64_t nseg, int64_t& hint, int64_t b0,
+                                              int64_t b1, OnSeg&& on_seg, OnGap&& on_gap) {
+  int64_t i = hint + block_first_end_gt(seg + 2 * hint + 1, 2, nseg - hint, b0);
   int64_t p = b0;
   while (p < b1) {
     int64_t s = b1, e = b1;
@@ -314,6 +394,7 @@ __device__ __forceinline__ void walk_segments(const int64_t* seg, int64_t nseg, 
     on_seg(i, p, q);
     p = q;
   }
+  hint = i < nseg ? i : nseg;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -349,21 +430,27 @@ inline int blocks_per_sm(const void* kernel) {
 
 struct Grid {
   int blocks;
-  int64_t span;
+  int64_t chunk;    // elements per chunk, a multiple of 64
+  int64_t nchunks;  // chunks in [0, total)
 };
 
-// One wave of resident blocks, each owning a contiguous span (a multiple of 64 elements).
+// One wave of resident blocks striding over chunks: chunks of 16K elements, smaller (down to 1K) when the
+// buffer is too small to give every resident block one.
 inline Grid make_grid(const void* kernel, int64_t total) {
   const int64_t max_blocks = static_cast<int64_t>(num_sms()) * blocks_per_sm(kernel);
-  int64_t blocks = (total + kMinSpan - 1) / kMinSpan;
-  if (blocks > max_blocks) blocks = max_blocks;
+  int64_t chunk = (total + max_blocks - 1) / max_blocks;
+  chunk = chunk < kMinChunk ? kMinChunk : (chunk > kMaxChunk ? kMaxChunk : chunk);
+  chunk = (chunk + 63) / 64 * 64;
+  const int64_t nchunks = total > 0 ? (total + chunk - 1) / chunk : 0;
+  int64_t blocks = nchunks < max_blocks ? nchunks : max_blocks;
   if (blocks < 1) blocks = 1;
-  int64_t span = (total + blocks - 1) / blocks;
-  span = (span + 63) / 64 * 64;
-  if (span < 64) span = 64;
-  blocks = (total + span - 1) / span;
-  if (blocks < 1) blocks = 1;
-  return Grid{static_cast<int>(blocks), span};
+  return Grid{static_cast<int>(blocks), chunk, nchunks};
+}
+
+// Chunk c of [0, total): [b0, b1)
+__device__ __forceinline__ void chunk_bounds(int64_t c, int64_t chunk, int64_t total, int64_t& b0, int64_t& b1) {
+  b0 = c * chunk;
+  b1 = (b0 + chunk < total) ? b0 + chunk : total;
 }
 
 inline int last_error() { return static_cast<int>(cudaGetLastError()); }

@@ -13,37 +13,40 @@ using namespace detail;
 
 template <class In, class Out>
 __global__ void __launch_bounds__(kThreads)
-    copy_table_kernel(const int64_t* __restrict__ table, int64_t n, int64_t total, int64_t span, float scale,
-                      bool use_scale) {
+    copy_table_kernel(const int64_t* __restrict__ table, int64_t n, int64_t total, int64_t chunk, int64_t nchunks,
+                      float scale, bool use_scale) {
   using IR = typename In::raw;
   using OR = typename Out::raw;
-  const int64_t b0 = static_cast<int64_t>(blockIdx.x) * span;
-  if (b0 >= total) return;
-  const int64_t b1 = (b0 + span < total) ? b0 + span : total;
   const int64_t* vstart = table;
   const int64_t* srcs = table + n + 1;
   const int64_t* dsts = table + 2 * n + 1;
-  int64_t i = block_first_end_gt(vstart + 1, 1, n, b0);
-  int64_t p = b0;
-  while (p < b1 && i < n) {
-    const int64_t s = vstart[i];
-    const int64_t e = vstart[i + 1];
-    if (e <= p) {
-      ++i;
-      continue;
+  int64_t hint = 0;  // entries before it end at or before this block's next chunk
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    int64_t b0, b1;
+    chunk_bounds(c, chunk, total, b0, b1);
+    int64_t i = hint + block_first_end_gt(vstart + hint + 1, 1, n - hint, b0);
+    int64_t p = b0;
+    while (p < b1 && i < n) {
+      const int64_t s = vstart[i];
+      const int64_t e = vstart[i + 1];
+      if (e <= p) {
+        ++i;
+        continue;
+      }
+      const int64_t q = e < b1 ? e : b1;
+      const int64_t off = p - s;
+      OR* dst = reinterpret_cast<OR*>(dsts[i]) + off;
+      const IR* src = reinterpret_cast<const IR*>(srcs[i]);
+      if (src == nullptr) {
+        ZeroOp<Out> op{dst};
+        run_range(op, q - p);
+      } else {
+        CopyOp<In, Out> op{src + off, dst, scale, use_scale};
+        run_range(op, q - p);
+      }
+      p = q;
     }
-    const int64_t q = e < b1 ? e : b1;
-    const int64_t off = p - s;
-    OR* dst = reinterpret_cast<OR*>(dsts[i]) + off;
-    const IR* src = reinterpret_cast<const IR*>(srcs[i]);
-    if (src == nullptr) {
-      ZeroOp<Out> op{dst};
-      run_range(op, q - p);
-    } else {
-      CopyOp<In, Out> op{src + off, dst, scale, use_scale};
-      run_range(op, q - p);
-    }
-    p = q;
+    hint = i < n ? i : n;
   }
 }
 
@@ -52,7 +55,7 @@ int launch_copy_table(const int64_t* table, int64_t n, int64_t total, float scal
                       cudaStream_t stream) {
   auto kernel = copy_table_kernel<In, Out>;
   const Grid g = make_grid(reinterpret_cast<const void*>(kernel), total);
-  kernel<<<g.blocks, kThreads, 0, stream>>>(table, n, total, g.span, scale, use_scale);
+  kernel<<<g.blocks, kThreads, 0, stream>>>(table, n, total, g.chunk, g.nchunks, scale, use_scale);
   return last_error();
 }
 
