@@ -13,9 +13,10 @@ Methods (bf16, sizes = bytes of the gathered buffer / of the reduce-scatter inpu
 All-gathers are in place (input = this rank's slot of the output, as FSDP uses them) for every method;
 reduce-scatters are out of place.
 
-Timing: CUDA events around every iteration after a warm-up (median over iterations, then the max of the
-per-rank medians), plus one event pair around back-to-back launches (mean per op, host launch rate
-included, no CUDA graphs). busbw = size * (N-1)/N / time, as nccl-tests. Each method's result is checked
+Timing (see time_case): latency as nccl-tests defines it (back-to-back calls between one event pair, mean
+per call; median of 5 loops, max over ranks), and the time of one call alone (its own events, the GPU kept
+busy by a spin queued before it so the host's launch time is not counted; median, max over ranks). No CUDA
+graphs. busbw = size * (N-1)/N / latency, as nccl-tests. Each method's result is checked
 once against plain (exact: the inputs are small integers). A profiler pass counts the NCCL kernels each
 method ran (ncclSymk* = NCCL's symmetric kernels). Rank 0 writes collectives_<N>gpu.{md,json,png}.
 """
@@ -175,29 +176,53 @@ def make_case(method, coll, nbytes, alloc, comm, group, rank, world):
     return inp, out, run, [inp, out]
 
 
-def time_case(run, iters, warmup, device, local_rank):
+def sleep_cycles_per_us(device) -> float:
+    """Clock cycles of torch.cuda._sleep per microsecond on this GPU (measured once)."""
+    cycles = 2_000_000
+    torch.cuda._sleep(cycles // 10)  # warm-up
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    torch.cuda._sleep(cycles)
+    e1.record()
+    torch.cuda.synchronize(device)
+    return cycles / (e0.elapsed_time(e1) * 1e3)
+
+
+def time_case(run, iters, warmup, device, local_rank, cycles_per_us, repeats=5):
+    """Returns (b2b_us, call_us, min_call_us), each the max over ranks.
+
+    b2b_us: nccl-tests' latency: one event pair around `iters` back-to-back calls, divided by iters;
+            median of `repeats` such loops.
+    call_us: one call between its own events, median over iters. A GPU spin (torch.cuda._sleep) is queued
+             before each call so the GPU is still busy when the call is launched: the host's launch time is
+             not counted, and since every rank spins equally after the previous call, ranks start together.
+    """
     for _ in range(warmup):
         run()
     torch.cuda.synchronize(device)
     dist.barrier(device_ids=[local_rank])
+    loops = []
+    for _ in range(repeats):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(iters):
+            run()
+        e1.record()
+        torch.cuda.synchronize(device)
+        loops.append(e0.elapsed_time(e1) * 1e3 / iters)
+    dist.barrier(device_ids=[local_rank])
+    spin = int(60 * cycles_per_us)  # longer than one launch on the host
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for i in range(iters):
+        torch.cuda._sleep(spin)
         starts[i].record()
         run()
         ends[i].record()
     torch.cuda.synchronize(device)
-    per_iter_us = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
-    dist.barrier(device_ids=[local_rank])
-    e0 = torch.cuda.Event(enable_timing=True)
-    e1 = torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(iters):
-        run()
-    e1.record()
-    torch.cuda.synchronize(device)
-    b2b_us = e0.elapsed_time(e1) * 1e3 / iters
-    stats = torch.tensor([statistics.median(per_iter_us), b2b_us, min(per_iter_us)], dtype=torch.float64, device=device)
+    per_call = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+    stats = torch.tensor([statistics.median(loops), statistics.median(per_call), min(per_call)],
+                         dtype=torch.float64, device=device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank bounds the collective
     return stats.tolist()
 
@@ -246,8 +271,10 @@ def write_report(out_dir, world, meta, results, kernels, skipped):
         f"NCCL_NVLS_ENABLE={meta['env'].get('NCCL_NVLS_ENABLE')}, "
         f"TORCH_SYMM_MEM_DISABLE_MULTICAST={meta['env'].get('TORCH_SYMM_MEM_DISABLE_MULTICAST')}.",
         f"plain/torchsymm use `{meta['ag_fn']}` / `{meta['rs_fn']}`. All-gathers in place, reduce-scatters out of place.",
-        "Latency: median of per-iteration CUDA-event times (max over ranks); b2b: back-to-back launches, mean per op.",
-        "busbw = size * (N-1)/N / median. Ratios > 1 mean ours is faster.",
+        "Latency: nccl-tests' definition, back-to-back calls between one event pair, mean per call (median of 5 "
+        "loops, max over ranks). Per call: each call between its own events with the GPU kept busy by a spin "
+        "queued before it, so host launch time is not counted (median, max over ranks).",
+        "busbw = size * (N-1)/N / latency. Ratios > 1 mean ours is faster.",
         "",
     ]
     for m, why in skipped.items():
@@ -262,20 +289,21 @@ def write_report(out_dir, world, meta, results, kernels, skipped):
             f"## {coll} (size = {'gathered output' if coll == 'all_gather' else 'reduce-scatter input'})",
             "",
             "| size MiB | ours us | plain us | torchsymm us | plain/ours | torchsymm/ours | ours GB/s | plain GB/s "
-            "| torchsymm GB/s | ours b2b us | plain b2b us | torchsymm b2b us | correct (ours/torchsymm) |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+            "| torchsymm GB/s | per call: ours us | plain us | torchsymm us | plain/ours | correct (ours/torchsymm) |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
         ]
         for s in sizes:
             o, p, t = (get(coll, s, m) for m in METHODS)
-            med = lambda r: None if r is None else r["median_us"]  # noqa: E731
+            lat = lambda r: None if r is None else r["b2b_us"]  # noqa: E731
             bw = lambda r: None if r is None else r["busbw_gbps"]  # noqa: E731
-            b2b = lambda r: None if r is None else r["b2b_us"]  # noqa: E731
+            call = lambda r: None if r is None else r["call_us"]  # noqa: E731
             ratio = lambda a, b: None if a is None or b is None or b == 0 else a / b  # noqa: E731
             ok = lambda r: "-" if r is None else ("yes" if r["correct"] else f"NO ({r['max_abs_diff']})")  # noqa: E731
             lines.append(
-                f"| {s} | {fmt(med(o))} | {fmt(med(p))} | {fmt(med(t))} | {fmt(ratio(med(p), med(o)), '.2f')} "
-                f"| {fmt(ratio(med(t), med(o)), '.2f')} | {fmt(bw(o))} | {fmt(bw(p))} | {fmt(bw(t))} "
-                f"| {fmt(b2b(o))} | {fmt(b2b(p))} | {fmt(b2b(t))} | {ok(o)} / {ok(t)} |"
+                f"| {s} | {fmt(lat(o))} | {fmt(lat(p))} | {fmt(lat(t))} | {fmt(ratio(lat(p), lat(o)), '.2f')} "
+                f"| {fmt(ratio(lat(t), lat(o)), '.2f')} | {fmt(bw(o))} | {fmt(bw(p))} | {fmt(bw(t))} "
+                f"| {fmt(call(o))} | {fmt(call(p))} | {fmt(call(t))} | {fmt(ratio(call(p), call(o)), '.2f')} "
+                f"| {ok(o)} / {ok(t)} |"
             )
         lines.append("")
     if kernels:
@@ -304,11 +332,11 @@ def write_report(out_dir, world, meta, results, kernels, skipped):
             for m in METHODS:
                 rs = sorted((r for r in results if r["coll"] == coll and r["method"] == m), key=lambda r: r["size_mib"])
                 if rs:
-                    ax.plot([r["size_mib"] for r in rs], [r["median_us"] for r in rs], marker="o", label=m)
+                    ax.plot([r["size_mib"] for r in rs], [r["b2b_us"] for r in rs], marker="o", label=m)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("size (MiB)")
-            ax.set_ylabel("median latency (us)")
+            ax.set_ylabel("latency (us, nccl-tests)")
             ax.set_title(f"{coll}, {world} GPUs, bf16")
             ax.grid(True, which="both", alpha=0.3)
             ax.legend()
@@ -377,6 +405,7 @@ def main() -> int:
 
     results = []
     kernels: dict = {}
+    cycles_per_us = sleep_cycles_per_us(device)
     t_start = time.time()
     for coll in COLLS:
         expected = {}
@@ -407,13 +436,13 @@ def main() -> int:
                     diff = (out.float() - expected[s].float()).abs().max().item() if out.numel() else 0.0
                     correct = bool(torch.equal(out, expected[s]))
                 iters = iters_for(s * MiB, args.iters_scale)
-                median_us, b2b_us, min_us = time_case(run, iters, args.warmup, device, local_rank)
+                b2b_us, call_us, min_us = time_case(run, iters, args.warmup, device, local_rank, cycles_per_us)
                 nbytes = s * MiB
-                busbw = nbytes * (world - 1) / world / (median_us * 1e-6) / 1e9
-                results.append(dict(coll=coll, method=method, size_mib=s, iters=iters, median_us=median_us,
-                                    b2b_us=b2b_us, min_us=min_us, busbw_gbps=busbw, correct=correct,
+                busbw = nbytes * (world - 1) / world / (b2b_us * 1e-6) / 1e9
+                results.append(dict(coll=coll, method=method, size_mib=s, iters=iters, b2b_us=b2b_us,
+                                    call_us=call_us, min_call_us=min_us, busbw_gbps=busbw, correct=correct,
                                     max_abs_diff=diff))
-                log(f"{coll:14s} {method:9s} {s:4d} MiB  median {median_us:9.1f} us  b2b {b2b_us:9.1f} us  "
+                log(f"{coll:14s} {method:9s} {s:4d} MiB  latency {b2b_us:9.1f} us  per call {call_us:9.1f} us  "
                     f"busbw {busbw:7.1f} GB/s  correct={correct}")
             if not args.no_profile:
                 try:
