@@ -104,7 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--configs", default="1,2,3,4,5")
     p.add_argument("--impls", default="ours,fsdp2")
     p.add_argument("--extra-ours", action="append", default=[], metavar="KEY=VAL[,KEY=VAL]",
-                   help="an additional 'ours' column with these fully_shard keywords (repeatable: one column each)")
+                   help="an additional 'ours' column with these fully_shard keywords (repeatable: one column each); "
+                        "keys mp.NAME go to MixedPrecisionPolicy, e.g. mp.cache_model_weight=False")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
     p.add_argument("--floor-steps", type=int, default=5)
@@ -271,15 +272,18 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
     cfg = bc.model_config()
     t_build = time.perf_counter()
     torch.manual_seed(0)
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    # keys "mp.NAME" go to MixedPrecisionPolicy (e.g. mp.cache_model_weight=False), the rest to fully_shard
+    mp_extra = {k[3:]: val for k, val in v.extra.items() if k.startswith("mp.")}
+    shard_extra = {k: val for k, val in v.extra.items() if not k.startswith("mp.")}
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, **mp_extra)
     if args.init == "meta":
         with torch.device("meta"):
             model = gpt.GPT(cfg)
-        gpt.shard_model(model, fully_shard, mesh=mesh, mp_policy=mp, **v.extra)
+        gpt.shard_model(model, fully_shard, mesh=mesh, mp_policy=mp, **shard_extra)
         gpt.materialize(model, v.impl, device)
     else:  # the full model on every rank, same seed: identical initial weights for every variant
         model = gpt.GPT(cfg, device=device)
-        gpt.shard_model(model, fully_shard, mesh=mesh, mp_policy=mp, **v.extra)
+        gpt.shard_model(model, fully_shard, mesh=mesh, mp_policy=mp, **shard_extra)
         free_memory(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     synchronize(device)
@@ -409,7 +413,7 @@ def write_report(results: List[dict], variants: List[Variant], env: dict, out_di
                     flag += " **DIFFERS FROM FSDP2**"
                 parts.append(f"{n} {res['loss_first']:.4f} -> {res['loss_last']:.4f}{flag}")
         lines.append(f"- config {r['id']}: " + "; ".join(parts))
-        if r.get("floor", {}).get("method", "whole model") != "whole model":
+        if (r.get("floor") or {}).get("method", "whole model") != "whole model":
             lines.append(f"- config {r['id']} floor measured {r['floor']['method']}")
     lines.append("")
     with open(os.path.join(out_dir, stem + ".md"), "w") as f:
