@@ -16,10 +16,16 @@ namespace cuda {
 //   [n+1, 2n+1)     src element pointers (0 = write zeros)
 //   [2n+1, 3n+1)    dst element pointers
 // Entry i maps virtual element v in [vstart[i], vstart[i+1]) to dst_i[v - vstart[i]] = cvt(src_i[...] * scale).
-inline int64_t copy_table_words(int64_t n) { return 3 * n + 1; }
+constexpr int64_t copy_table_words(int64_t n) { return 3 * n + 1; }
 
 int copy_table(const int64_t* table, int64_t n, int64_t total, DType in, DType out, float scale,
                bool use_scale, void* stream);
+
+// Tables of at most this many entries travel in the kernel's parameters (3.8 KB of the 4 KB limit).
+constexpr int64_t kInlineTableEntries = 160;
+// The same with the table in host memory (n <= kInlineTableEntries): no upload, no pinned buffer.
+int copy_table_inline(const int64_t* host_table, int64_t n, int64_t total, DType in, DType out, float scale,
+                      bool use_scale, void* stream);
 
 // dst[i] = cvt(src[i]) for i < numel (fp32 / bf16 / fp16 / fp8 in and out; fp8 out saturates)
 int cast(const void* src, DType in, void* dst, DType out, int64_t numel, void* stream);

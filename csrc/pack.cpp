@@ -1,6 +1,7 @@
 // pack / unpack: host glue and the CPU kernel. Both build a list of copy entries (length, source, destination;
 // a null source writes zeros) and run it as one pass over the concatenated "virtual" index space:
-// at::parallel_for on CPU, one CUDA launch (pack_cuda.cu) with the entry table copied to the device.
+// at::parallel_for on CPU, one CUDA launch (pack_cuda.cu) with the entry table in the kernel's parameters
+// (up to cuda::kInlineTableEntries entries) or copied to the device.
 #include "pack.h"
 
 #include <array>
@@ -64,19 +65,29 @@ void run_entries(const std::vector<Entry>& entries, DType in, DType out, float s
 #ifdef MFSDP_WITH_CUDA
   c10::cuda::CUDAGuard guard(like.device());
   void* stream = cuda_stream(like);
-  TORCH_CHECK_VALUE(!cuda::stream_is_capturing(stream), "mfsdp_ext.", fn,
-                    " cannot be captured in a CUDA graph: its tensor table is uploaded on every call");
+  auto fill_table = [&](int64_t* h) {
+    h[0] = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      h[i + 1] = h[i] + entries[i].len;
+      h[n + 1 + i] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(entries[i].src));
+      h[2 * n + 1 + i] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(entries[i].dst));
+    }
+    return h[n];
+  };
+  if (n <= cuda::kInlineTableEntries) {  // the table goes in the kernel's parameters
+    int64_t h[cuda::copy_table_words(cuda::kInlineTableEntries)];
+    const int64_t total = fill_table(h);
+    if (total == 0) return;
+    check_cuda(cuda::copy_table_inline(h, n, total, in, out, scale, use_scale, stream), fn);
+    return;
+  }
+  TORCH_CHECK_VALUE(!cuda::stream_is_capturing(stream), "mfsdp_ext.", fn, " of more than ",
+                    cuda::kInlineTableEntries, " tensors cannot be captured in a CUDA graph: its tensor table is "
+                    "uploaded on every call");
   // the table goes through pinned memory; copy_ records the copy on the host allocator, so the pinned block
   // is not reused before the copy ran
   at::Tensor host = at::empty({cuda::copy_table_words(n)}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  int64_t* h = host.data_ptr<int64_t>();
-  h[0] = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    h[i + 1] = h[i] + entries[i].len;
-    h[n + 1 + i] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(entries[i].src));
-    h[2 * n + 1 + i] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(entries[i].dst));
-  }
-  const int64_t total = h[n];
+  const int64_t total = fill_table(host.data_ptr<int64_t>());
   if (total == 0) return;
   at::Tensor dev = at::empty({host.numel()}, at::TensorOptions().dtype(at::kLong).device(like.device()));
   dev.copy_(host, /*non_blocking=*/true);

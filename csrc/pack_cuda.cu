@@ -1,5 +1,6 @@
 // CUDA kernel of pack / unpack: one launch copies (and casts, and scales) any number of tensors to or
-// from a flat buffer, driven by a small device table (see launch.h, copy_table).
+// from a flat buffer, driven by a small table (see launch.h): in the kernel's parameters when it is small
+// (copy_table_inline: no upload, capturable in a CUDA graph), else in device memory (copy_table).
 #include <cuda_runtime.h>
 
 #include "kernel_utils.cuh"
@@ -12,9 +13,8 @@ namespace {
 using namespace detail;
 
 template <class In, class Out>
-__global__ void __launch_bounds__(kThreads)
-    copy_table_kernel(const int64_t* __restrict__ table, int64_t n, int64_t total, int64_t chunk, int64_t nchunks,
-                      float scale, bool use_scale) {
+__device__ __forceinline__ void copy_table_body(const int64_t* __restrict__ table, int64_t n, int64_t total,
+                                                int64_t chunk, int64_t nchunks, float scale, bool use_scale) {
   using IR = typename In::raw;
   using OR = typename Out::raw;
   const int64_t* vstart = table;
@@ -51,21 +51,60 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <class In, class Out>
+__global__ void __launch_bounds__(kThreads)
+    copy_table_kernel(const int64_t* __restrict__ table, int64_t n, int64_t total, int64_t chunk, int64_t nchunks,
+                      float scale, bool use_scale) {
+  copy_table_body<In, Out>(table, n, total, chunk, nchunks, scale, use_scale);
+}
+
+struct InlineTable {
+  int64_t words[copy_table_words(kInlineTableEntries)];
+};
+
+// __grid_constant__: the table is read in place from the parameter space (no per-thread copy)
+template <class In, class Out>
+__global__ void __launch_bounds__(kThreads)
+    copy_table_inline_kernel(const __grid_constant__ InlineTable table, int64_t n, int64_t total, int64_t chunk,
+                             int64_t nchunks, float scale, bool use_scale) {
+  copy_table_body<In, Out>(table.words, n, total, chunk, nchunks, scale, use_scale);
+}
+
+// table: device pointer (copy_table) or, with kInline, host words copied into the kernel's parameters
+template <class In, class Out, bool kInline>
 int launch_copy_table(const int64_t* table, int64_t n, int64_t total, float scale, bool use_scale,
                       cudaStream_t stream) {
-  auto kernel = copy_table_kernel<In, Out>;
-  const Grid g = make_grid(reinterpret_cast<const void*>(kernel), total);
-  kernel<<<g.blocks, kThreads, 0, stream>>>(table, n, total, g.chunk, g.nchunks, scale, use_scale);
+  if constexpr (kInline) {
+    InlineTable t;
+    for (int64_t k = 0; k < copy_table_words(n); ++k) t.words[k] = table[k];
+    auto kernel = copy_table_inline_kernel<In, Out>;
+    const Grid g = make_grid(reinterpret_cast<const void*>(kernel), total);
+    kernel<<<g.blocks, kThreads, 0, stream>>>(t, n, total, g.chunk, g.nchunks, scale, use_scale);
+  } else {
+    auto kernel = copy_table_kernel<In, Out>;
+    const Grid g = make_grid(reinterpret_cast<const void*>(kernel), total);
+    kernel<<<g.blocks, kThreads, 0, stream>>>(table, n, total, g.chunk, g.nchunks, scale, use_scale);
+  }
   return last_error();
 }
 
-template <class In>
-int dispatch_out(const int64_t* table, int64_t n, int64_t total, DType out, float scale, bool use_scale,
-                 cudaStream_t stream) {
-  switch (out) {
-    case kF32: return launch_copy_table<In, F32T>(table, n, total, scale, use_scale, stream);
-    case kBF16: return launch_copy_table<In, BF16T>(table, n, total, scale, use_scale, stream);
-    case kF16: return launch_copy_table<In, F16T>(table, n, total, scale, use_scale, stream);
+template <bool kInline>
+int dispatch(const int64_t* table, int64_t n, int64_t total, DType in, DType out, float scale, bool use_scale,
+             void* stream) {
+  if (total <= 0 || n <= 0) return 0;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  auto with_out = [&](auto in_tag) -> int {
+    using In = decltype(in_tag);
+    switch (out) {
+      case kF32: return launch_copy_table<In, F32T, kInline>(table, n, total, scale, use_scale, s);
+      case kBF16: return launch_copy_table<In, BF16T, kInline>(table, n, total, scale, use_scale, s);
+      case kF16: return launch_copy_table<In, F16T, kInline>(table, n, total, scale, use_scale, s);
+      default: return static_cast<int>(cudaErrorInvalidValue);
+    }
+  };
+  switch (in) {
+    case kF32: return with_out(F32T{});
+    case kBF16: return with_out(BF16T{});
+    case kF16: return with_out(F16T{});
     default: return static_cast<int>(cudaErrorInvalidValue);
   }
 }
@@ -74,14 +113,13 @@ int dispatch_out(const int64_t* table, int64_t n, int64_t total, DType out, floa
 
 int copy_table(const int64_t* table, int64_t n, int64_t total, DType in, DType out, float scale, bool use_scale,
                void* stream) {
-  if (total <= 0 || n <= 0) return 0;
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  switch (in) {
-    case kF32: return dispatch_out<F32T>(table, n, total, out, scale, use_scale, s);
-    case kBF16: return dispatch_out<BF16T>(table, n, total, out, scale, use_scale, s);
-    case kF16: return dispatch_out<F16T>(table, n, total, out, scale, use_scale, s);
-    default: return static_cast<int>(cudaErrorInvalidValue);
-  }
+  return dispatch<false>(table, n, total, in, out, scale, use_scale, stream);
+}
+
+int copy_table_inline(const int64_t* host_table, int64_t n, int64_t total, DType in, DType out, float scale,
+                      bool use_scale, void* stream) {
+  if (n > kInlineTableEntries) return static_cast<int>(cudaErrorInvalidValue);
+  return dispatch<true>(host_table, n, total, in, out, scale, use_scale, stream);
 }
 
 const char* error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }

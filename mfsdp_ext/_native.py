@@ -12,6 +12,9 @@ pack(tensors, offsets, out, scale=1.0)
     out[offsets[i] : offsets[i] + tensors[i].numel()] = tensors[i].flatten() * scale, cast to out.dtype (RNE).
     Every element of ``out`` that no tensor covers is set to 0 (the whole output is written).
     Ranges of different tensors must not overlap in ``out``; the product is taken in fp32 and rounded once.
+    CUDA: up to 160 copy entries (tensors plus gaps, per source dtype) the entry table travels in the
+    kernel's parameters, so the call can be captured in a CUDA graph; above that it is uploaded on every
+    call through pinned memory, and capturing raises.
 unpack(flat, offsets, outs)
     outs[i].view(-1)[:] = flat[offsets[i] : offsets[i] + outs[i].numel()], cast to outs[i].dtype.
 cast(src, dst)

@@ -619,6 +619,32 @@ def test_pack_is_one_launch():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
+@pytest.mark.parametrize("n", [1, 8, 160, 161])
+def test_pack_small_tables_travel_in_kernel_parameters(n):
+    """Up to 160 copy entries the table is a kernel parameter: no upload, one kernel, graph-capturable."""
+    g = gen(53)
+    sizes = torch.randint(1, 3000, (n,), generator=g).tolist()
+    tensors = [rand_values(s, g, specials=False).cuda() for s in sizes]
+    offsets, total = make_pack_case(sizes, g, gap_max=0)  # no gaps: n tensors = n entries
+    out = poison(torch.empty(total, device="cuda"))
+    N.pack(tensors, offsets, out)
+    assert_bits_equal(out, ref_pack(tensors, offsets, total, torch.float32, 1.0), "pack")
+    prof = _count_kernels(lambda: N.pack(tensors, offsets, out))
+    assert len(prof) == 1 and ("copy_table_inline" in prof[0]) == (n <= 160), prof
+    if n > 160:
+        return
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        N.pack(tensors, offsets, out, 2.0)
+    for t in tensors:
+        t.mul_(-1.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_bits_equal(out, ref_pack(tensors, offsets, total, torch.float32, 2.0), "pack replayed from a CUDA graph")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
 def test_runs_on_current_stream():
     x = torch.randn(1 << 22, device="cuda")
     y = torch.empty(1 << 22, dtype=torch.bfloat16, device="cuda")
