@@ -66,6 +66,7 @@ __global__ void __launch_bounds__(kThreads)
   };
   int64_t hint = 0;
   MFSDP_FOR_EACH_CHUNK(b0, b1) {
+    prefetch_chunk_head(src + b0, (b1 - b0) * static_cast<int64_t>(sizeof(typename In::raw)));
     walk_segments(
         seg, nseg, hint, b0, b1,
         [&](int64_t i, int64_t p, int64_t q) {
@@ -110,6 +111,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   int64_t hint = 0;
   MFSDP_FOR_EACH_CHUNK(b0, b1) {
+    prefetch_chunk_head(src + b0, (b1 - b0) * static_cast<int64_t>(sizeof(typename In::raw)));
     walk_segments(
         seg, nseg, hint, b0, b1,
         [&](int64_t i, int64_t p, int64_t q) {
@@ -155,6 +157,7 @@ __global__ void __launch_bounds__(kThreads)
                        typename Out::raw* __restrict__ dst) {
   int64_t hint = 0;
   MFSDP_FOR_EACH_CHUNK(b0, b1) {
+    prefetch_chunk_head(src + b0, (b1 - b0) * static_cast<int64_t>(sizeof(typename F8::raw)));
     walk_segments(
         seg, nseg, hint, b0, b1,
         [&](int64_t i, int64_t p, int64_t q) {
