@@ -365,10 +365,6 @@ __device__ __forceinline__ uint32_t block_max_u32(uint32_t v) {
   return v;
 }
 
-// Walk the chunk [b0, b1) over a segment table seg (n rows of [start, end), sorted, non-overlapping).
-// on_seg(i, p, q) for [p, q) inside segment i, on_gap(p, q) for elements in no segment. `hint`: no segment
-// before it ends after b0 (0 at first; updated for the block's next chunk, which starts after b1).
-// Memory-safe for any table: every range handed out lies inside [b0, b1).
 // Ask L2 for the first bytes of a chunk's source before the block looks up its segments: the lookups are
 // dependent global loads (table row, then the segment's amax or scale), and this way they overlap the
 // chunk's first DRAM fetches instead of preceding them. Capped at 8 KiB per block so that a full wave of
@@ -382,6 +378,10 @@ __device__ __forceinline__ void prefetch_chunk_head(const void* p, int64_t bytes
   }
 }
 
+// Walk the chunk [b0, b1) over a segment table seg (n rows of [start, end), sorted, non-overlapping).
+// on_seg(i, p, q) for [p, q) inside segment i, on_gap(p, q) for elements in no segment. `hint`: no segment
+// before it ends after b0 (0 at first; updated for the block's next chunk, which starts after b1).
+// Memory-safe for any table: every range handed out lies inside [b0, b1).
 template <class OnSeg, class OnGap>
 __device__ __forceinline__ void walk_segments(const int64_t* seg, int64_t nseg, int64_t& hint, int64_t b0,
                                               int64_t b1, OnSeg&& on_seg, OnGap&& on_gap) {
