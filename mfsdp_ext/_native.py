@@ -147,9 +147,3 @@ def fp8_dequantize(src, segments, scale_inv, dst) -> None:
 def grad_accumulate(main_grad: torch.Tensor, reduced: torch.Tensor, scale: float, accumulate: bool) -> None:
     _C.grad_accumulate(main_grad, reduced, float(scale), bool(accumulate))
 
-
-def _scales(amax: torch.Tensor, fp8_max: float, eps: float) -> torch.Tensor:
-    """Reference (plain torch) of the kernels' scale: fp8_max / max(amax, eps), 1 where amax is 0/inf/NaN."""
-    scale = fp8_max / torch.clamp(amax, min=eps)
-    bad = (amax == 0) | ~torch.isfinite(amax)
-    return torch.where(bad, torch.ones_like(scale), scale)

@@ -14,17 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from . import comm
 from .module import FsdpModule
-
-
-def _gather_main_weight(g) -> torch.Tensor:
-    full = torch.empty(g.layout.total_numel, dtype=g.dtype, device=g.device)
-    if g.world > 1:
-        comm.all_gather_into(full, g.main_weight.data, g.shard_group)
-    else:
-        full.copy_(g.main_weight.data)
-    return full
 
 
 def _chunk_rows(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -39,10 +29,9 @@ def chunked_state_dict_hook(groups):
         for g in groups:
             if g.world == 1 or not any(prefix + p.fqn in state_dict for i in g.infos for p in i.places):
                 continue  # replicated (no_shard): already exact
-            full = _gather_main_weight(g)
+            full = g.gather_full(g.main_weight.data)
             for slot, info in zip(g.layout.slots, g.infos):
-                param = full[slot.offset : slot.end].view(slot.shape)
-                local = _chunk_rows(param, g.rank, g.world).clone()
+                local = _chunk_rows(slot.view(full), g.rank, g.world).clone()
                 value = DTensor.from_local(local, g.mesh, info.sharded.placements, run_check=False,
                                            shape=info.shape, stride=info.sharded.stride())
                 for place in info.places:
@@ -86,9 +75,9 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
         if not isinstance(m, FsdpModule):
             continue
         for g in m._mfsdp_unit.groups:
-            full = _gather_main_weight(g)
+            full = g.gather_full(g.main_weight.data)
             for slot, info in zip(g.layout.slots, g.infos):
-                value = full[slot.offset : slot.end].view(slot.shape).clone()
+                value = slot.view(full).clone()
                 for name in names_of.get(id(info.sharded), []):
                     out[name] = value
     for name, p in module.named_parameters(remove_duplicate=False):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .layout import _align_up
+
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -60,16 +62,19 @@ class SymmetricCollectives:
     """
 
     def __init__(self, group: dist.ProcessGroup, ag_bytes: int, rs_bytes: int):
-        from .symm_mem import SymmetricComm
+        from .symm_mem import ALIGNMENT, SymmetricComm
 
-        align = 4096
-        ag_bytes, rs_bytes = _align(ag_bytes, align), _align(rs_bytes, align)
+        ag_bytes, rs_bytes = _align_up(ag_bytes, ALIGNMENT), _align_up(rs_bytes, ALIGNMENT)
         # Our own communicator: the process group's may run other collectives on its own stream meanwhile.
         self.comm = SymmetricComm(group, pool_bytes=ag_bytes + rs_bytes, borrow=False)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.ag_stage = self.comm.alloc_tensor(ag_bytes, torch.uint8) if ag_bytes else None
         self.rs_stage = self.comm.alloc_tensor(rs_bytes, torch.uint8) if rs_bytes else None
-        self.nbytes = ag_bytes + rs_bytes
+
+    @staticmethod
+    def reduce_scatter_stage_bytes(total_numel: int, world: int, dtype: torch.dtype) -> int:
+        """Bytes of the reduce-scatter stage for one group: its packed input (aligned), then its output."""
+        return _rs_output_offset(total_numel, dtype) + total_numel // world * dtype.itemsize
 
     def all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
         stage = self.ag_stage[: output.numel() * output.element_size()].view(output.dtype)
@@ -81,10 +86,9 @@ class SymmetricCollectives:
 
     def reduce_scatter_buffers(self, total_numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(packed input of total_numel, output of total_numel / world), both in the pool."""
-        size = torch.empty((), dtype=dtype).element_size()
-        in_bytes = _align(total_numel * size, 4096)
+        size, out_at = dtype.itemsize, _rs_output_offset(total_numel, dtype)
         packed = self.rs_stage[: total_numel * size].view(dtype)
-        out = self.rs_stage[in_bytes : in_bytes + total_numel // self.world * size].view(dtype)
+        out = self.rs_stage[out_at : out_at + total_numel // self.world * size].view(dtype)
         return packed, out
 
     def reduce_scatter_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -94,8 +98,10 @@ class SymmetricCollectives:
         self.comm.close()
 
 
-def _align(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
+def _rs_output_offset(total_numel: int, dtype: torch.dtype) -> int:
+    from .symm_mem import ALIGNMENT
+
+    return _align_up(total_numel * dtype.itemsize, ALIGNMENT)
 
 
 def time_collective(fn, iters: int = 10) -> float:

@@ -32,11 +32,16 @@ class FlatBuffer:
         """The parameter's tensor: full shape when unsharded, its ``(k, *shape[1:])`` local rows when sharded."""
         slot = self.layout.slots[index]
         if not self.sharded:
-            return self.data[slot.offset : slot.end].view(slot.shape)
+            return slot.view(self.data)
         lo, hi = self.layout.local_range(slot, self.rank)
         base = self.rank * self.layout.shard_numel
         rows = (hi - lo) // slot.row_numel
         return self.data[lo - base : hi - base].view((rows, *slot.shape[1:]) if len(slot.shape) else (rows,))
+
+    def shard_view(self, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s slice of the unsharded buffer (where its shard lands in an all-gather)."""
+        n = self.layout.shard_numel
+        return self.data[rank * n : (rank + 1) * n]
 
     # Storage lifetime: free after use, reallocate before the next all-gather.
     @property

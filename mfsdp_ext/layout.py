@@ -36,6 +36,10 @@ class ParamSlot:
     def end(self) -> int:
         return self.offset + self.numel
 
+    def view(self, full: torch.Tensor) -> torch.Tensor:
+        """This parameter, shaped, inside a full (unsharded) flat buffer."""
+        return full[self.offset : self.end].view(self.shape)
+
 
 class _Retry(Exception):
     def __init__(self, new_shard_numel: int):

@@ -184,20 +184,28 @@ class ParamGroup:
         self.unsharded.alloc()
         with torch.autograd._unsafe_preserve_version_counter(self.unsharded.data):
             if self.cast_in_slot:  # cast into this rank's slot and gather in place
-                n = self.layout.shard_numel
-                source = self.unsharded.data[self.rank * n : (self.rank + 1) * n]
+                source = self.unsharded.shard_view(self.rank)
                 _native.cast(self.main_weight.data, source)
                 self.stats.weight_syncs += 1
             else:
                 source = self.gather_source()
             if self.world == 1:
-                if source.data_ptr() != self.unsharded.data.data_ptr():
+                if not self.cast_in_slot:  # with one rank the slot is the whole buffer
                     self.unsharded.data.copy_(source)
             elif symmetric is not None and self.use_symm_all_gather:
                 symmetric.all_gather_into(self.unsharded.data, source)
             else:
                 comm.all_gather_into(self.unsharded.data, source, self.shard_group)
         self.stats.all_gathers += 1
+
+    def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
+        """A new full flat buffer assembled from every rank's ``shard`` (a collective over the shard group)."""
+        full = torch.empty(self.layout.total_numel, dtype=shard.dtype, device=shard.device)
+        if self.world > 1:
+            comm.all_gather_into(full, shard, self.shard_group)
+        else:
+            full.copy_(shard)
+        return full
 
     def free_unsharded(self) -> None:
         self.unsharded.free()
@@ -254,14 +262,7 @@ def _use_row_layout_methods(dt: DTensor, group: "ParamGroup", index: int, buffer
     layout, and a redistribute() that says what to do instead."""
 
     def full_tensor(*, grad_placements=None) -> torch.Tensor:
-        flat = getattr(group, buffer).data
-        full = torch.empty(group.layout.total_numel, dtype=flat.dtype, device=flat.device)
-        if group.world > 1:
-            comm.all_gather_into(full, flat, group.shard_group)
-        else:
-            full.copy_(flat)
-        slot = group.layout.slots[index]
-        return full[slot.offset : slot.end].view(slot.shape)
+        return group.layout.slots[index].view(group.gather_full(getattr(group, buffer).data))
 
     def redistribute(*args, **kwargs):
         raise NotImplementedError(

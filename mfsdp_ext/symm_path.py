@@ -44,22 +44,23 @@ def setup_symmetric(units) -> comm.SymmetricCollectives | None:
     shard_group = groups[0][1].shard_group
     if any(g.shard_group is not shard_group for _, g in groups):
         raise ValueError("use_symm_mem: all units under one root must shard over the same group")
-    ag_bytes = max(g.layout.total_numel * _itemsize(g.compute_dtype) for _, g in groups)
-    rs_bytes = max([_rs_bytes(g) for _, g in groups if g.requires_grad] or [0])
+    ag_bytes = max(g.layout.total_numel * g.compute_dtype.itemsize for _, g in groups)
+    rs_bytes = max([comm.SymmetricCollectives.reduce_scatter_stage_bytes(g.layout.total_numel, g.world, g.reduce_dtype)
+                    for _, g in groups if g.requires_grad] or [0])
     symmetric = comm.SymmetricCollectives(shard_group, ag_bytes, rs_bytes)
-    symmetric.decisions = {}
+    decisions: dict = {}  # groups of the same size and dtypes decide once
     for unit, g in groups:
         if unit.use_symm_mem is True:
             g.use_symm_all_gather, g.use_symm_reduce_scatter = True, g.requires_grad
         else:
-            g.use_symm_all_gather, g.use_symm_reduce_scatter = _measure(symmetric, g)
+            key = (g.layout.total_numel, g.compute_dtype, g.reduce_dtype, g.requires_grad)
+            if key not in decisions:
+                decisions[key] = _measure(symmetric, g)
+            g.use_symm_all_gather, g.use_symm_reduce_scatter = decisions[key]
     return symmetric
 
 
 def _measure(symmetric: comm.SymmetricCollectives, g: ParamGroup) -> tuple[bool, bool]:
-    key = (g.layout.total_numel, g.compute_dtype, g.reduce_dtype, g.requires_grad)
-    if key in symmetric.decisions:
-        return symmetric.decisions[key]["choice"]
     total, shard = g.layout.total_numel, g.layout.shard_numel
     out = torch.empty(total, dtype=g.compute_dtype, device=g.device)
     inp = torch.randn(shard, device=g.device).to(g.compute_dtype)
@@ -75,15 +76,4 @@ def _measure(symmetric: comm.SymmetricCollectives, g: ParamGroup) -> tuple[bool,
     t = torch.tensor(times, dtype=torch.float64, device=g.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g.shard_group)  # slowest rank: every rank decides alike
     t = t.tolist()
-    choice = (t[1] < AUTO_MARGIN * t[0], len(t) == 4 and t[3] < AUTO_MARGIN * t[2])
-    symmetric.decisions[key] = {"all_gather_ms": (t[0], t[1]), "reduce_scatter_ms": tuple(t[2:]), "choice": choice}
-    return choice
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _rs_bytes(g: ParamGroup) -> int:
-    size = _itemsize(g.reduce_dtype)
-    return (g.layout.total_numel * size + 4095) // 4096 * 4096 + g.layout.shard_numel * size
+    return t[1] < AUTO_MARGIN * t[0], len(t) == 4 and t[3] < AUTO_MARGIN * t[2]
