@@ -3,12 +3,11 @@
 #   scripts/gpu_check.sh build tests kernels symm step      (default: all of them)
 # Logs and result tables go to $OUT (the device runner's output folder; /tmp/out elsewhere).
 set -uo pipefail
-cd "$(dirname "$0")/.."
 # The device runner returns at most 8 files: work in a scratch folder, pack it into $OUT/gpu_check.tgz at exit.
 FINAL_OUT=${OUT:-/tmp/out}; mkdir -p "$FINAL_OUT"
 export OUT=$(mktemp -d /tmp/gpu_check.XXXX)
 trap 'tar czf "$FINAL_OUT/gpu_check.tgz" -C "$OUT" . && echo "logs: $FINAL_OUT/gpu_check.tgz"' EXIT
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"   # NVLink multicast off, repository root, PYTHONPATH
 stages=${*:-build tests kernels symm step}
 status=0
 run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures, keep going
@@ -23,10 +22,11 @@ for stage in $stages; do
     case $stage in
     build)
         nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
-        ls mfsdp_ext/_C*.so >/dev/null 2>&1 || run build env MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e . ;;
+        # always: the machine keeps an older _C between calls, and the build is incremental
+        run build env MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e . ;;
     tests) run tests python3 -m pytest -m gpu -q -s tests/test_gpu.py tests/test_kernels.py tests/test_symm_mem.py ;;
     kernels) run kernels python3 benchmarks/kernels.py --out "$OUT" ;;
-    symm) run symm bash scripts/gpu_symm.sh ;;
+    symm) run symm env SKIP_PYTEST=1 bash scripts/gpu_symm.sh ;;  # its tests ran in the tests stage
     step) run step bash scripts/gpu_step.sh ;;
     *) echo "unknown stage $stage"; status=1 ;;
     esac

@@ -29,6 +29,9 @@ def _worker(rank: int, world: int, port: int, backend: str, tasks, results) -> N
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
+    # NVLink multicast stays off on the shared GPU machines, however pytest was started
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     torch.set_num_threads(1)
     kwargs = {}
     if backend == "nccl":

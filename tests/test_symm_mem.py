@@ -14,7 +14,6 @@ extension are exercised.
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
@@ -290,6 +289,4 @@ def test_symmetric_collectives(gpu_pool):
     reason = _gpu_skip_reason()
     if reason:
         pytest.skip(reason)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     print(gpu_pool.run(_case_symmetric_collectives)[0])
