@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -85,7 +87,7 @@ def train(model: nn.Module, steps: int, global_batch: int, *, sharded: bool, mic
         tokens, targets = tokens.chunk(world)[rank], targets.chunk(world)[rank]
         total = torch.zeros((), device=device)
         for i, (t, y) in enumerate(zip(tokens.chunk(microbatches), targets.chunk(microbatches))):
-            ctx = microbatch_ctx(model, i == 0, i == microbatches - 1) if microbatch_ctx else _null()
+            ctx = microbatch_ctx(model, i == 0, i == microbatches - 1) if microbatch_ctx else contextlib.nullcontext()
             with ctx:
                 loss = lm_loss(model, t, y) / microbatches
                 loss.backward()
@@ -97,14 +99,6 @@ def train(model: nn.Module, steps: int, global_batch: int, *, sharded: bool, mic
             total /= world
         losses.append(total.item())
     return losses
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

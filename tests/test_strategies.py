@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 import mfsdp_ext.comm as comm
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
+from mfsdp_ext.checkpoint import full_state_dict
 
 from .models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm, train
 from .test_fully_shard import GLOBAL_BATCH, STEPS, _compare_params
@@ -58,7 +59,7 @@ def _assert_at_rest(model, strategy):
             assert all(g.unsharded.nbytes() == 0 for g in u._mfsdp_unit.groups), "gathered storage not freed"
 
 
-def _case_strategy_matrix(world_for_mesh=None):
+def _case_strategy_matrix():
     """Every strategy x microbatches {1,3} x activation checkpointing {off, non-reentrant, reentrant}."""
     results = {}
     for strategy, k, ac in itertools.product(STRATEGIES, [1, 3], ["off", "non_reentrant", "reentrant"]):
@@ -168,7 +169,7 @@ def _case_cast_in_slot(strategy: str):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, cache_model_weight=cache)
         model = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=mp, sharding_strategy=strategy)
         losses = train(model, STEPS, GLOBAL_BATCH, sharded=True, microbatches=2, microbatch_ctx=microbatch)
-        runs[cache] = (losses, _full_params(model), model)
+        runs[cache] = (losses, full_state_dict(model), model)
     assert runs[True][0] == runs[False][0], (runs[True][0], runs[False][0])
     assert all(torch.equal(runs[True][1][k], runs[False][1][k]) for k in runs[True][1])
     no_cache = runs[False][2]
@@ -177,12 +178,6 @@ def _case_cast_in_slot(strategy: str):
     # ZeRO-3 casts at every gather; strategies that keep weights gathered cast once per step
     return {"losses": runs[False][0], "syncs": [g.stats.weight_syncs for g in groups],
             "gathers": [g.stats.all_gathers for g in groups]}
-
-
-def _full_params(model):
-    from mfsdp_ext.checkpoint import full_state_dict
-
-    return full_state_dict(model)
 
 
 def _case_microbatch_flags_restored():
