@@ -7,7 +7,7 @@ What gets compiled:
   * always: the C++ CPU kernels and the bindings (csrc/bindings.cpp, pack.cpp, cast.cpp);
   * CUDA kernels (csrc/*.cu, -DMFSDP_WITH_CUDA) when torch has CUDA and nvcc is found (CUDA_HOME);
   * NCCL code (csrc/symm_comm.cpp, -DMFSDP_WITH_NCCL, linked with -l:libnccl.so.2) when, in addition, nccl.h
-    is found: the ``nvidia.nccl`` Python package first, then $NCCL_HOME / $NCCL_INCLUDE_DIR, then the system.
+    is found: $NCCL_INCLUDE_DIR, $NCCL_HOME, the ``nvidia.nccl`` Python package, CUDA_HOME, then the system.
 
 Environment:
   TORCH_CUDA_ARCH_LIST   CUDA architectures (torch's syntax); default: -gencode=arch=compute_90a,code=sm_90a
@@ -153,18 +153,11 @@ def make_extension():
     log(f"CUDA kernels for {arch_names} with {nvcc}")
 
     nccl = find_nccl()
-    symm = os.path.join(CSRC, "symm_comm.cpp")
-    if nccl is not None and not os.path.exists(os.path.join(ROOT, symm)):
-        log(f"nccl.h found but {symm} does not exist yet: no NCCL code")
-        nccl = None
     if nccl is not None:
         inc, lib = nccl
         log(f"NCCL: include {inc}, lib {lib or '(linker default)'}")
         defines.append("-DMFSDP_WITH_NCCL")
-        sources.append(symm)
-        # a CUDA part of the NCCL code, if any, must not be named symm_comm.cu (its object would clash)
-        if os.path.exists(os.path.join(ROOT, CSRC, "symm_comm_cuda.cu")):
-            sources.append(os.path.join(CSRC, "symm_comm_cuda.cu"))
+        sources.append(os.path.join(CSRC, "symm_comm.cpp"))
         include_dirs.append(inc)
         if lib:
             link_args += [f"-L{lib}", f"-Wl,-rpath,{lib}"]

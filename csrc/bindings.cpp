@@ -5,10 +5,6 @@
 #include "cast.h"
 #include "pack.h"
 
-#ifdef MFSDP_WITH_CUDA
-#include "launch.h"
-#endif
-
 #ifdef MFSDP_WITH_NCCL
 #include <nccl.h>
 // defined in symm_comm.cpp
@@ -72,11 +68,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("accumulate"));
   m.def("check_segments", &mfsdp::check_segments, release(), py::arg("segments"), py::arg("total"));
   m.def("build_info", &build_info);
-#ifdef MFSDP_WITH_CUDA
-  // initialises CUDA on the current device: binaryVersion of the kernels that run there (e.g. 90), -1 if none
-  m.def("cuda_binary_version", []() { return mfsdp::cuda::binary_version(); });
-#endif
-
 #ifdef MFSDP_WITH_NCCL
   mfsdp_register_symm_comm(m);
 #endif

@@ -24,17 +24,6 @@ namespace mfsdp {
 // elements per CPU task (at::parallel_for grain)
 constexpr int64_t kCpuGrain = 1 << 15;
 
-inline const char* dtype_name(DType d) {
-  switch (d) {
-    case kF32: return "float32";
-    case kBF16: return "bfloat16";
-    case kF16: return "float16";
-    case kE4M3: return "float8_e4m3fn";
-    case kE5M2: return "float8_e5m2";
-  }
-  return "?";
-}
-
 inline bool to_dtype(at::ScalarType t, DType& d) {
   switch (t) {
     case at::kFloat: d = kF32; return true;

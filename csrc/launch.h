@@ -46,8 +46,6 @@ int grad_accumulate(void* main_grad, DType main_dtype, const void* reduced, DTyp
 const char* error_string(int err);
 // 1 when work on `stream` is being captured into a CUDA graph, else 0
 int stream_is_capturing(void* stream);
-// binaryVersion of the compiled kernels for the current device (e.g. 90), or -1 if none runs here
-int binary_version();
 
 }  // namespace cuda
 }  // namespace mfsdp

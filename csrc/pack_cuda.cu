@@ -133,14 +133,5 @@ int stream_is_capturing(void* stream) {
   return st != cudaStreamCaptureStatusNone ? 1 : 0;
 }
 
-int binary_version() {
-  cudaFuncAttributes attr;
-  if (cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(copy_table_kernel<F32T, F32T>)) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return -1;
-  }
-  return attr.binaryVersion;
-}
-
 }  // namespace cuda
 }  // namespace mfsdp
