@@ -39,16 +39,6 @@ int launch_cast(const void* src, void* dst, int64_t numel, cudaStream_t stream) 
   return last_error();
 }
 
-template <class In>
-int cast_out(const void* src, void* dst, DType out, int64_t numel, cudaStream_t s) {
-  switch (out) {
-    case kF32: return launch_cast<In, F32T>(src, dst, numel, s);
-    case kBF16: return launch_cast<In, BF16T>(src, dst, numel, s);
-    case kF16: return launch_cast<In, F16T>(src, dst, numel, s);
-    default: return static_cast<int>(cudaErrorInvalidValue);
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
 // segment amax: amax_bits[i] = max over the segment of |x| as fp32 bits (zeroed before the launch)
 // ---------------------------------------------------------------------------------------------
@@ -137,16 +127,6 @@ int launch_fp8_cast(const void* src, int64_t numel, const int64_t* seg, int64_t 
   return last_error();
 }
 
-template <class In>
-int fp8_cast_out(const void* src, int64_t numel, const int64_t* seg, int64_t nseg, const float* amax, float eps,
-                 void* dst, DType out, float* scale_inv, cudaStream_t s) {
-  switch (out) {
-    case kE4M3: return launch_fp8_cast<In, E4M3T>(src, numel, seg, nseg, amax, eps, dst, scale_inv, s);
-    case kE5M2: return launch_fp8_cast<In, E5M2T>(src, numel, seg, nseg, amax, eps, dst, scale_inv, s);
-    default: return static_cast<int>(cudaErrorInvalidValue);
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
 // fp8 dequantize: dst = src * scale_inv[i] in fp32, cast to dst's dtype; gaps 0
 // ---------------------------------------------------------------------------------------------
@@ -182,17 +162,6 @@ int launch_dequant(const void* src, int64_t numel, const int64_t* seg, int64_t n
   return last_error();
 }
 
-template <class F8>
-int dequant_out(const void* src, int64_t numel, const int64_t* seg, int64_t nseg, const float* scale_inv,
-                void* dst, DType out, cudaStream_t s) {
-  switch (out) {
-    case kF32: return launch_dequant<F8, F32T>(src, numel, seg, nseg, scale_inv, dst, s);
-    case kBF16: return launch_dequant<F8, BF16T>(src, numel, seg, nseg, scale_inv, dst, s);
-    case kF16: return launch_dequant<F8, F16T>(src, numel, seg, nseg, scale_inv, dst, s);
-    default: return static_cast<int>(cudaErrorInvalidValue);
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
 // grad accumulate
 // ---------------------------------------------------------------------------------------------
@@ -218,72 +187,57 @@ int launch_grad_acc(void* main_grad, const void* red, int64_t numel, float scale
   return last_error();
 }
 
-template <class Main>
-int grad_acc_red(void* main_grad, const void* red, DType red_dtype, int64_t numel, float scale, bool accumulate,
-                 cudaStream_t s) {
-  switch (red_dtype) {
-    case kF32: return launch_grad_acc<Main, F32T>(main_grad, red, numel, scale, accumulate, s);
-    case kBF16: return launch_grad_acc<Main, BF16T>(main_grad, red, numel, scale, accumulate, s);
-    case kF16: return launch_grad_acc<Main, F16T>(main_grad, red, numel, scale, accumulate, s);
-    default: return static_cast<int>(cudaErrorInvalidValue);
-  }
-}
-
 }  // namespace
 
 int cast(const void* src, DType in, void* dst, DType out, int64_t numel, void* stream) {
   if (numel == 0) return 0;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  switch (in) {
-    case kF32: return cast_out<F32T>(src, dst, out, numel, s);
-    case kBF16: return cast_out<BF16T>(src, dst, out, numel, s);
-    case kF16: return cast_out<F16T>(src, dst, out, numel, s);
-    default: return static_cast<int>(cudaErrorInvalidValue);
-  }
+  return for_float(in, [&](auto in_tag) {
+    return for_float(out, [&](auto out_tag) {
+      return launch_cast<decltype(in_tag), decltype(out_tag)>(src, dst, numel, s);
+    });
+  });
 }
 
 int segment_amax(const void* src, DType in, int64_t numel, const int64_t* segments, int64_t nseg, float* amax,
                  void* stream) {
   if (nseg == 0) return 0;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  switch (in) {
-    case kF32: return launch_amax<F32T>(src, numel, segments, nseg, amax, s);
-    case kBF16: return launch_amax<BF16T>(src, numel, segments, nseg, amax, s);
-    case kF16: return launch_amax<F16T>(src, numel, segments, nseg, amax, s);
-    default: return static_cast<int>(cudaErrorInvalidValue);
-  }
+  return for_float(in, [&](auto in_tag) {
+    return launch_amax<decltype(in_tag)>(src, numel, segments, nseg, amax, s);
+  });
 }
 
 int fp8_cast(const void* src, DType in, int64_t numel, const int64_t* segments, int64_t nseg, const float* amax,
              float eps, void* dst, DType out, float* scale_inv, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  switch (in) {
-    case kF32: return fp8_cast_out<F32T>(src, numel, segments, nseg, amax, eps, dst, out, scale_inv, s);
-    case kBF16: return fp8_cast_out<BF16T>(src, numel, segments, nseg, amax, eps, dst, out, scale_inv, s);
-    case kF16: return fp8_cast_out<F16T>(src, numel, segments, nseg, amax, eps, dst, out, scale_inv, s);
-    default: return static_cast<int>(cudaErrorInvalidValue);
-  }
+  return for_float(in, [&](auto in_tag) {
+    return for_fp8(out, [&](auto out_tag) {
+      return launch_fp8_cast<decltype(in_tag), decltype(out_tag)>(src, numel, segments, nseg, amax, eps, dst,
+                                                                    scale_inv, s);
+    });
+  });
 }
 
 int fp8_dequantize(const void* src, DType in, int64_t numel, const int64_t* segments, int64_t nseg,
                    const float* scale_inv, void* dst, DType out, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  switch (in) {
-    case kE4M3: return dequant_out<E4M3T>(src, numel, segments, nseg, scale_inv, dst, out, s);
-    case kE5M2: return dequant_out<E5M2T>(src, numel, segments, nseg, scale_inv, dst, out, s);
-    default: return static_cast<int>(cudaErrorInvalidValue);
-  }
+  return for_fp8(in, [&](auto in_tag) {
+    return for_float(out, [&](auto out_tag) {
+      return launch_dequant<decltype(in_tag), decltype(out_tag)>(src, numel, segments, nseg, scale_inv, dst, s);
+    });
+  });
 }
 
 int grad_accumulate(void* main_grad, DType main_dtype, const void* reduced, DType red_dtype, int64_t numel,
                     float scale, bool accumulate, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  switch (main_dtype) {
-    case kF32: return grad_acc_red<F32T>(main_grad, reduced, red_dtype, numel, scale, accumulate, s);
-    case kBF16: return grad_acc_red<BF16T>(main_grad, reduced, red_dtype, numel, scale, accumulate, s);
-    case kF16: return grad_acc_red<F16T>(main_grad, reduced, red_dtype, numel, scale, accumulate, s);
-    default: return static_cast<int>(cudaErrorInvalidValue);
-  }
+  return for_float(main_dtype, [&](auto main_tag) {
+    return for_float(red_dtype, [&](auto red_tag) {
+      return launch_grad_acc<decltype(main_tag), decltype(red_tag)>(main_grad, reduced, numel, scale, accumulate,
+                                                                     s);
+    });
+  });
 }
 
 }  // namespace cuda

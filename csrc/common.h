@@ -35,8 +35,6 @@ inline bool to_dtype(at::ScalarType t, DType& d) {
   }
 }
 
-inline bool is_float_dtype(DType d) { return d == kF32 || d == kBF16 || d == kF16; }
-inline bool is_fp8_dtype(DType d) { return d == kE4M3 || d == kE5M2; }
 
 // dtype of t, which must be one of float32 / bfloat16 / float16 (want_fp8 = false) or an fp8 type
 inline DType float_dtype(const at::Tensor& t, const char* fn, const char* what, bool want_fp8 = false) {
@@ -112,22 +110,6 @@ inline void validate_segments_cpu(const int64_t* s, int64_t n, int64_t total, co
                 " (write an empty segment as (e, e) at its place in order)");
     prev_end = b;
   }
-}
-
-// Call f(tag) with the dtype tag type of d (float types only / fp8 types only).
-template <class F>
-decltype(auto) with_float_tag(DType d, F&& f) {
-  switch (d) {
-    case kBF16: return f(BF16T{});
-    case kF16: return f(F16T{});
-    default: return f(F32T{});
-  }
-}
-
-template <class F>
-decltype(auto) with_fp8_tag(DType d, F&& f) {
-  if (d == kE5M2) return f(E5M2T{});
-  return f(E4M3T{});
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -270,6 +270,26 @@ struct E5M2T {
   MFSDP_HD static raw store(float f) { return f32_to_e5m2_bits(f); }
 };
 
+inline bool is_float_dtype(DType d) { return d == kF32 || d == kBF16 || d == kF16; }
+inline bool is_fp8_dtype(DType d) { return d == kE4M3 || d == kE5M2; }
+
+// Call f(tag) with the dtype tag type of d: float types only (anything else runs as F32T) / fp8 types only
+// (anything else runs as E4M3T). Callers check d first.
+template <class F>
+decltype(auto) with_float_tag(DType d, F&& f) {
+  switch (d) {
+    case kBF16: return f(BF16T{});
+    case kF16: return f(F16T{});
+    default: return f(F32T{});
+  }
+}
+
+template <class F>
+decltype(auto) with_fp8_tag(DType d, F&& f) {
+  if (d == kE5M2) return f(E5M2T{});
+  return f(E4M3T{});
+}
+
 // ---------------------------------------------------------------------------------------------
 // FP8 per-tensor current scaling: scale = fp8_max / max(amax, eps); amax 0 / inf / NaN -> 1.
 // ---------------------------------------------------------------------------------------------

@@ -468,6 +468,16 @@ __device__ __forceinline__ void chunk_bounds(int64_t c, int64_t chunk, int64_t t
 
 inline int last_error() { return static_cast<int>(cudaGetLastError()); }
 
+// f(tag) for a float / an fp8 dtype code (fp8_math.h's dispatchers); cudaErrorInvalidValue for any other code
+template <class F>
+int for_float(DType d, F&& f) {
+  return is_float_dtype(d) ? with_float_tag(d, f) : static_cast<int>(cudaErrorInvalidValue);
+}
+template <class F>
+int for_fp8(DType d, F&& f) {
+  return is_fp8_dtype(d) ? with_fp8_tag(d, f) : static_cast<int>(cudaErrorInvalidValue);
+}
+
 }  // namespace detail
 }  // namespace cuda
 }  // namespace mfsdp

@@ -92,21 +92,11 @@ int dispatch(const int64_t* table, int64_t n, int64_t total, DType in, DType out
              void* stream) {
   if (total <= 0 || n <= 0) return 0;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  auto with_out = [&](auto in_tag) -> int {
-    using In = decltype(in_tag);
-    switch (out) {
-      case kF32: return launch_copy_table<In, F32T, kInline>(table, n, total, scale, use_scale, s);
-      case kBF16: return launch_copy_table<In, BF16T, kInline>(table, n, total, scale, use_scale, s);
-      case kF16: return launch_copy_table<In, F16T, kInline>(table, n, total, scale, use_scale, s);
-      default: return static_cast<int>(cudaErrorInvalidValue);
-    }
-  };
-  switch (in) {
-    case kF32: return with_out(F32T{});
-    case kBF16: return with_out(BF16T{});
-    case kF16: return with_out(F16T{});
-    default: return static_cast<int>(cudaErrorInvalidValue);
-  }
+  return for_float(in, [&](auto in_tag) {
+    return for_float(out, [&](auto out_tag) {
+      return launch_copy_table<decltype(in_tag), decltype(out_tag), kInline>(table, n, total, scale, use_scale, s);
+    });
+  });
 }
 
 }  // namespace
