@@ -12,11 +12,6 @@ namespace {
 
 using namespace detail;
 
-// for each chunk [b0, b1) of this block
-#define MFSDP_FOR_EACH_CHUNK(b0, b1)                                        \
-  for (int64_t c_ = blockIdx.x; c_ < nchunks; c_ += gridDim.x)              \
-    for (int64_t b0 = c_ * chunk, b1 = (b0 + chunk < total) ? b0 + chunk : total, once_ = 1; once_; once_ = 0)
-
 // ---------------------------------------------------------------------------------------------
 // cast
 // ---------------------------------------------------------------------------------------------
@@ -24,10 +19,10 @@ template <class In, class Out>
 __global__ void __launch_bounds__(kThreads)
     cast_kernel(const typename In::raw* __restrict__ src, typename Out::raw* __restrict__ dst, int64_t total,
                 int64_t chunk, int64_t nchunks) {
-  MFSDP_FOR_EACH_CHUNK(b0, b1) {
+  for_each_chunk(chunk, nchunks, total, [&](int64_t b0, int64_t b1) {
     CopyOp<In, Out> op{src + b0, dst + b0, 1.0f, false};
     run_range(op, b1 - b0);
-  }
+  });
 }
 
 template <class In, class Out>
@@ -55,7 +50,7 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x == 0 && r != 0u) atomicMax(amax_bits + cur, r);
   };
   int64_t hint = 0;
-  MFSDP_FOR_EACH_CHUNK(b0, b1) {
+  for_each_chunk(chunk, nchunks, total, [&](int64_t b0, int64_t b1) {
     prefetch_chunk_head(src + b0, (b1 - b0) * static_cast<int64_t>(sizeof(typename In::raw)));
     walk_segments(
         seg, nseg, hint, b0, b1,
@@ -70,7 +65,7 @@ __global__ void __launch_bounds__(kThreads)
           m = op.m;
         },
         [&](int64_t, int64_t) {});
-  }
+  });
   if (cur >= 0) flush();
 }
 
@@ -88,6 +83,30 @@ int launch_amax(const void* src, int64_t numel, const int64_t* seg, int64_t nseg
 }
 
 // ---------------------------------------------------------------------------------------------
+// per-segment scaled copy (FP8 cast and dequantize): dst = src * scale_of(i) in segment i, 0 in the gaps
+// ---------------------------------------------------------------------------------------------
+template <class In, class Out, class ScaleOf>
+__device__ __forceinline__ void scaled_segment_copy(const typename In::raw* __restrict__ src,
+                                                    typename Out::raw* __restrict__ dst, int64_t total,
+                                                    const int64_t* __restrict__ seg, int64_t nseg, int64_t chunk,
+                                                    int64_t nchunks, ScaleOf&& scale_of) {
+  int64_t hint = 0;
+  for_each_chunk(chunk, nchunks, total, [&](int64_t b0, int64_t b1) {
+    prefetch_chunk_head(src + b0, (b1 - b0) * static_cast<int64_t>(sizeof(typename In::raw)));
+    walk_segments(
+        seg, nseg, hint, b0, b1,
+        [&](int64_t i, int64_t p, int64_t q) {
+          CopyOp<In, Out> op{src + p, dst + p, scale_of(i), true};
+          run_range(op, q - p);
+        },
+        [&](int64_t p, int64_t q) {
+          ZeroOp<Out> op{dst + p};
+          run_range(op, q - p);
+        });
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
 // fp8 cast with per-segment scales; gaps are written as 0; scale_inv[i] = 1 / scale_i
 // ---------------------------------------------------------------------------------------------
 template <class In, class F8>
@@ -99,21 +118,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = gtid; i < nseg; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     scale_inv[i] = fp8_scale_inv(fp8_scale(amax[i], F8::max_value, eps));
   }
-  int64_t hint = 0;
-  MFSDP_FOR_EACH_CHUNK(b0, b1) {
-    prefetch_chunk_head(src + b0, (b1 - b0) * static_cast<int64_t>(sizeof(typename In::raw)));
-    walk_segments(
-        seg, nseg, hint, b0, b1,
-        [&](int64_t i, int64_t p, int64_t q) {
-          const float scale = fp8_scale(amax[i], F8::max_value, eps);
-          CopyOp<In, F8> op{src + p, dst + p, scale, true};
-          run_range(op, q - p);
-        },
-        [&](int64_t p, int64_t q) {
-          ZeroOp<F8> op{dst + p};
-          run_range(op, q - p);
-        });
-  }
+  scaled_segment_copy<In, F8>(src, dst, total, seg, nseg, chunk, nchunks,
+                              [&](int64_t i) { return fp8_scale(amax[i], F8::max_value, eps); });
 }
 
 template <class In, class F8>
@@ -135,20 +141,7 @@ __global__ void __launch_bounds__(kThreads)
     fp8_dequant_kernel(const typename F8::raw* __restrict__ src, int64_t total, const int64_t* __restrict__ seg,
                        int64_t nseg, int64_t chunk, int64_t nchunks, const float* __restrict__ scale_inv,
                        typename Out::raw* __restrict__ dst) {
-  int64_t hint = 0;
-  MFSDP_FOR_EACH_CHUNK(b0, b1) {
-    prefetch_chunk_head(src + b0, (b1 - b0) * static_cast<int64_t>(sizeof(typename F8::raw)));
-    walk_segments(
-        seg, nseg, hint, b0, b1,
-        [&](int64_t i, int64_t p, int64_t q) {
-          CopyOp<F8, Out> op{src + p, dst + p, scale_inv[i], true};
-          run_range(op, q - p);
-        },
-        [&](int64_t p, int64_t q) {
-          ZeroOp<Out> op{dst + p};
-          run_range(op, q - p);
-        });
-  }
+  scaled_segment_copy<F8, Out>(src, dst, total, seg, nseg, chunk, nchunks, [&](int64_t i) { return scale_inv[i]; });
 }
 
 template <class F8, class Out>
@@ -169,10 +162,10 @@ template <class Main, class Red>
 __global__ void __launch_bounds__(kThreads)
     grad_acc_kernel(typename Main::raw* __restrict__ main_grad, const typename Red::raw* __restrict__ red,
                     int64_t total, int64_t chunk, int64_t nchunks, float scale, bool accumulate) {
-  MFSDP_FOR_EACH_CHUNK(b0, b1) {
+  for_each_chunk(chunk, nchunks, total, [&](int64_t b0, int64_t b1) {
     GradAccOp<Main, Red> op{main_grad + b0, red + b0, scale, accumulate};
     run_range(op, b1 - b0);
-  }
+  });
 }
 
 template <class Main, class Red>

@@ -460,10 +460,13 @@ inline Grid make_grid(const void* kernel, int64_t total) {
   return Grid{static_cast<int>(blocks), chunk, nchunks};
 }
 
-// Chunk c of [0, total): [b0, b1)
-__device__ __forceinline__ void chunk_bounds(int64_t c, int64_t chunk, int64_t total, int64_t& b0, int64_t& b1) {
-  b0 = c * chunk;
-  b1 = (b0 + chunk < total) ? b0 + chunk : total;
+// body(b0, b1) for each chunk [b0, b1) of [0, total) that this block takes (see make_grid)
+template <class Body>
+__device__ __forceinline__ void for_each_chunk(int64_t chunk, int64_t nchunks, int64_t total, Body&& body) {
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const int64_t b0 = c * chunk;
+    body(b0, (b0 + chunk < total) ? b0 + chunk : total);
+  }
 }
 
 inline int last_error() { return static_cast<int>(cudaGetLastError()); }

@@ -21,9 +21,7 @@ __device__ __forceinline__ void copy_table_body(const int64_t* __restrict__ tabl
   const int64_t* srcs = table + n + 1;
   const int64_t* dsts = table + 2 * n + 1;
   int64_t hint = 0;  // entries before it end at or before this block's next chunk
-  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
-    int64_t b0, b1;
-    chunk_bounds(c, chunk, total, b0, b1);
+  for_each_chunk(chunk, nchunks, total, [&](int64_t b0, int64_t b1) {
     int64_t i = hint + block_first_end_gt(vstart + hint + 1, 1, n - hint, b0);
     int64_t p = b0;
     while (p < b1 && i < n) {
@@ -47,7 +45,7 @@ __device__ __forceinline__ void copy_table_body(const int64_t* __restrict__ tabl
       p = q;
     }
     hint = i < n ? i : n;
-  }
+  });
 }
 
 template <class In, class Out>
