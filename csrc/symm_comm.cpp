@@ -161,11 +161,6 @@ class OffsetAllocator {
     return -1;
   }
 
-  int64_t size_of(int64_t offset) const {
-    auto it = allocated_.find(offset);
-    return it == allocated_.end() ? -1 : it->second;
-  }
-
   int region_index(int64_t offset) const {
     for (size_t i = 0; i < regions_.size(); ++i) {
       if (offset >= regions_[i].begin && offset < regions_[i].begin + regions_[i].bytes) return (int)i;
@@ -190,8 +185,6 @@ class OffsetAllocator {
   int64_t used() const { return used_; }
   int num_regions() const { return (int)regions_.size(); }
   int64_t num_allocations() const { return (int64_t)allocated_.size(); }
-  int64_t region_begin(int i) const { return regions_.at(i).begin; }
-  int64_t region_bytes(int i) const { return regions_.at(i).bytes; }
 
  private:
   struct Region {
@@ -262,7 +255,6 @@ static c10::Device cuda_device(int index) { return c10::Device(c10::DeviceType::
 // ----------------------------------------------------------------------------------------------
 struct NcclRegion {
   void* base = nullptr;
-  int64_t bytes = 0;
   int device = -1;
   bool leak = false;  // set when the window could not be deregistered: never free registered memory
 
@@ -457,28 +449,37 @@ class SymmComm {
 
   // ---- collectives ---------------------------------------------------------------------------
 
+  // Checks shared by the collectives: `shard` (n elements) and `full` (world * n elements) are contiguous
+  // tensors of one dtype on this device inside this pool's windows, and `shard` is either this rank's slot
+  // of `full` (in place) or apart from it.
+  void check_shard_and_full(const char* op, const at::Tensor& shard, const char* shard_name, const at::Tensor& full,
+                            const char* full_name) const {
+    check_tensor(shard, op, shard_name);
+    check_tensor(full, op, full_name);
+    TORCH_CHECK(shard.scalar_type() == full.scalar_type(), "mfsdp_ext SymmComm.", op, ": ", shard_name, " dtype ",
+                shard.scalar_type(), " != ", full_name, " dtype ", full.scalar_type());
+    TORCH_CHECK(full.numel() == shard.numel() * world_, "mfsdp_ext SymmComm.", op, ": ", full_name, " has ",
+                full.numel(), " elements, expected world_size * ", shard_name, ".numel() = ", world_, " * ",
+                shard.numel());
+    check_in_window(shard, op, shard_name);
+    check_in_window(full, op, full_name);
+    const int64_t shard_bytes = (int64_t)shard.nbytes();
+    const uintptr_t shard_p = reinterpret_cast<uintptr_t>(shard.data_ptr());
+    const uintptr_t full_p = reinterpret_cast<uintptr_t>(full.data_ptr());
+    const bool in_place = shard_p == full_p + (uintptr_t)(rank_ * shard_bytes);
+    TORCH_CHECK(in_place || !overlaps(shard_p, shard_bytes, full_p, (int64_t)full.nbytes()), "mfsdp_ext SymmComm.",
+                op, ": ", shard_name, " overlaps ", full_name, " but is not this rank's slot (", full_name,
+                "[rank * n : (rank + 1) * n])");
+  }
+
+
   // output = concat over ranks of input (ncclAllGather). In place when input is output's slice for this rank
   // (input.data_ptr == output.data_ptr + rank * input.nbytes). Both must be contiguous, on this communicator's
   // device, of the same dtype, inside this pool's windows; output.numel == world * input.numel.
   void all_gather(const at::Tensor& input, const at::Tensor& output) {
     std::lock_guard<std::mutex> lock(mu_);
     check_open("all_gather");
-    check_tensor(input, "all_gather", "input");
-    check_tensor(output, "all_gather", "output");
-    TORCH_CHECK(input.scalar_type() == output.scalar_type(), "mfsdp_ext SymmComm.all_gather: input dtype ",
-                input.scalar_type(), " != output dtype ", output.scalar_type());
-    TORCH_CHECK(output.numel() == input.numel() * world_, "mfsdp_ext SymmComm.all_gather: output has ",
-                output.numel(), " elements, expected world_size * input.numel() = ", world_, " * ",
-                input.numel());
-    check_in_window(input, "all_gather", "input");
-    check_in_window(output, "all_gather", "output");
-    const int64_t in_bytes = (int64_t)input.nbytes();
-    const uintptr_t in_p = reinterpret_cast<uintptr_t>(input.data_ptr());
-    const uintptr_t out_p = reinterpret_cast<uintptr_t>(output.data_ptr());
-    const bool in_place = in_p == out_p + (uintptr_t)(rank_ * in_bytes);
-    TORCH_CHECK(in_place || !overlaps(in_p, in_bytes, out_p, (int64_t)output.nbytes()),
-                "mfsdp_ext SymmComm.all_gather: input overlaps output but is not this rank's slot "
-                "(output[rank * n : (rank + 1) * n])");
+    check_shard_and_full("all_gather", input, "input", output, "output");
     if (input.numel() == 0) return;
     ncclDataType_t type;
     size_t count;
@@ -495,23 +496,8 @@ class SymmComm {
   void reduce_scatter(const at::Tensor& input, const at::Tensor& output, bool scale_by_inverse_world) {
     std::lock_guard<std::mutex> lock(mu_);
     check_open("reduce_scatter");
-    check_tensor(input, "reduce_scatter", "input");
-    check_tensor(output, "reduce_scatter", "output");
-    TORCH_CHECK(input.scalar_type() == output.scalar_type(), "mfsdp_ext SymmComm.reduce_scatter: input dtype ",
-                input.scalar_type(), " != output dtype ", output.scalar_type());
+    check_shard_and_full("reduce_scatter", output, "output", input, "input");
     const ncclDataType_t type = reduce_type(input.scalar_type());
-    TORCH_CHECK(input.numel() == output.numel() * world_, "mfsdp_ext SymmComm.reduce_scatter: input has ",
-                input.numel(), " elements, expected world_size * output.numel() = ", world_, " * ",
-                output.numel());
-    check_in_window(input, "reduce_scatter", "input");
-    check_in_window(output, "reduce_scatter", "output");
-    const int64_t out_bytes = (int64_t)output.nbytes();
-    const uintptr_t in_p = reinterpret_cast<uintptr_t>(input.data_ptr());
-    const uintptr_t out_p = reinterpret_cast<uintptr_t>(output.data_ptr());
-    const bool in_place = out_p == in_p + (uintptr_t)(rank_ * out_bytes);
-    TORCH_CHECK(in_place || !overlaps(in_p, (int64_t)input.nbytes(), out_p, out_bytes),
-                "mfsdp_ext SymmComm.reduce_scatter: output overlaps input but is not this rank's slot "
-                "(input[rank * n : (rank + 1) * n])");
     if (output.numel() == 0) return;
     c10::DeviceGuard guard(cuda_device(device_));
     cudaStream_t stream = current_stream();
@@ -648,7 +634,6 @@ class SymmComm {
     const int64_t bytes = round_up(nbytes, kRegionGranularity);
     auto mem = std::make_shared<NcclRegion>();
     mem->device = device_;
-    mem->bytes = bytes;
     c10::DeviceGuard guard(cuda_device(device_));
     {
       void* p = nullptr;
@@ -736,17 +721,6 @@ void mfsdp_register_symm_comm(pybind11::module_& m) {
       "Version code of the NCCL library loaded at run time (e.g. 22809 for 2.28.9); 0 when built without NCCL.");
 
   m.def(
-      "nccl_header_version",
-      []() -> int {
-#if defined(MFSDP_WITH_NCCL) && defined(NCCL_VERSION_CODE)
-        return NCCL_VERSION_CODE;
-#else
-        return 0;
-#endif
-      },
-      "NCCL_VERSION_CODE of the nccl.h this extension was compiled against; 0 when built without NCCL.");
-
-  m.def(
       "symm_comm_build_info",
       []() {
         py::dict d;
@@ -783,7 +757,6 @@ void mfsdp_register_symm_comm(pybind11::module_& m) {
       .def("alloc", &OffsetAllocator::alloc, py::arg("nbytes"), "Offset of a new block, or -1 if nothing fits.")
       .def("free", &OffsetAllocator::free, py::arg("offset"))
       .def("find_allocation", &OffsetAllocator::find_allocation, py::arg("offset"), py::arg("nbytes"))
-      .def("size_of", &OffsetAllocator::size_of, py::arg("offset"))
       .def("region_index", &OffsetAllocator::region_index, py::arg("offset"))
       .def("allocations", &OffsetAllocator::allocations)
       .def_property_readonly("alignment", &OffsetAllocator::alignment)
