@@ -171,11 +171,6 @@ def time_fn(fn: Callable[[], None], steps: int, warmup: int, device: torch.devic
     return clock.intervals_ms()
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -268,7 +263,7 @@ def train_step(model, optimizer, batches, impl: str, losses: list) -> None:
 def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: torch.device, args) -> dict:
     rank = dist.get_rank()
     free_memory(device)
-    fully_shard, MixedPrecisionPolicy = gpt.load_impl(v.impl)
+    _, MixedPrecisionPolicy = gpt.load_impl(v.impl)
     cfg = bc.model_config()
     t_build = time.perf_counter()
     torch.manual_seed(0)
@@ -276,17 +271,12 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
     mp_extra = {k[3:]: val for k, val in v.extra.items() if k.startswith("mp.")}
     shard_extra = {k: val for k, val in v.extra.items() if not k.startswith("mp.")}
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, **mp_extra)
-    if args.init == "meta":
-        with torch.device("meta"):
-            model = gpt.GPT(cfg)
-        gpt.shard_model(model, fully_shard, mesh=mesh, mp_policy=mp, **shard_extra)
-        gpt.materialize(model, v.impl, device)
-    else:  # the full model on every rank, same seed: identical initial weights for every variant
-        model = gpt.GPT(cfg, device=device)
-        gpt.shard_model(model, fully_shard, mesh=mesh, mp_policy=mp, **shard_extra)
-        free_memory(device)
+    # --init full: the full model on every rank, same seed: identical initial weights for every variant
+    model = gpt.build_sharded(cfg, v.impl, device, args.init == "meta", mesh=mesh, mp_policy=mp, **shard_extra)
+    if args.init != "meta":
+        free_memory(device)  # drop the transient full model (and reset the peak after it)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    synchronize(device)
+    gpt.synchronize(device)
     build_s = time.perf_counter() - t_build
     batches = make_batches(bc, device, seed=100 + rank)
     k = bc.microbatches
@@ -294,7 +284,7 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
     step = functools.partial(train_step, model, optimizer, batches, v.impl, losses)
     for _ in range(args.warmup):
         step()
-    synchronize(device)
+    gpt.synchronize(device)
     dist.barrier()
     times = time_fn(step, args.steps, 0, device)
 

@@ -9,7 +9,8 @@ initialised in place (``GPT.init_weights()`` calls them all).
 The glue (bottom of the file) lets the same script run PyTorch FSDP2 or our ``mfsdp_ext`` by a flag:
 ``load_impl("fsdp2" | "ours")`` returns the ``fully_shard`` / ``MixedPrecisionPolicy`` pair,
 ``shard_model`` applies ``fully_shard`` to each block and then the root, ``materialize`` initialises a
-meta-built sharded model, and ``grad_sync_context`` is the per-microbatch gradient-accumulation context.
+meta-built sharded model, ``build_sharded`` does one or the other path end to end, and ``grad_sync_context``
+is the per-microbatch gradient-accumulation context.
 
 Used by ``examples/train_gpt.py`` and ``benchmarks/step.py``.
 """
@@ -21,7 +22,6 @@ import contextlib
 import math
 import os
 import sys
-import warnings
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, Optional, Tuple
 
@@ -194,11 +194,6 @@ class GPT(nn.Module):
         # needs re-initialising after meta-device construction + to_empty().
         self._rope_cache: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        self.cfg.activation_checkpointing = enabled
-        for layer in self.layers:
-            layer.activation_checkpointing = enabled
-
     def init_weights(self) -> None:
         """Initialise every parameter in place (also after meta-device construction and ``to_empty``)."""
         self._rope_cache.clear()
@@ -295,11 +290,28 @@ def materialize(model: GPT, impl: str, device: torch.device) -> None:
     if impl == "ours":
         import mfsdp_ext
 
-        if hasattr(mfsdp_ext, "reset_parameters"):
-            mfsdp_ext.reset_parameters(model)
-            return
-        warnings.warn("mfsdp_ext.reset_parameters is missing: initialising with model.init_weights()")
+        mfsdp_ext.reset_parameters(model)
+        return
     model.init_weights()
+
+
+def build_sharded(cfg: GPTConfig, impl: str, device: torch.device, meta_init: bool, **shard_kwargs) -> GPT:
+    """A sharded GPT: built on the meta device and initialised shard by shard, or built whole on ``device`` from
+    the current RNG state (the same weights on every rank for one seed) and then sharded."""
+    fully_shard_fn, _ = load_impl(impl)
+    if meta_init:
+        with torch.device("meta"):
+            model = GPT(cfg)
+        shard_model(model, fully_shard_fn, **shard_kwargs)
+        materialize(model, impl, device)
+    else:
+        model = shard_model(GPT(cfg, device=device), fully_shard_fn, **shard_kwargs)
+    return model
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def grad_sync_context(model: nn.Module, impl: str, index: int, count: int):

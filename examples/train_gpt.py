@@ -108,11 +108,6 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # ru_maxrss is KiB on Linux
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # ----------------------------------------------------------------------------------------------- data
 
 
@@ -168,7 +163,7 @@ def build_model(args, device: torch.device, world: int):
 
     compute_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32,
                      "auto": torch.bfloat16 if device.type == "cuda" else torch.float32}[args.dtype]
-    fully_shard, MixedPrecisionPolicy = gpt.load_impl(args.impl)
+    _, MixedPrecisionPolicy = gpt.load_impl(args.impl)
     shard_kwargs = dict(mesh=init_device_mesh(device.type, (world,)),
                         mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32))
     if args.reshard_after_forward is not None:
@@ -177,14 +172,7 @@ def build_model(args, device: torch.device, world: int):
         shard_kwargs.update(gpt.parse_kv(args.extra_ours))
 
     torch.manual_seed(args.seed)  # the same full model on every rank (non-meta path shards it)
-    if args.meta_init:
-        with torch.device("meta"):
-            model = gpt.GPT(cfg)
-        gpt.shard_model(model, fully_shard, **shard_kwargs)
-        gpt.materialize(model, args.impl, device)
-    else:
-        model = gpt.GPT(cfg, device=device)
-        gpt.shard_model(model, fully_shard, **shard_kwargs)
+    model = gpt.build_sharded(cfg, args.impl, device, args.meta_init, **shard_kwargs)
     return model, cfg, preset, compute_dtype, shard_kwargs
 
 
@@ -235,7 +223,7 @@ def main(argv=None) -> None:
         f"best achievable loss (entropy rate) = {corpus.entropy:.3f}; uniform guess = {math.log(cfg.vocab_size):.3f}")
 
     losses, step_times = [], []
-    synchronize(device)
+    gpt.synchronize(device)
     dist.barrier()
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
@@ -253,7 +241,7 @@ def main(argv=None) -> None:
 
         dist.all_reduce(loss_sum)  # SUM (gloo has no AVG)
         loss_value = loss_sum.item() / world  # .item() also waits for the step to finish
-        synchronize(device)
+        gpt.synchronize(device)
         dt = time.perf_counter() - t0
         losses.append(loss_value)
         step_times.append(dt)
