@@ -44,10 +44,10 @@ scales: ``scale = fp8_max / max(amax, eps)`` in fp32, ``scale_inv = 1 / scale`` 
 
 from __future__ import annotations
 
-import weakref
 from typing import Sequence
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 try:
     from . import _C
@@ -79,7 +79,7 @@ def build_info() -> dict:
 # ----------------------------------------------------------------------------------------------
 # CUDA segment tables: validated once per (tensor, version), not on every call
 # ----------------------------------------------------------------------------------------------
-_checked_segments: dict = {}
+_checked_segments = WeakIdKeyDictionary()  # CUDA table -> the key it was validated under
 
 
 def _segments_key(segments: torch.Tensor, total: int):
@@ -93,22 +93,15 @@ def _segments_key(segments: torch.Tensor, total: int):
 def _check_cuda_segments(segments: torch.Tensor, total: int) -> None:
     if not isinstance(segments, torch.Tensor) or not segments.is_cuda:
         return  # CPU tables are checked in C++; wrong devices are reported there
-    sid = id(segments)
     key = _segments_key(segments, total)
-    hit = _checked_segments.get(sid)
-    if hit is not None and hit[0]() is segments and hit[1] == key:
+    if _checked_segments.get(segments) == key:
         return
     if torch.cuda.is_current_stream_capturing():
         return  # no device-to-host copy inside a CUDA graph capture
-    if segments.dtype == torch.int64 and segments.dim() == 2 and segments.shape[1] == 2:
-        _C.check_segments(segments.detach().cpu(), total)  # raises with a clear message
-    else:
+    if segments.dtype != torch.int64 or segments.dim() != 2 or segments.shape[1] != 2:
         return  # shape / dtype errors are reported by the kernel call itself
-
-    def _drop(_ref, sid=sid):
-        _checked_segments.pop(sid, None)
-
-    _checked_segments[sid] = (weakref.ref(segments, _drop), key)
+    _C.check_segments(segments.detach().cpu(), total)  # raises with a clear message
+    _checked_segments[segments] = key
 
 
 # ----------------------------------------------------------------------------------------------
@@ -127,20 +120,17 @@ def cast(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 
 def segment_amax(src: torch.Tensor, segments: torch.Tensor, amax: torch.Tensor) -> None:
-    if segments.is_cuda:
-        _check_cuda_segments(segments, src.numel())
+    _check_cuda_segments(segments, src.numel())
     _C.segment_amax(src, segments, amax)
 
 
 def fp8_cast(src, segments, amax, dst, scale_inv, eps: float = 1e-12) -> None:
-    if segments.is_cuda:
-        _check_cuda_segments(segments, src.numel())
+    _check_cuda_segments(segments, src.numel())
     _C.fp8_cast(src, segments, amax, dst, scale_inv, float(eps))
 
 
 def fp8_dequantize(src, segments, scale_inv, dst) -> None:
-    if segments.is_cuda:
-        _check_cuda_segments(segments, src.numel())
+    _check_cuda_segments(segments, src.numel())
     _C.fp8_dequantize(src, segments, scale_inv, dst)
 
 
