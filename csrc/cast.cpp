@@ -44,6 +44,18 @@ uint32_t cpu_amax_bits(const typename In::raw* src, int64_t n) {
   return m;
 }
 
+// dst = src * scale[i] in segment i, 0 in the gaps (FP8 cast and dequantize on the CPU)
+template <class In, class Out>
+void cpu_scaled_segment_copy(const at::Tensor& src, const at::Tensor& segments, int64_t nseg, const at::Tensor& dst,
+                             const float* scale) {
+  const auto* s = static_cast<const typename In::raw*>(src.data_ptr());
+  auto* d = static_cast<typename Out::raw*>(dst.data_ptr());
+  cpu_walk_segments(
+      segments.data_ptr<int64_t>(), nseg, src.numel(),
+      [&](int64_t i, int64_t p, int64_t q) { cpu_copy_range<In, Out>(s + p, d + p, q - p, scale[i], true); },
+      [&](int64_t p, int64_t q) { cpu_zero_range<Out>(d + p, q - p); });
+}
+
 }  // namespace
 
 void check_segments(const at::Tensor& segments, int64_t total) {
@@ -144,7 +156,6 @@ void fp8_cast(const at::Tensor& src, const at::Tensor& segments, const at::Tenso
   check_no_overlap(src, dst, fn, "src", "dst");
   check_no_overlap(amax, scale_inv, fn, "amax", "scale_inv");
   const float feps = static_cast<float>(eps);
-  const int64_t total = src.numel();
   if (src.is_cpu()) {
     const float* am = amax.data_ptr<float>();
     with_fp8_tag(dd, [&](auto out_tag) {
@@ -154,20 +165,14 @@ void fp8_cast(const at::Tensor& src, const at::Tensor& segments, const at::Tenso
       for (int64_t i = 0; i < nseg; ++i) scale[i] = fp8_scale(am[i], F8::max_value, feps);
       for (int64_t i = 0; i < nseg; ++i) sinv[i] = fp8_scale_inv(scale[i]);
       with_float_tag(sd, [&](auto in_tag) {
-        using In = decltype(in_tag);
-        const auto* s = static_cast<const typename In::raw*>(src.data_ptr());
-        auto* d = static_cast<typename F8::raw*>(dst.data_ptr());
-        cpu_walk_segments(
-            segments.data_ptr<int64_t>(), nseg, total,
-            [&](int64_t i, int64_t p, int64_t q) { cpu_copy_range<In, F8>(s + p, d + p, q - p, scale[i], true); },
-            [&](int64_t p, int64_t q) { cpu_zero_range<F8>(d + p, q - p); });
+        cpu_scaled_segment_copy<decltype(in_tag), F8>(src, segments, nseg, dst, scale.data());
       });
     });
     return;
   }
 #ifdef MFSDP_WITH_CUDA
   c10::cuda::CUDAGuard guard(src.device());
-  check_cuda(cuda::fp8_cast(src.data_ptr(), sd, total, segments.data_ptr<int64_t>(), nseg, amax.data_ptr<float>(), feps,
+  check_cuda(cuda::fp8_cast(src.data_ptr(), sd, src.numel(), segments.data_ptr<int64_t>(), nseg, amax.data_ptr<float>(), feps,
                             dst.data_ptr(), dd, scale_inv.data_ptr<float>(), cuda_stream(src)),
              fn);
 #endif
@@ -185,26 +190,18 @@ void fp8_dequantize(const at::Tensor& src, const at::Tensor& segments, const at:
   check_per_segment(scale_inv, src, nseg, fn, "scale_inv");
   if (src.is_meta()) return;
   check_no_overlap(src, dst, fn, "src", "dst");
-  const int64_t total = src.numel();
   if (src.is_cpu()) {
     const float* sinv = scale_inv.data_ptr<float>();
     with_fp8_tag(sd, [&](auto in_tag) {
       with_float_tag(dd, [&](auto out_tag) {
-        using F8 = decltype(in_tag);
-        using Out = decltype(out_tag);
-        const auto* s = static_cast<const typename F8::raw*>(src.data_ptr());
-        auto* d = static_cast<typename Out::raw*>(dst.data_ptr());
-        cpu_walk_segments(
-            segments.data_ptr<int64_t>(), nseg, total,
-            [&](int64_t i, int64_t p, int64_t q) { cpu_copy_range<F8, Out>(s + p, d + p, q - p, sinv[i], true); },
-            [&](int64_t p, int64_t q) { cpu_zero_range<Out>(d + p, q - p); });
+        cpu_scaled_segment_copy<decltype(in_tag), decltype(out_tag)>(src, segments, nseg, dst, sinv);
       });
     });
     return;
   }
 #ifdef MFSDP_WITH_CUDA
   c10::cuda::CUDAGuard guard(src.device());
-  check_cuda(cuda::fp8_dequantize(src.data_ptr(), sd, total, segments.data_ptr<int64_t>(), nseg,
+  check_cuda(cuda::fp8_dequantize(src.data_ptr(), sd, src.numel(), segments.data_ptr<int64_t>(), nseg,
                                   scale_inv.data_ptr<float>(), dst.data_ptr(), dd, cuda_stream(src)),
              fn);
 #endif
