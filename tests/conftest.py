@@ -6,10 +6,6 @@ from .dist_pool import RankPool
 _POOLS: dict = {}
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs CUDA GPUs (run on a GPU machine: pytest -m gpu)")
-
-
 def get_pool(world: int, backend: str = "gloo") -> RankPool:
     key = (world, backend)
     if key not in _POOLS:
