@@ -25,10 +25,9 @@
 // close() (idempotent, collective): synchronizes the device, deregisters every window in creation order,
 // releases the pool and destroys the communicator if we created it. Tensor views handed out by tensor()
 // keep their region's memory alive (ncclMemFree runs when the pool AND the last view are gone), so a
-// stale view never dangles; it simply is not symmetric any more. The destructor never performs collective
-// calls: if close() was not called on a borrowed communicator, the windows and memory are leaked (the
-// communicator's owner reclaims them when it destroys the communicator); on an owned communicator it
-// calls ncclCommDestroy (local) and frees the memory.
+// stale view never dangles; it simply is not symmetric any more. The destructor makes no NCCL call
+// (ncclCommDestroy and ncclCommAbort are intra-node collectives too): without close(), the windows, their
+// memory and an owned communicator are kept until the process exits.
 
 #include "symm_comm.h"
 
@@ -345,30 +344,23 @@ class SymmComm {
 
   ~SymmComm() {
     if (closed_) return;
-    // No collective calls in a destructor (a missing peer would hang the process). Local clean-up only.
-    if (owns_ && comm_ != nullptr) {
-      // ncclCommDestroy is local and releases the windows registered on this communicator.
-      ncclResult_t r = ncclCommDestroy(comm_);
-      if (r != ncclSuccess) {
-        std::fprintf(stderr, "mfsdp_ext SymmComm: ncclCommDestroy in destructor failed: %s\n",
-                     ncclGetErrorString(r));
-        for (auto& s : slots_) s.mem->leak = true;
+    // No NCCL call here: ncclCommDestroy, ncclCommAbort and window deregistration are intra-node collectives,
+    // and objects are garbage-collected at different moments on different ranks, so a rank destroying its
+    // communicator here would wait for peers that are busy elsewhere (a hang). Without close(), the
+    // communicator (if ours), the windows and their memory stay until the process exits.
+    size_t windows = 0;
+    for (auto& s : slots_) {
+      if (s.win != nullptr) {
+        s.mem->leak = true;  // registered memory is never freed behind NCCL's back
+        ++windows;
       }
-    } else {
-      bool any = false;
-      for (auto& s : slots_) {
-        if (s.win != nullptr) {
-          s.mem->leak = true;  // still registered on a communicator we do not own: keep the memory
-          any = true;
-        }
-      }
-      if (any) {
-        std::fprintf(stderr,
-                     "mfsdp_ext SymmComm: destroyed without close(); %zu symmetric window(s) stay registered on "
-                     "the borrowed communicator until it is destroyed (call close() on every rank before "
-                     "destroy_process_group)\n",
-                     slots_.size());
-      }
+    }
+    if (windows > 0 || owns_) {
+      std::fprintf(stderr,
+                   "mfsdp_ext SymmComm: destroyed without close(); %s%zu symmetric window(s) (%lld bytes) stay "
+                   "until the process exits. Call close() (or release_symmetric_memory() on a fully_shard "
+                   "root) on every rank to free them.\n",
+                   owns_ ? "its own NCCL communicator and " : "", windows, (long long)alloc_.capacity());
     }
     comm_ = nullptr;
     slots_.clear();

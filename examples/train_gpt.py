@@ -265,6 +265,8 @@ def main(argv=None) -> None:
         f"(best possible {corpus.entropy:.3f}) | median {tok_s:.0f} tok/s ({median_dt * 1e3:.1f} ms/step, "
         f"{tflops:.2f} TFLOP/s per rank) | peak memory {peak.item():.1f} MiB "
         f"({'max_memory_allocated' if device.type == 'cuda' else 'RSS high-water'}, max over ranks)")
+    if hasattr(model, "release_symmetric_memory"):  # ours: free use_symm_mem's NCCL pool (collective)
+        model.release_symmetric_memory()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -322,6 +322,28 @@ class FsdpModule:
                 u = m._mfsdp_unit
                 u.reshard_after_forward = reshard_after_forward and not u.strategy.keeps_weights_gathered
 
+    def release_symmetric_memory(self) -> None:
+        """Collective (every rank of the shard group, on the root module): free the NCCL symmetric-memory
+        stages and communicator of ``use_symm_mem``; the model keeps training on the plain collectives.
+
+        Call it before dropping a model built with ``use_symm_mem`` when the process goes on (another model,
+        a sweep) and before ``destroy_process_group()``. Without it they stay allocated until the process
+        exits: freeing them is collective in NCCL, so it cannot happen when the garbage collector decides."""
+        unit = self._mfsdp_unit
+        if unit.context is None:
+            return  # not run yet: nothing was allocated
+        if not unit.is_root:
+            raise RuntimeError(f"mfsdp_ext: release_symmetric_memory() is called on the root module, not on the "
+                               f"inner unit '{unit.name}'")
+        ctx = unit.context
+        if ctx.symmetric is None:
+            return
+        for u in ctx.units:
+            for g in u.groups:
+                g.use_symm_all_gather = g.use_symm_reduce_scatter = False
+        symmetric, ctx.symmetric = ctx.symmetric, None
+        symmetric.close()  # waits for the device, so no collective still uses the stages
+
     def _apply(self, fn, recurse=True):
         """Keep the flat-buffer parameters out of nn.Module._apply; materialize meta groups on to_empty()."""
         unit = self._mfsdp_unit

@@ -7,6 +7,7 @@ set -uo pipefail
 FINAL_OUT=${OUT:-/tmp/out}; mkdir -p "$FINAL_OUT"
 export OUT=$(mktemp -d /tmp/gpu_check.XXXX)
 trap 'tar czf "$FINAL_OUT/gpu_check.tgz" -C "$OUT" . && echo "logs: $FINAL_OUT/gpu_check.tgz"' EXIT
+trap 'exit 143' TERM INT   # a `timeout` around this script still packs the logs
 source "$(dirname "$0")/gpu_env.sh"   # NVLink multicast off, repository root, PYTHONPATH
 stages=${*:-build tests kernels symm step}
 status=0

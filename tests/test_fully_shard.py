@@ -284,6 +284,15 @@ def _case_errors():
         assert auto._mfsdp_unit.use_symm_mem is False
         assert any("plain collectives" in str(w.message) for w in caught) or getattr(
             __import__("mfsdp_ext.symm_path").symm_path.check_available, "_warned", False)
+    # release_symmetric_memory: on the root only; a no-op where nothing symmetric was allocated
+    two = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(two[0])
+    fully_shard(two)
+    two.release_symmetric_memory()  # before the first forward: nothing allocated yet
+    two(torch.randn(2, 4)).sum().backward()
+    msgs["release_inner"] = _expect(RuntimeError, "on the root module", two[0].release_symmetric_memory)
+    two.release_symmetric_memory()
+    assert two._mfsdp_unit.context.symmetric is None
     # the pool is still usable afterwards: one more collective
     t = torch.ones(1)
     dist.all_reduce(t)

@@ -191,6 +191,8 @@ def _case_symm_parity(bf16: bool, k: int):
     else:
         assert loss_err <= 1e-6 and param_err <= 1e-5, (loss_err, param_err, a, b)
     assert symm._mfsdp_unit.context.symmetric is not None
+    symm.release_symmetric_memory()  # collective: the ranks free the NCCL communicator together
+    assert symm._mfsdp_unit.context.symmetric is None
     return {"loss_err": loss_err, "param_err": param_err}
 
 
@@ -217,25 +219,33 @@ def _case_symm_kernels(use_symm_mem):
         opt.step()
         opt.zero_grad()
 
+    def collective_kernels_of_one_step() -> dict:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        names = [n for n, _, _ in _kernels(prof)]
+        symk = [n for n in names if n.startswith("ncclSymk")]
+        return {"symk_all_gather": sum("AllGather" in n for n in symk),
+                "symk_reduce_scatter": sum("ReduceScatter" in n for n in symk),
+                "plain_all_gather": sum("AllGather" in n and not n.startswith("ncclSymk") for n in names),
+                "plain_reduce_scatter": sum("ReduceScatter" in n and not n.startswith("ncclSymk") for n in names)}
+
     step()
     step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    names = [n for n, _, _ in _kernels(prof)]
-    symk = [n for n in names if n.startswith("ncclSymk")]
-    counts = {"symk_all_gather": sum("AllGather" in n for n in symk),
-              "symk_reduce_scatter": sum("ReduceScatter" in n for n in symk),
-              "plain_all_gather": sum("AllGather" in n and not n.startswith("ncclSymk") for n in names),
-              "plain_reduce_scatter": sum("ReduceScatter" in n and not n.startswith("ncclSymk") for n in names)}
+    counts = collective_kernels_of_one_step()
     # 4 blocks: 4 forward + 3 backward all-gathers (the last block stays gathered for the backward that
     # starts with it), 4 reduce-scatters per step
+    plain = {"symk_all_gather": 0, "symk_reduce_scatter": 0, "plain_all_gather": 7, "plain_reduce_scatter": 4}
     if use_symm_mem:
-        assert counts["symk_all_gather"] == 7 and counts["symk_reduce_scatter"] == 4, counts
-        assert counts["plain_all_gather"] == 0 and counts["plain_reduce_scatter"] == 0, counts
-    else:
-        assert not symk and counts["plain_all_gather"] == 7 and counts["plain_reduce_scatter"] == 4, counts
+        assert counts == {"symk_all_gather": 7, "symk_reduce_scatter": 4, "plain_all_gather": 0,
+                          "plain_reduce_scatter": 0}, counts
+        # released (collectively): the same model goes on with the plain collectives
+        model.release_symmetric_memory()
+        after_release = collective_kernels_of_one_step()
+        assert after_release == plain, after_release
+        return {"symm": counts, "after_release": after_release}
+    assert counts == plain, counts
     return counts
 
 
