@@ -7,6 +7,7 @@ test with every rank's traceback, and the pool is restarted so the next test sta
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import os
 import queue
@@ -43,11 +44,15 @@ def _worker(rank: int, world: int, port: int, backend: str, tasks, results) -> N
         if task is None:
             break
         module_name, fn_name, args = task
+        # a rank still busy after 200 s (the parent gives up at 240 s) prints where it is stuck
+        faulthandler.dump_traceback_later(200, exit=False)
         try:
             fn = getattr(importlib.import_module(module_name), fn_name)
             results.put((rank, True, fn(*args)))
         except BaseException:  # noqa: BLE001 - report everything to the parent
             results.put((rank, False, traceback.format_exc()))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
     dist.destroy_process_group()
 
 
