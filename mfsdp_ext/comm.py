@@ -58,7 +58,8 @@ class SymmetricCollectives:
     copies this rank's shard into its slot of a pool buffer, gathers in place and copies the result out;
     gradients are packed straight into a pool buffer and reduce-scattered into a pool buffer. Both stages
     are used on one stream each (all-gather / reduce-scatter), so one of each suffices. Memory: the largest
-    unit's gathered bytes plus its packed-gradient bytes (+ shard), whatever the number of units.
+    unit's gathered bytes plus its packed-gradient bytes (+ shard), whatever the number of units; a stage
+    that no unit uses is not allocated (0 bytes).
     """
 
     def __init__(self, group: dist.ProcessGroup, ag_bytes: int, rs_bytes: int):

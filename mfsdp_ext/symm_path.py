@@ -44,10 +44,8 @@ def setup_symmetric(units) -> comm.SymmetricCollectives | None:
     shard_group = groups[0][1].shard_group
     if any(g.shard_group is not shard_group for _, g in groups):
         raise ValueError("use_symm_mem: all units under one root must shard over the same group")
-    ag_bytes = max(g.layout.total_numel * g.compute_dtype.itemsize for _, g in groups)
-    rs_bytes = max([comm.SymmetricCollectives.reduce_scatter_stage_bytes(g.layout.total_numel, g.world, g.reduce_dtype)
-                    for _, g in groups if g.requires_grad] or [0])
-    symmetric = comm.SymmetricCollectives(shard_group, ag_bytes, rs_bytes)
+    stages = _stage_bytes([g for _, g in groups], [g for _, g in groups if g.requires_grad])
+    symmetric = comm.SymmetricCollectives(shard_group, *stages)
     decisions: dict = {}  # groups of the same size and dtypes decide once
     for unit, g in groups:
         if unit.use_symm_mem is True:
@@ -57,7 +55,22 @@ def setup_symmetric(units) -> comm.SymmetricCollectives | None:
             if key not in decisions:
                 decisions[key] = _measure(symmetric, g)
             g.use_symm_all_gather, g.use_symm_reduce_scatter = decisions[key]
+    # "auto" may have kept the plain path for one collective or both: hold only the stages that are used
+    # (the pool cannot shrink in place, so make it again; every rank decided alike, so all of them do)
+    used = _stage_bytes([g for _, g in groups if g.use_symm_all_gather],
+                        [g for _, g in groups if g.use_symm_reduce_scatter])
+    if used != stages:
+        symmetric.close()
+        symmetric = comm.SymmetricCollectives(shard_group, *used) if any(used) else None
     return symmetric
+
+
+def _stage_bytes(gathered: list[ParamGroup], reduced: list[ParamGroup]) -> tuple[int, int]:
+    """Bytes of the all-gather and reduce-scatter stages: the largest of the groups that use each."""
+    ag = max((g.layout.total_numel * g.compute_dtype.itemsize for g in gathered), default=0)
+    rs = max((comm.SymmetricCollectives.reduce_scatter_stage_bytes(g.layout.total_numel, g.world, g.reduce_dtype)
+              for g in reduced), default=0)
+    return ag, rs
 
 
 def _measure(symmetric: comm.SymmetricCollectives, g: ParamGroup) -> tuple[bool, bool]:

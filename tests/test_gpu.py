@@ -202,6 +202,38 @@ def test_symm_mem_parity(gpu_pool, bf16, k):
     print(gpu_pool.run(_case_symm_parity, bf16, k)[0])
 
 
+def _case_symm_auto():
+    """use_symm_mem="auto": every rank decides alike, only the stages in use are allocated, same losses."""
+    import torch.distributed as dist
+
+    torch.manual_seed(21)
+    base = TinyLM(vocab=512, dim=512, ffn=4096)  # blocks of ~5M parameters: both outcomes are plausible
+    plain = shard_tiny_lm(copy.deepcopy(base), fully_shard)
+    auto = shard_tiny_lm(copy.deepcopy(base), fully_shard, use_symm_mem="auto")
+    a = train(plain, 3, 24, sharded=True)
+    b = train(auto, 3, 24, sharded=True)
+    ctx = auto._mfsdp_unit.context
+    chosen = [(g.use_symm_all_gather, g.use_symm_reduce_scatter) for u in ctx.units for g in u.groups]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, chosen)
+    assert all(c == chosen for c in everyone), everyone
+    symmetric = ctx.symmetric
+    uses_ag, uses_rs = any(ag for ag, _ in chosen), any(rs for _, rs in chosen)
+    if symmetric is None:
+        assert not (uses_ag or uses_rs), chosen
+    else:  # a stage exists exactly when some group uses it
+        assert (symmetric.ag_stage is not None, symmetric.rs_stage is not None) == (uses_ag, uses_rs), chosen
+    loss_err = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+    assert loss_err <= 1e-6, (loss_err, a, b)
+    pool = 0 if symmetric is None else symmetric.comm.native.capacity
+    auto.release_symmetric_memory()
+    return {"chosen (all_gather, reduce_scatter) per group": chosen, "pool_MiB": pool / 2**20, "loss_err": loss_err}
+
+
+def test_symm_mem_auto(gpu_pool):
+    print(gpu_pool.run(_case_symm_auto)[0])
+
+
 def _case_symm_kernels(use_symm_mem):
     from torch.profiler import ProfilerActivity, profile
 
