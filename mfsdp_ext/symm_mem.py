@@ -259,7 +259,9 @@ class SymmetricComm:
         borrow: use ProcessGroupNCCL's communicator when available; otherwise (or when False) create one.
         allow_nvls: accept NCCL_NVLS_ENABLE != 0 (off by default: NVLink multicast stays off here).
 
-    Every rank must construct it, allocate, free and close in the same order.
+    Every rank must construct it, allocate, free and close in the same order. Without ``close()`` the pool
+    and an owned communicator stay until the process exits: NCCL frees them only collectively, so garbage
+    collection (at a different moment on each rank) must not.
     """
 
     def __init__(
