@@ -16,7 +16,8 @@ ends far from FSDP2's); ``--init meta`` builds on the meta device and initialise
 For every config each variant is built, warmed up (``--warmup`` steps) and timed (``--steps`` steps, CUDA
 events around each step; a step's time is the max over ranks), then freed before the next one; the order of
 the variants rotates from config to config. Peak memory is ``max_memory_allocated`` plus the NCCL symmetric
-pool of ``use_symm_mem`` (max over ranks), the peak stats reset before each variant (after ``--init full`` has dropped the transient full model).
+pool of ``use_symm_mem`` (max over ranks), the peak stats reset before each variant (after ``--init full``
+has dropped the transient full model).
 
 The floor: forward + backward of the *unsharded* bf16 model on rank 0's GPU (no communication at all; per
 block x layers + embeddings/head if the whole model does not fit), times the microbatches, plus one AdamW
