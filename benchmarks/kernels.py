@@ -8,7 +8,8 @@ many repetitions):
   bf16 cast mfsdp cast fp32->bf16 (6 B/elem)       vs  src.to(torch.bfloat16)
   fp8 cast  mfsdp fp8_cast (5 B/elem), segment_amax (4 B/elem) and both (9 B/elem)
             vs  amax = src.abs().max(); (src * (448 / amax)).clamp(-448, 448).to(float8_e4m3fn)
-  pack      mfsdp pack of 16 uneven fp32 tensors into one flat fp32 buffer (8 B/elem)
+  pack      mfsdp pack of 16 uneven fp32 tensors into one flat fp32 buffer (8 B/elem), back to back
+            (misaligned) and at 64 B aligned offsets (fully_shard's layout)
             vs  torch._foreach_copy_(views of the flat buffer, tensors)
 and pack of 2000 small tensors (~4K elements each) vs _foreach_copy_ (GPU time and host time per call).
 GB/s counts the bytes the operation must move (read + write) over its time; for the PyTorch way the same byte
@@ -165,22 +166,26 @@ def _bench_fp8(src: torch.Tensor, reps: int, t_copy: float) -> tuple[list[dict],
             _row("amax + fp8_cast", n, 9, t_both, t_copy, t_torch, "abs().max(); (x*s).clamp().to(e4m3)")], ok
 
 
-def _bench_pack(n: int, reps: int, t_copy: float) -> tuple[list[dict], bool]:
-    """16 uneven fp32 tensors -> one fp32 flat buffer, vs _foreach_copy_ into views of it."""
+def _bench_pack(n: int, reps: int, t_copy: float, align: int = 1) -> tuple[list[dict], bool]:
+    """16 uneven fp32 tensors -> one fp32 flat buffer, vs _foreach_copy_ into views of it. ``align`` = 1 packs
+    them back to back (sources misaligned to their destinations); 16 places them at 64-byte aligned offsets,
+    as fully_shard's layout does (mfsdp_ext.layout.ALIGN_ELEMS)."""
     sizes = uneven_sizes(n, 16, torch.Generator().manual_seed(0))
     tensors = [torch.randn(s, device=DEVICE) for s in sizes]
     offsets, cur = [], 0
     for s in sizes:
+        cur = -(-cur // align) * align
         offsets.append(cur)
         cur += s
-    flat = torch.empty(n, device=DEVICE)
+    flat = torch.empty(cur, device=DEVICE)
     views = [flat[o:o + s] for o, s in zip(offsets, sizes)]
     t_pack = time_gpu(lambda: N.pack(tensors, offsets, flat), reps)
     t_foreach = time_gpu(lambda: torch._foreach_copy_(views, tensors), reps)
     flat.fill_(float("nan"))
     N.pack(tensors, offsets, flat)
     ok = all(torch.equal(v, t) for v, t in zip(views, tensors))
-    return [_row("pack 16 tensors fp32", n, 8, t_pack, t_copy, t_foreach, "torch._foreach_copy_(views, tensors)")], ok
+    name = "pack 16 tensors fp32" + ("" if align == 1 else f", {4 * align} B aligned")
+    return [_row(name, n, 8, t_pack, t_copy, t_foreach, "torch._foreach_copy_(views, tensors)")], ok
 
 
 def bench_size(n: int, reps_base: int) -> list[dict]:
@@ -195,7 +200,9 @@ def bench_size(n: int, reps_base: int) -> list[dict]:
         torch.cuda.empty_cache()
     more, ok3 = _bench_pack(n, reps, t_copy)
     rows += more
-    ok = ok and ok2 and ok3
+    more, ok4 = _bench_pack(n, reps, t_copy, align=16)
+    rows += more
+    ok = ok and ok2 and ok3 and ok4
     if not ok:
         print(f"WARNING: a result check failed at n={n}", file=sys.stderr)
     for r in rows:
@@ -341,7 +348,7 @@ def main() -> int:
         rows += new
         for r in new:
             extra = f"  PyTorch {r['torch_gbps']:7.0f} GB/s  speedup {r['speedup']:.2f}x" if "speedup" in r else ""
-            print(f"{r['kernel']:24s} n={size_name(n):>5s}  ours {r['ours_gbps']:7.0f} GB/s  "
+            print(f"{r['kernel']:34s} n={size_name(n):>5s}  ours {r['ours_gbps']:7.0f} GB/s  "
                   f"copy {r['copy_gbps']:7.0f} GB/s  {100 * r['frac_of_copy']:5.1f}%{extra}", flush=True)
         print(f"  ({time.time() - t0:.1f} s)", flush=True)
     small = bench_small_tensors(args.small_count, args.reps)
@@ -354,7 +361,8 @@ def main() -> int:
     goals = []
     all_met = True
     for k, label in (("cast fp32->bf16", "bf16 cast"), ("fp8_cast fp32->e4m3", "FP8 cast"),
-                     ("pack 16 tensors fp32", "pack")):
+                     ("pack 16 tensors fp32", "pack"),
+                     ("pack 16 tensors fp32, 64 B aligned", "pack at fully_shard's 64 B alignment")):
         big = [r for r in rows if r["kernel"] == k and r["src_bytes"] >= GOAL_MIN_BYTES]
         if not big:
             goals.append(f"{label}: no size >= 64 MiB measured")
