@@ -49,23 +49,19 @@ __global__ void __launch_bounds__(kThreads)
     const uint32_t r = block_max_u32(m);
     if (threadIdx.x == 0 && r != 0u) atomicMax(amax_bits + cur, r);
   };
-  int64_t hint = 0;
-  for_each_chunk(chunk, nchunks, total, [&](int64_t b0, int64_t b1) {
-    prefetch_chunk_head(src + b0, (b1 - b0) * static_cast<int64_t>(sizeof(typename In::raw)));
-    walk_segments(
-        seg, nseg, hint, b0, b1,
-        [&](int64_t i, int64_t p, int64_t q) {
-          if (i != cur) {
-            if (cur >= 0) flush();
-            cur = i;
-            m = 0;
-          }
-          AmaxOp<In> op{src + p, m};
-          run_range(op, q - p);
-          m = op.m;
-        },
-        [&](int64_t, int64_t) {});
-  });
+  for_each_chunk_of_segments(
+      src, chunk, nchunks, total, seg, nseg,
+      [&](int64_t i, int64_t p, int64_t q) {
+        if (i != cur) {
+          if (cur >= 0) flush();
+          cur = i;
+          m = 0;
+        }
+        AmaxOp<In> op{src + p, m};
+        run_range(op, q - p);
+        m = op.m;
+      },
+      [&](int64_t, int64_t) {});
   if (cur >= 0) flush();
 }
 
@@ -90,20 +86,16 @@ __device__ __forceinline__ void scaled_segment_copy(const typename In::raw* __re
                                                     typename Out::raw* __restrict__ dst, int64_t total,
                                                     const int64_t* __restrict__ seg, int64_t nseg, int64_t chunk,
                                                     int64_t nchunks, ScaleOf&& scale_of) {
-  int64_t hint = 0;
-  for_each_chunk(chunk, nchunks, total, [&](int64_t b0, int64_t b1) {
-    prefetch_chunk_head(src + b0, (b1 - b0) * static_cast<int64_t>(sizeof(typename In::raw)));
-    walk_segments(
-        seg, nseg, hint, b0, b1,
-        [&](int64_t i, int64_t p, int64_t q) {
-          CopyOp<In, Out> op{src + p, dst + p, scale_of(i), true};
-          run_range(op, q - p);
-        },
-        [&](int64_t p, int64_t q) {
-          ZeroOp<Out> op{dst + p};
-          run_range(op, q - p);
-        });
-  });
+  for_each_chunk_of_segments(
+      src, chunk, nchunks, total, seg, nseg,
+      [&](int64_t i, int64_t p, int64_t q) {
+        CopyOp<In, Out> op{src + p, dst + p, scale_of(i), true};
+        run_range(op, q - p);
+      },
+      [&](int64_t p, int64_t q) {
+        ZeroOp<Out> op{dst + p};
+        run_range(op, q - p);
+      });
 }
 
 // ---------------------------------------------------------------------------------------------

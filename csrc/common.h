@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "fp8_math.h"
+#include "segment_walk.h"
 
 #ifdef MFSDP_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -116,7 +117,7 @@ inline void validate_segments_cpu(const int64_t* s, int64_t n, int64_t total, co
 // CPU walkers (mirror kernel_utils.cuh)
 // ---------------------------------------------------------------------------------------------
 // Split [0, total) into contiguous chunks over the CPU threads; in each chunk find the first segment with
-// end > chunk start (binary search) and walk forward: on_seg(i, p, q) / on_gap(p, q).
+// end > chunk start (binary search) and walk forward (segment_walk.h): on_seg(i, p, q) / on_gap(p, q).
 template <class OnSeg, class OnGap>
 void cpu_walk_segments(const int64_t* seg, int64_t nseg, int64_t total, OnSeg&& on_seg, OnGap&& on_gap) {
   if (total <= 0) return;
@@ -127,27 +128,7 @@ void cpu_walk_segments(const int64_t* seg, int64_t nseg, int64_t total, OnSeg&& 
       if (seg[2 * mid + 1] <= b0) lo = mid + 1;
       else hi = mid;
     }
-    int64_t i = lo, p = b0;
-    while (p < b1) {
-      int64_t s = b1, e = b1;
-      if (i < nseg) {
-        s = seg[2 * i];
-        e = seg[2 * i + 1];
-      }
-      if (s > p) {
-        const int64_t q = std::min(s, b1);
-        on_gap(p, q);
-        p = q;
-        continue;
-      }
-      if (e <= p) {
-        ++i;
-        continue;
-      }
-      const int64_t q = std::min(e, b1);
-      on_seg(i, p, q);
-      p = q;
-    }
+    walk_segments_from(seg, nseg, lo, b0, b1, on_seg, on_gap);
   });
 }
 

@@ -19,6 +19,7 @@
 #include <unordered_map>
 
 #include "fp8_math.h"
+#include "segment_walk.h"
 
 namespace mfsdp {
 namespace cuda {
@@ -378,36 +379,13 @@ __device__ __forceinline__ void prefetch_chunk_head(const void* p, int64_t bytes
   }
 }
 
-// Walk the chunk [b0, b1) over a segment table seg (n rows of [start, end), sorted, non-overlapping).
-// on_seg(i, p, q) for [p, q) inside segment i, on_gap(p, q) for elements in no segment. `hint`: no segment
-// before it ends after b0 (0 at first; updated for the block's next chunk, which starts after b1).
-// Memory-safe for any table: every range handed out lies inside [b0, b1).
+// Walk the chunk [b0, b1) over a segment table seg (segment_walk.h). `hint`: no segment before it ends after
+// b0 (0 at first; updated for the block's next chunk, which starts after b1).
 template <class OnSeg, class OnGap>
 __device__ __forceinline__ void walk_segments(const int64_t* seg, int64_t nseg, int64_t& hint, int64_t b0,
                                               int64_t b1, OnSeg&& on_seg, OnGap&& on_gap) {
-  int64_t i = hint + block_first_end_gt(seg + 2 * hint + 1, 2, nseg - hint, b0);
-  int64_t p = b0;
-  while (p < b1) {
-    int64_t s = b1, e = b1;
-    if (i < nseg) {
-      s = seg[2 * i];
-      e = seg[2 * i + 1];
-    }
-    if (s > p) {
-      const int64_t q = s < b1 ? s : b1;
-      on_gap(p, q);
-      p = q;
-      continue;
-    }
-    if (e <= p) {
-      ++i;
-      continue;
-    }
-    const int64_t q = e < b1 ? e : b1;
-    on_seg(i, p, q);
-    p = q;
-  }
-  hint = i < nseg ? i : nseg;
+  const int64_t i = hint + block_first_end_gt(seg + 2 * hint + 1, 2, nseg - hint, b0);
+  hint = walk_segments_from(seg, nseg, i, b0, b1, on_seg, on_gap);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -467,6 +445,19 @@ __device__ __forceinline__ void for_each_chunk(int64_t chunk, int64_t nchunks, i
     const int64_t b0 = c * chunk;
     body(b0, (b0 + chunk < total) ? b0 + chunk : total);
   }
+}
+
+// The chunks of this block over a segment table: each chunk's source head is asked for first (see
+// prefetch_chunk_head), then the chunk is walked (walk_segments).
+template <class R, class OnSeg, class OnGap>
+__device__ __forceinline__ void for_each_chunk_of_segments(const R* src, int64_t chunk, int64_t nchunks,
+                                                           int64_t total, const int64_t* seg, int64_t nseg,
+                                                           OnSeg&& on_seg, OnGap&& on_gap) {
+  int64_t hint = 0;
+  for_each_chunk(chunk, nchunks, total, [&](int64_t b0, int64_t b1) {
+    prefetch_chunk_head(src + b0, (b1 - b0) * static_cast<int64_t>(sizeof(R)));
+    walk_segments(seg, nseg, hint, b0, b1, on_seg, on_gap);
+  });
 }
 
 inline int last_error() { return static_cast<int>(cudaGetLastError()); }
