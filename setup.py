@@ -4,9 +4,10 @@
     pip install --no-build-isolation --no-deps -e .  # GPU machine
 
 What gets compiled:
-  * always: the C++ CPU kernels and the bindings (csrc/bindings.cpp, pack.cpp, cast.cpp);
+  * always: the C++ CPU kernels, the bindings and the symmetric pool's offset allocator (csrc/bindings.cpp,
+    pack.cpp, cast.cpp, symm_comm.cpp);
   * CUDA kernels (csrc/*.cu, -DMFSDP_WITH_CUDA) when torch has CUDA and nvcc is found (CUDA_HOME);
-  * NCCL code (csrc/symm_comm.cpp, -DMFSDP_WITH_NCCL, linked with -l:libnccl.so.2) when, in addition, nccl.h
+  * NCCL code (in csrc/symm_comm.cpp, -DMFSDP_WITH_NCCL, linked with -l:libnccl.so.2) when, in addition, nccl.h
     is found: $NCCL_INCLUDE_DIR, $NCCL_HOME, the ``nvidia.nccl`` Python package, CUDA_HOME, then the system.
 
 Environment:
@@ -122,7 +123,8 @@ class Build(BuildExtension):
 
 
 def make_extension():
-    sources = [os.path.join(CSRC, f) for f in ("bindings.cpp", "pack.cpp", "cast.cpp")]
+    # symm_comm.cpp always: without NCCL it registers its build info and the (pure C++) offset allocator
+    sources = [os.path.join(CSRC, f) for f in ("bindings.cpp", "pack.cpp", "cast.cpp", "symm_comm.cpp")]
     cxx = ["-O3", "-ffp-contract=off"]
     nvcc_flags = ["-O3", "-fmad=true"]  # kernels use explicit __fmul_rn / __fmaf_rn where rounding matters
     include_dirs = [os.path.join(ROOT, CSRC)]
@@ -157,7 +159,6 @@ def make_extension():
         inc, lib = nccl
         log(f"NCCL: include {inc}, lib {lib or '(linker default)'}")
         defines.append("-DMFSDP_WITH_NCCL")
-        sources.append(os.path.join(CSRC, "symm_comm.cpp"))
         include_dirs.append(inc)
         if lib:
             link_args += [f"-L{lib}", f"-Wl,-rpath,{lib}"]

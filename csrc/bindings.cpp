@@ -1,14 +1,13 @@
 // Python bindings of mfsdp_ext._C: registration only. Kernels: pack.cpp / cast.cpp (+ .cu); NCCL
-// communicator and symmetric-memory collectives: symm_comm.cpp (built when NCCL is found).
+// communicator and symmetric-memory collectives: symm_comm.cpp (its NCCL part built when NCCL is found).
 #include <torch/extension.h>
 
 #include "cast.h"
 #include "pack.h"
 
+#include "symm_comm.h"
 #ifdef MFSDP_WITH_NCCL
 #include <nccl.h>
-// defined in symm_comm.cpp
-void mfsdp_register_symm_comm(pybind11::module_& m);
 #endif
 
 namespace py = pybind11;
@@ -68,7 +67,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("accumulate"));
   m.def("check_segments", &mfsdp::check_segments, release(), py::arg("segments"), py::arg("total"));
   m.def("build_info", &build_info);
-#ifdef MFSDP_WITH_NCCL
   mfsdp_register_symm_comm(m);
-#endif
 }

@@ -5,7 +5,6 @@
 //
 // Python surface (module mfsdp_ext._C), registered by mfsdp_register_symm_comm():
 //   nccl_version() -> int                 runtime NCCL version code (e.g. 22809), 0 if built without NCCL
-//   nccl_header_version() -> int          NCCL_VERSION_CODE of the nccl.h compiled against, 0 without NCCL
 //   symm_comm_build_info() -> dict        {"built": bool, "reason": str, "header_version": int,
 //                                          "min_runtime_version": int, "alignment": int}
 //   SymmOffsetAllocator                   the deterministic offset allocator used by the pool

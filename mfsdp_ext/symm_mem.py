@@ -1,8 +1,9 @@
 """NCCL symmetric-memory collectives: a communicator, a symmetric pool, all-gather and reduce-scatter.
 
 The native side is ``mfsdp_ext._C.SymmComm`` (csrc/symm_comm.cpp). This module builds it from a torch
-``ProcessGroup`` and says clearly why it cannot when it cannot. Importing it never touches ``_C`` or CUDA,
-so it works on CPU-only builds.
+``ProcessGroup`` and says clearly why it cannot when it cannot. It imports on every build (the package
+loads ``_C`` for its kernels, but this module needs no NCCL or CUDA part of it until a communicator is made),
+and ``is_available()`` says what is missing.
 
 How it works
     * The communicator is borrowed from ``ProcessGroupNCCL`` (``pg._get_backend(dev)._comm_ptr()``; init the
@@ -87,7 +88,7 @@ def format_nccl_version(code: Optional[int]) -> str:
 def nccl_version() -> Optional[int]:
     """Version code of the NCCL library the extension loaded (e.g. 22809), or None if unknown."""
     mod, _ = _load_native()
-    if mod is None or not hasattr(mod, "nccl_version"):
+    if mod is None:
         return None
     try:
         return int(mod.nccl_version()) or None
@@ -117,13 +118,7 @@ def _native_reason() -> Optional[str]:
     mod, why = _load_native()
     if mod is None:
         return why
-    info_fn = getattr(mod, "symm_comm_build_info", None)
-    if info_fn is None:
-        return (
-            "mfsdp_ext._C was built without NCCL symmetric memory (csrc/symm_comm.cpp is compiled only when torch "
-            "has CUDA and nvcc and nccl.h are found at build time)"
-        )
-    info = info_fn()
+    info = mod.symm_comm_build_info()
     if not info.get("built", False) or not hasattr(mod, "SymmComm"):
         return str(info.get("reason", "SymmComm was not compiled in"))
     version = nccl_version()

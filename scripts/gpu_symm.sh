@@ -27,7 +27,7 @@ NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 from mfsdp_ext import symm_mem
 print("symm_mem.is_available:", symm_mem.is_available())
 C, why = symm_mem._load_native()
-print("symm_comm_build_info:", C.symm_comm_build_info() if hasattr(C, "symm_comm_build_info") else why or "not compiled in")
+print("symm_comm_build_info:", C.symm_comm_build_info() if C is not None else why)
 '
     env | grep -E '^(NCCL_|TORCH_SYMM|NVSHMEM_)' | sort
 } 2>&1 | tee "$OUT/symm_env.txt"
