@@ -88,11 +88,16 @@ inline void check_no_overlap(const at::Tensor& a, const at::Tensor& b, const cha
               "mfsdp_ext.", fn, ": ", what_a, " and ", what_b, " must not overlap in memory");
 }
 
-// segments: int64 (n, 2), contiguous, on `like`'s device.
-inline int64_t check_segment_table(const at::Tensor& seg, const at::Tensor& like, const char* fn) {
+// segments: int64 (n, 2)
+inline void check_segment_shape(const at::Tensor& seg, const char* fn) {
   TORCH_CHECK_TYPE(seg.scalar_type() == at::kLong, "mfsdp_ext.", fn, ": segments must be int64, got ", seg.scalar_type());
   TORCH_CHECK_VALUE(seg.dim() == 2 && seg.size(1) == 2, "mfsdp_ext.", fn,
               ": segments must have shape (n, 2) of [start, end) rows, got ", seg.sizes());
+}
+
+// segments: int64 (n, 2), contiguous, on `like`'s device.
+inline int64_t check_segment_table(const at::Tensor& seg, const at::Tensor& like, const char* fn) {
+  check_segment_shape(seg, fn);
   check_contiguous(seg, fn, "segments");
   check_same_device(seg, like, fn, "segments", "src");
   return seg.size(0);

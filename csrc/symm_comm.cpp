@@ -31,6 +31,8 @@
 
 #include "symm_comm.h"
 
+#include "common.h"  // bytes_overlap
+
 #include <torch/extension.h>
 
 #include <c10/core/DeviceGuard.h>
@@ -459,9 +461,9 @@ class SymmComm {
     const uintptr_t shard_p = reinterpret_cast<uintptr_t>(shard.data_ptr());
     const uintptr_t full_p = reinterpret_cast<uintptr_t>(full.data_ptr());
     const bool in_place = shard_p == full_p + (uintptr_t)(rank_ * shard_bytes);
-    TORCH_CHECK(in_place || !overlaps(shard_p, shard_bytes, full_p, (int64_t)full.nbytes()), "mfsdp_ext SymmComm.",
-                op, ": ", shard_name, " overlaps ", full_name, " but is not this rank's slot (", full_name,
-                "[rank * n : (rank + 1) * n])");
+    TORCH_CHECK(in_place || !bytes_overlap(shard.data_ptr(), shard_bytes, full.data_ptr(), (int64_t)full.nbytes()),
+                "mfsdp_ext SymmComm.", op, ": ", shard_name, " overlaps ", full_name,
+                " but is not this rank's slot (", full_name, "[rank * n : (rank + 1) * n])");
   }
 
 
@@ -672,10 +674,6 @@ class SymmComm {
     TORCH_CHECK(locate(t) >= 0, "mfsdp_ext SymmComm.", op, ": ", name, " (", t.data_ptr(), ", ", t.nbytes(),
                 " bytes) is not inside this pool's symmetric window; allocate it with alloc()/tensor() "
                 "(use the plain torch.distributed path for other tensors)");
-  }
-
-  static bool overlaps(uintptr_t a, int64_t an, uintptr_t b, int64_t bn) {
-    return an > 0 && bn > 0 && a < b + (uintptr_t)bn && b < a + (uintptr_t)an;
   }
 
   ncclComm_t comm_ = nullptr;
