@@ -61,10 +61,7 @@ void cpu_scaled_segment_copy(const at::Tensor& src, const at::Tensor& segments, 
 void check_segments(const at::Tensor& segments, int64_t total) {
   const char* fn = "check_segments";
   TORCH_CHECK_VALUE(segments.defined() && segments.is_cpu(), "mfsdp_ext.check_segments: segments must be a CPU tensor");
-  TORCH_CHECK_TYPE(segments.scalar_type() == at::kLong, "mfsdp_ext.check_segments: segments must be int64, got ",
-              segments.scalar_type());
-  TORCH_CHECK_VALUE(segments.dim() == 2 && segments.size(1) == 2,
-              "mfsdp_ext.check_segments: segments must have shape (n, 2), got ", segments.sizes());
+  check_segment_shape(segments, fn);
   const at::Tensor s = segments.contiguous();
   validate_segments_cpu(s.data_ptr<int64_t>(), s.size(0), total, fn);
 }
@@ -217,7 +214,7 @@ void grad_accumulate(const at::Tensor& main_grad, const at::Tensor& reduced, dou
   const DType md = float_dtype(main_grad, fn, "main_grad");
   const DType rd = float_dtype(reduced, fn, "reduced");
   if (main_grad.is_meta()) return;
-  if (main_grad.data_ptr() != reduced.data_ptr() || md != rd) check_no_overlap(main_grad, reduced, fn, "main_grad", "reduced");
+  check_no_overlap(main_grad, reduced, fn, "main_grad", "reduced");  // the kernel reads and writes through __restrict__
   const float fscale = static_cast<float>(scale);
   const int64_t n = main_grad.numel();
   if (n == 0) return;

@@ -30,7 +30,7 @@ fp8_dequantize(src, segments, scale_inv, dst)
     dst[start:end] = src[start:end].float() * scale_inv[i] cast to dst.dtype; elements in no segment are 0.
 grad_accumulate(main_grad, reduced, scale, accumulate)
     main_grad[:] = (main_grad if accumulate else 0) + scale * reduced.float()  (fp32 arithmetic; when
-    accumulating, one fused multiply-add, i.e. a single rounding).
+    accumulating, one fused multiply-add, i.e. a single rounding). main_grad and reduced must not overlap.
 
 Segment tables: rows sorted and non-overlapping, ``0 <= start_i <= end_i <= src.numel()`` and
 ``end_{i-1} <= start_i``; an empty row is written ``(e, e)`` at its place in order (e.g. clipping each
