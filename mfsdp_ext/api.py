@@ -253,10 +253,5 @@ def reset_parameters(module: nn.Module, init_fn: Optional[Callable[[nn.Module], 
         finally:
             for n, p in direct:
                 g, i = owners[id(p)]
-                g.main_weight.param_view(i).copy_(_local_rows(g, i, temps[n]))
+                g.main_weight.param_view(i).copy_(g.local_rows(i, temps[n]))
                 m._parameters[n] = p
-
-
-def _local_rows(g: ParamGroup, i: int, full: torch.Tensor) -> torch.Tensor:
-    r0, r1 = g.layout.local_rows(g.layout.slots[i], g.rank)
-    return full.detach()[r0:r1]

@@ -54,8 +54,7 @@ def row_layout_load_hook(groups):
                         continue
                     value = state_dict[key]
                     full = value.full_tensor() if isinstance(value, DTensor) else value
-                    r0, r1 = g.layout.local_rows(g.layout.slots[i], g.rank)
-                    local = full.reshape(info.shape)[r0:r1].to(g.device, g.dtype)
+                    local = g.local_rows(i, full).to(g.device, g.dtype)
                     state_dict[key] = DTensor.from_local(local, g.mesh, info.sharded.placements, run_check=False,
                                                          shape=info.shape, stride=info.sharded.stride())
 

@@ -105,13 +105,19 @@ class ParamGroup:
         self.unsharded.free()
 
     # ------------------------------------------------------------------ setup
+    def local_rows(self, i: int, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of parameter i, out of its full tensor (a view, detached)."""
+        slot = self.layout.slots[i]
+        r0, r1 = self.layout.local_rows(slot, self.rank)
+        return full.detach().reshape(slot.shape)[r0:r1]
+
     def _load_main_weight(self, params: list[torch.Tensor]) -> None:
         """Copy this rank's rows of each full parameter into main_weight (padding zeroed, one native pack)."""
         local, offsets = [], []
-        for slot, p in zip(self.layout.slots, params):
-            r0, r1 = self.layout.local_rows(slot, self.rank)
-            if r1 > r0:
-                local.append(p.detach().reshape(slot.shape)[r0:r1].to(self.device, self.dtype).contiguous())
+        for i, (slot, p) in enumerate(zip(self.layout.slots, params)):
+            rows = self.local_rows(i, p)
+            if rows.shape[0] > 0:
+                local.append(rows.to(self.device, self.dtype).contiguous())
                 lo, _ = self.layout.local_range(slot, self.rank)
                 offsets.append(lo - self.rank * self.layout.shard_numel)
         _native.pack(local, offsets, self.main_weight.data)
