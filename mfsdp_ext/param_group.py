@@ -163,8 +163,10 @@ class ParamGroup:
 
     # ------------------------------------------------------------------ weights
     def weights_version(self) -> tuple[int, int, int]:
-        """Changes whenever the main weights may have changed: optimizer step, direct write, load."""
-        return (_optimizer_steps, self.main_weight.data._version, self._external_writes)
+        """Changes whenever the main weights may have changed: optimizer step, direct write, load. Frozen
+        groups get no gradients, so no optimizer step changes them: they are not re-cast and re-gathered."""
+        steps = _optimizer_steps if self.requires_grad else 0
+        return (steps, self.main_weight.data._version, self._external_writes)
 
     def mark_main_weight_changed(self) -> None:
         self._external_writes += 1
