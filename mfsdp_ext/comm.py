@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .layout import _align_up
+from .symm_mem import ALIGNMENT, SymmetricComm  # pure Python: the native part loads on first use
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -63,8 +64,6 @@ class SymmetricCollectives:
     """
 
     def __init__(self, group: dist.ProcessGroup, ag_bytes: int, rs_bytes: int):
-        from .symm_mem import ALIGNMENT, SymmetricComm
-
         ag_bytes, rs_bytes = _align_up(ag_bytes, ALIGNMENT), _align_up(rs_bytes, ALIGNMENT)
         # Our own communicator: the process group's may run other collectives on its own stream meanwhile.
         self.comm = SymmetricComm(group, pool_bytes=ag_bytes + rs_bytes, borrow=False)
@@ -100,8 +99,6 @@ class SymmetricCollectives:
 
 
 def _rs_output_offset(total_numel: int, dtype: torch.dtype) -> int:
-    from .symm_mem import ALIGNMENT
-
     return _align_up(total_numel * dtype.itemsize, ALIGNMENT)
 
 
