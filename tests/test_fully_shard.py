@@ -73,6 +73,27 @@ def _case_frozen_params():
     return out
 
 
+def _case_frozen_model_cast_and_gathered_once():
+    """A frozen model next to a trained one (a distillation teacher): other optimizers' steps do not make it
+    cast and gather its unchanged weights again."""
+    torch.manual_seed(4)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    student = fully_shard(nn.Linear(8, 8), mp_policy=bf16, sharding_strategy="optim")
+    teacher = nn.Linear(8, 8).requires_grad_(False)
+    fully_shard(teacher, mp_policy=bf16, sharding_strategy="optim")
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-2)
+    x = torch.randn(4, 8, device=rank_device())
+    for _ in range(3):
+        (student(x).float() - teacher(x).float()).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    [t], [s] = teacher._mfsdp_unit.groups, student._mfsdp_unit.groups
+    counts = {"teacher": (t.stats.weight_syncs, t.stats.all_gathers), "student": (s.stats.weight_syncs,
+                                                                                 s.stats.all_gathers)}
+    assert counts == {"teacher": (1, 1), "student": (3, 3)}, counts
+    return counts
+
+
 def _case_parameterless_parent():
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
@@ -316,6 +337,10 @@ def test_grad_accumulation_equals_big_batch(cpu_pool, k):
 
 def test_frozen_params(cpu_pool):
     print(cpu_pool.run(_case_frozen_params)[0])
+
+
+def test_frozen_model_cast_and_gathered_once(cpu_pool):
+    print(cpu_pool.run(_case_frozen_model_cast_and_gathered_once)[0])
 
 
 def test_parameterless_parent(cpu_pool):
