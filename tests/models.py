@@ -104,3 +104,17 @@ def train(model: nn.Module, steps: int, global_batch: int, *, sharded: bool, mic
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double().cpu(), b.double().cpu()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def run_profiled(fn):
+    """Run fn() under the CUDA profiler, waiting for the GPU before and after. Returns (fn's result, the
+    (name, start_us, end_us) of every CUDA kernel, copy and memset it ran)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        result = fn()
+        torch.cuda.synchronize()
+    events = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return result, events

@@ -299,12 +299,14 @@ def _case_errors():
                                     lambda: fully_shard(nn.Linear(4, 4), use_symm_mem=True))
         import warnings
 
+        check_available = __import__("mfsdp_ext.symm_path").symm_path.check_available
+        check_available.__dict__.pop("_warned", None)  # an earlier test in this rank may have warned already
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             auto = fully_shard(nn.Linear(4, 4), use_symm_mem="auto")
         assert auto._mfsdp_unit.use_symm_mem is False
         assert any("plain collectives" in str(w.message) for w in caught) or getattr(
-            __import__("mfsdp_ext.symm_path").symm_path.check_available, "_warned", False)
+            check_available, "_warned", False)
     # release_symmetric_memory: on the root only; a no-op where nothing symmetric was allocated
     two = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     fully_shard(two[0])
@@ -312,8 +314,7 @@ def _case_errors():
     two.release_symmetric_memory()  # before the first forward: nothing allocated yet
     two(torch.randn(2, 4)).sum().backward()
     msgs["release_inner"] = _expect(RuntimeError, "on the root module", two[0].release_symmetric_memory)
-    two.release_symmetric_memory()
-    assert two._mfsdp_unit.context.symmetric is None
+    two.release_symmetric_memory()  # no symmetric memory on gloo: a no-op (release itself: tests/test_gpu.py)
     # the pool is still usable afterwards: one more collective
     t = torch.ones(1)
     dist.all_reduce(t)

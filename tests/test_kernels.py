@@ -15,6 +15,8 @@ import torch
 
 from mfsdp_ext import _native as N
 
+from .models import run_profiled
+
 HAS_CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")]
 DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
@@ -584,15 +586,8 @@ def test_exhaustive_fp32_patterns_vs_torch_cuda():
 
 
 def _count_kernels(fn):
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernels = [n for n in names if "memcpy" not in n.lower() and "memset" not in n.lower()]
-    return kernels
+    names = [name for name, _, _ in run_profiled(fn)[1]]
+    return [n for n in names if "memcpy" not in n.lower() and "memset" not in n.lower()]
 
 
 @pytest.mark.gpu

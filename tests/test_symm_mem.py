@@ -19,6 +19,9 @@ import pytest
 import torch
 
 from mfsdp_ext import symm_mem
+from mfsdp_ext.comm import _all_gather_flat, _reduce_scatter_flat
+
+from .models import run_profiled
 
 MiB = 1 << 20
 
@@ -26,7 +29,7 @@ MiB = 1 << 20
 # ----------------------------------------------------------------------------------------------
 # CPU
 # ----------------------------------------------------------------------------------------------
-def test_import_is_lazy_and_api_present():
+def test_module_reloads_and_api_present():
     mod = importlib.reload(symm_mem)
     for name in ("SymmetricComm", "SymmetricPool", "is_available", "nccl_version", "MIN_NCCL_VERSION"):
         assert hasattr(mod, name), name
@@ -133,28 +136,8 @@ def _gpu_skip_reason():
     return None
 
 
-def _plain_ag(out, inp):
-    import torch.distributed as dist
-
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp)
-
-
-def _plain_rs(out, inp):
-    import torch.distributed as dist
-
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, inp)
-
-
 def _kernels(fn):
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if getattr(e, "device_type", None) == DeviceType.CUDA]
+    return [name for name, _, _ in run_profiled(fn)[1]]
 
 
 def _check_comm(comm, rank, world, device):
@@ -177,7 +160,7 @@ def _check_comm(comm, rank, world, device):
             comm.all_gather_into(full, inp)
             # reference: plain torch all-gather of the same bytes, on ordinary tensors
             ref = torch.empty(world * n, dtype=dtype, device=device)
-            _plain_ag(ref.view(torch.uint8), inp.clone().view(torch.uint8))
+            _all_gather_flat(ref.view(torch.uint8), inp.clone().view(torch.uint8))
             torch.cuda.synchronize()
             assert torch.equal(full.view(torch.uint8), ref.view(torch.uint8)), (dtype, in_place)
             if not in_place:
@@ -192,7 +175,7 @@ def _check_comm(comm, rank, world, device):
             inp.copy_(((torch.arange(world * n, device=device) % 17) + 2 * rank).to(dtype))
             comm.reduce_scatter_into(out, inp, average=average)
             ref = torch.empty(n, dtype=dtype, device=device)
-            _plain_rs(ref, inp.clone())
+            _reduce_scatter_flat(ref, inp.clone())
             if average:
                 ref.mul_(1.0 / world)
             torch.cuda.synchronize()
@@ -204,7 +187,7 @@ def _check_comm(comm, rank, world, device):
     inp = comm.alloc_tensor(world * n, torch.float32)
     inp.copy_((torch.arange(world * n, device=device) % 5 + rank).float())
     ref = torch.empty(n, device=device)
-    _plain_rs(ref, inp.clone())
+    _reduce_scatter_flat(ref, inp.clone())
     out = inp.narrow(0, rank * n, n)
     comm.reduce_scatter_into(out, inp)
     torch.cuda.synchronize()
