@@ -39,6 +39,7 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from mfsdp_ext.comm import _all_gather_flat, _reduce_scatter_flat  # noqa: E402  (torch's flat collectives)
 
 MiB = 1 << 20
 DTYPE = torch.bfloat16
@@ -49,16 +50,6 @@ COLLS = ("all_gather", "reduce_scatter")
 def log(msg: str) -> None:
     if dist.get_rank() == 0:
         print(f"[collectives] {msg}", flush=True)
-
-
-def torch_ag_fn():
-    fn = getattr(dist, "all_gather_single", None)
-    return (fn, "all_gather_single") if fn is not None else (dist.all_gather_into_tensor, "all_gather_into_tensor")
-
-
-def torch_rs_fn():
-    fn = getattr(dist, "reduce_scatter_single", None)
-    return (fn, "reduce_scatter_single") if fn is not None else (dist.reduce_scatter_tensor, "reduce_scatter_tensor")
 
 
 def agree(ok: bool, device) -> bool:
@@ -153,8 +144,7 @@ def make_case(method, coll, nbytes, alloc, comm, group, rank, world):
     numel = nbytes // torch.empty((), dtype=DTYPE).element_size()
     assert numel % world == 0
     shard = numel // world
-    ag, _ = torch_ag_fn()
-    rs, _ = torch_rs_fn()
+    ag, rs = _all_gather_flat, _reduce_scatter_flat
     if coll == "all_gather":
         out = alloc(numel)
         out.zero_()
@@ -472,8 +462,8 @@ def main() -> int:
             nccl_torch=".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?",
             nccl_ours=symm_mem.format_nccl_version(symm_mem.nccl_version()),
             python=platform.python_version(),
-            ag_fn=torch_ag_fn()[1],
-            rs_fn=torch_rs_fn()[1],
+            ag_fn=_all_gather_flat.__name__,
+            rs_fn=_reduce_scatter_flat.__name__,
             sizes_mib=sizes,
             warmup=args.warmup,
             env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",

@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from mfsdp_ext import _native as N  # noqa: E402
+from mfsdp_ext.layout import ALIGN_ELEMS, _align_up  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 DEVICE = "cuda"  # --device cpu: a smoke test of this script on a machine without a GPU (numbers meaningless)
@@ -168,13 +169,13 @@ def _bench_fp8(src: torch.Tensor, reps: int, t_copy: float) -> tuple[list[dict],
 
 def _bench_pack(n: int, reps: int, t_copy: float, align: int = 1) -> tuple[list[dict], bool]:
     """16 uneven fp32 tensors -> one fp32 flat buffer, vs _foreach_copy_ into views of it. ``align`` = 1 packs
-    them back to back (sources misaligned to their destinations); 16 places them at 64-byte aligned offsets,
-    as fully_shard's layout does (mfsdp_ext.layout.ALIGN_ELEMS)."""
+    them back to back (sources misaligned to their destinations); ALIGN_ELEMS places them as fully_shard's
+    layout does."""
     sizes = uneven_sizes(n, 16, torch.Generator().manual_seed(0))
     tensors = [torch.randn(s, device=DEVICE) for s in sizes]
     offsets, cur = [], 0
     for s in sizes:
-        cur = -(-cur // align) * align
+        cur = _align_up(cur, align)
         offsets.append(cur)
         cur += s
     flat = torch.empty(cur, device=DEVICE)
@@ -200,7 +201,7 @@ def bench_size(n: int, reps_base: int) -> list[dict]:
         torch.cuda.empty_cache()
     more, ok3 = _bench_pack(n, reps, t_copy)
     rows += more
-    more, ok4 = _bench_pack(n, reps, t_copy, align=16)
+    more, ok4 = _bench_pack(n, reps, t_copy, align=ALIGN_ELEMS)
     rows += more
     ok = ok and ok2 and ok3 and ok4
     if not ok:
@@ -362,7 +363,8 @@ def main() -> int:
     all_met = True
     for k, label in (("cast fp32->bf16", "bf16 cast"), ("fp8_cast fp32->e4m3", "FP8 cast"),
                      ("pack 16 tensors fp32", "pack"),
-                     ("pack 16 tensors fp32, 64 B aligned", "pack at fully_shard's 64 B alignment")):
+                     (f"pack 16 tensors fp32, {4 * ALIGN_ELEMS} B aligned",
+                      f"pack at fully_shard's {4 * ALIGN_ELEMS} B alignment")):
         big = [r for r in rows if r["kernel"] == k and r["src_bytes"] >= GOAL_MIN_BYTES]
         if not big:
             goals.append(f"{label}: no size >= 64 MiB measured")

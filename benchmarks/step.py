@@ -249,13 +249,7 @@ def measure_floor(bc: BenchConfig, world: int, dtype: torch.dtype, device: torch
 
 def train_step(model, optimizer, batches, impl: str, losses: list) -> None:
     """One optimizer step over len(batches) microbatches (gradients reduced on the last one)."""
-    k = len(batches)
-    loss_sum = 0.0
-    for i, (x, y) in enumerate(batches):
-        with gpt.grad_sync_context(model, impl, i, k):
-            loss = model(x, y) / k
-            loss.backward()
-        loss_sum = loss_sum + loss.detach()
+    loss_sum = gpt.forward_backward(model, impl, batches)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     losses.append(loss_sum)
@@ -464,16 +458,7 @@ def write_chart(results: List[dict], names: List[str], env: dict, path: str) -> 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
-    timeout = datetime.timedelta(seconds=args.timeout_s)
-    if use_cuda:
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=timeout)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
+    device = gpt.setup_distributed(args.device, timeout=datetime.timedelta(seconds=args.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import datetime
 import math
 import os
 import sys
@@ -307,6 +308,37 @@ def build_sharded(cfg: GPTConfig, impl: str, device: torch.device, meta_init: bo
     else:
         model = shard_model(GPT(cfg, device=device), fully_shard_fn, **shard_kwargs)
     return model
+
+
+def setup_distributed(device_arg: str, timeout: Optional[datetime.timedelta] = None) -> torch.device:
+    """init_process_group for torchrun: NCCL on this rank's GPU (device_arg "cuda", or "auto" with a GPU), else
+    gloo on the CPU. Returns the rank's device."""
+    import torch.distributed as dist
+
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = torch.cuda.is_available() if device_arg == "auto" else device_arg == "cuda"
+    if use_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, **kwargs)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", **kwargs)
+    return device
+
+
+def forward_backward(model: nn.Module, impl: str, microbatches) -> torch.Tensor:
+    """Forward + backward of every (inputs, targets) microbatch, each loss divided by their number, gradients
+    reduced on the last one. Returns the summed loss (detached)."""
+    k = len(microbatches)
+    loss_sum = None
+    for i, (x, y) in enumerate(microbatches):
+        with grad_sync_context(model, impl, i, k):
+            loss = model(x, y) / k
+            loss.backward()
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+    return loss_sum
 
 
 def synchronize(device: torch.device) -> None:

@@ -83,19 +83,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------- set-up
 
 
-def setup_distributed(device_arg: str) -> torch.device:
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = torch.cuda.is_available() if device_arg == "auto" else device_arg == "cuda"
-    if use_cuda:
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return device
-
-
 def log(*args) -> None:
     if dist.get_rank() == 0:
         print(*args, flush=True)
@@ -189,7 +176,7 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    device = setup_distributed(args.device)
+    device = gpt.setup_distributed(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
 
     model, cfg, preset, compute_dtype, shard_kwargs = build_model(args, device, world)
@@ -227,13 +214,7 @@ def main(argv=None) -> None:
     dist.barrier()
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
-        loss_sum = torch.zeros((), device=device)
-        for i in range(args.microbatches):
-            x, y = next(batches)
-            with gpt.grad_sync_context(model, args.impl, i, args.microbatches):
-                loss = model(x, y) / args.microbatches
-                loss.backward()
-            loss_sum += loss.detach()
+        loss_sum = gpt.forward_backward(model, args.impl, [next(batches) for _ in range(args.microbatches)])
         grad_norm = clip_grad_norm(params, args.grad_clip)
         optimizer.step()
         scheduler.step()
@@ -241,7 +222,6 @@ def main(argv=None) -> None:
 
         dist.all_reduce(loss_sum)  # SUM (gloo has no AVG)
         loss_value = loss_sum.item() / world  # .item() also waits for the step to finish
-        gpt.synchronize(device)
         dt = time.perf_counter() - t0
         losses.append(loss_value)
         step_times.append(dt)
