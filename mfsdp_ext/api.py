@@ -29,8 +29,9 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
     """Shard ``module``'s parameters (those no inner ``fully_shard`` unit owns) over ``mesh``, in place.
 
     Apply bottom-up (blocks first, then the root). Afterwards ``module.parameters()`` are fp32 DTensor shards
-    (``Shard(0)``; ``Replicate()`` for ``no_shard``; ``(Replicate(), Shard(0))`` on a 2-D HSDP mesh), so any
-    ``torch.optim`` optimizer works. Returns the same module, whose class now also derives from FsdpModule.
+    split as torch.chunk splits them, exactly as FSDP2's (``Shard(0)``; ``Replicate()`` for ``no_shard``;
+    ``(Replicate(), Shard(0))`` on a 2-D HSDP mesh), so any ``torch.optim`` optimizer, DCP and
+    ``torch.distributed.checkpoint.state_dict`` work. Returns the same module, whose class now also derives from FsdpModule.
     """
     if isinstance(module, FsdpModule):
         raise ValueError(f"fully_shard: {type(module).__name__} is already sharded; apply fully_shard once per module")
@@ -82,24 +83,12 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
     module._mfsdp_unit = unit
     module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(unit.post_forward, prepend=False)
-    module.register_load_state_dict_post_hook(_mark_loaded(groups))
-    module.register_state_dict_post_hook(checkpoint.chunked_state_dict_hook(groups))
-    module.register_load_state_dict_pre_hook(checkpoint.row_layout_load_hook(groups))
+    checkpoint.register_state_dict_hooks(module, groups)
     # Inner units now belong to this subtree's context (built lazily at the first forward).
     for m in module.modules():
         if isinstance(m, FsdpModule):
             m._mfsdp_unit.context = None
     return module
-
-
-def _mark_loaded(groups: list[ParamGroup]):
-    """load_state_dict writes the DTensor params in place, which the step detection cannot see."""
-
-    def hook(module, incompatible_keys) -> None:
-        for g in groups:
-            g.mark_main_weight_changed()
-
-    return hook
 
 
 def _default_mesh() -> DeviceMesh:

@@ -1,11 +1,12 @@
-"""State-dict conversion between our row layout and torch.chunk's.
+"""State dicts of sharded modules.
 
-Our shards own whole rows laid out by FlatLayout, which is not the split DTensor assumes for ``Shard(0)``
-(torch.chunk: ceil(rows / world) rows per rank). Inside the module that is invisible: the optimizer works
-element-wise. At the state-dict boundary it is not: ``DTensor.full_tensor()`` and DCP offsets follow
-torch.chunk. So ``state_dict()`` returns torch.chunk-split DTensors (one all-gather per group, one unit's
-full buffer held at a time) and ``load_state_dict()`` takes those, or full tensors, back into our layout.
-Optimizer state (``optimizer.state_dict()``) is still in our layout: save it per rank, not with DCP.
+Every parameter is a ``Shard(0)`` DTensor split as torch.chunk splits it (FSDP2's split), so ``state_dict()``
+returns the parameters' own DTensors with no communication, and DCP, ``get_state_dict`` / ``set_state_dict``,
+resharding and optimizer state work as they do for FSDP2. What is here:
+  * save and load hooks that put the sharded parameters in place first (a unit may hold its gathered ones, e.g.
+    the root between forward and backward): a load must reach the main weights, never a gathered copy;
+  * loading plain full tensors (a ``torch.save``d full state dict): each rank keeps its chunk of rows;
+  * ``full_state_dict()``: every parameter as a full tensor on every rank.
 """
 
 from __future__ import annotations
@@ -15,47 +16,40 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .module import FsdpModule
+from .param_group import ParamGroup
 
 
-def _chunk_rows(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """This rank's rows under torch.chunk's split (what DTensor's Shard(0) means); empty past the end."""
-    rows = -(-full.shape[0] // world)
-    return full[min(rank * rows, full.shape[0]) : min((rank + 1) * rows, full.shape[0])]
-
-
-def chunked_state_dict_hook(groups):
-    @torch.no_grad()
-    def hook(module, state_dict, prefix, local_metadata) -> None:
+def register_state_dict_hooks(module: nn.Module, groups: list[ParamGroup]) -> None:
+    def use_sharded_params(*args, **kwargs) -> None:
         for g in groups:
-            if g.world == 1 or not any(prefix + p.fqn in state_dict for i in g.infos for p in i.places):
-                continue  # replicated (no_shard): already exact
-            full = g.gather_full(g.main_weight.data)
-            for slot, info in zip(g.layout.slots, g.infos):
-                local = _chunk_rows(slot.view(full), g.rank, g.world).clone()
-                value = DTensor.from_local(local, g.mesh, info.sharded.placements, run_check=False,
-                                           shape=info.shape, stride=info.sharded.stride())
-                for place in info.places:
-                    if prefix + place.fqn in state_dict:
-                        state_dict[prefix + place.fqn] = value
+            g.use_sharded_params()
 
-    return hook
+    def mark_loaded(module, incompatible_keys) -> None:
+        for g in groups:  # load_state_dict writes through DTensor ops, which the step detection cannot see
+            g.mark_main_weight_changed()
+
+    holders = {id(place.module): place.module for g in groups for info in g.infos for place in info.places}
+    for m in [module, *holders.values()]:  # as FSDP2: also when a submodule's state_dict() is called directly
+        m.register_state_dict_pre_hook(use_sharded_params)
+        m.register_load_state_dict_pre_hook(use_sharded_params)
+    module.register_load_state_dict_pre_hook(_full_tensors_to_local_chunks(groups))
+    module.register_load_state_dict_post_hook(mark_loaded)
 
 
-def row_layout_load_hook(groups):
+def _full_tensors_to_local_chunks(groups: list[ParamGroup]):
+    """A plain (non-DTensor) value of a sharded parameter is its full tensor: keep this rank's rows of it."""
+
     @torch.no_grad()
     def hook(module, state_dict, prefix, *args) -> None:
         for g in groups:
-            if g.world == 1:
-                continue
             for i, info in enumerate(g.infos):
                 for place in info.places:
                     key = prefix + place.fqn
-                    if key not in state_dict:
-                        continue
-                    value = state_dict[key]
-                    full = value.full_tensor() if isinstance(value, DTensor) else value
-                    local = g.local_rows(i, full).to(g.device, g.dtype)
-                    state_dict[key] = DTensor.from_local(local, g.mesh, info.sharded.placements, run_check=False,
+                    value = state_dict.get(key)
+                    if value is None or isinstance(value, DTensor) or value.shape != info.shape:
+                        continue  # absent, already sharded, or wrong (nn.Module reports the size mismatch)
+                    local = g.local_rows(i, value).to(g.device, g.dtype)
+                    state_dict[key] = DTensor.from_local(local, g.mesh, g.placements(), run_check=False,
                                                          shape=info.shape, stride=info.sharded.stride())
 
     return hook
@@ -63,9 +57,8 @@ def row_layout_load_hook(groups):
 
 @torch.no_grad()
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter of ``module`` as its full tensor, on every rank (a collective: call it on all ranks).
-
-    Named as ``state_dict()`` names them: a tied parameter appears under each of its names."""
+    """Every parameter of ``module`` as its full tensor, on every rank (a collective: call it on all ranks; one
+    all-gather per group). Named as ``state_dict()`` names them: a tied parameter appears under each of its names."""
     names_of: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(name)

@@ -1,9 +1,15 @@
-"""Collectives on flat buffers: the torch.distributed path (the native symmetric path lives in symm_mem.py).
+"""Collectives for the flat buffers: the torch.distributed path (the native symmetric path lives in symm_mem.py).
+
+All-gathers are grouped: one call gathers every parameter of a group, each into its own place in the param-major
+buffer (one NCCL group, as ``ncclGroupStart/End``), so nothing is copied out afterwards. Reduce-scatters are flat:
+one rank-major input whose output is the shard itself.
 
 torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``*_single``; use what exists.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,9 +21,16 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """output (world * n) <- concatenation of every rank's input (n), on the current stream."""
-    _all_gather_flat(output, input, group=group)
+def all_gather_into(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """outputs[i] (world * n_i) <- every rank's inputs[i] (n_i) in rank order, for all i as one grouped collective,
+    on the current stream. An input may be this rank's slot of its output (in place)."""
+    if len(inputs) == 1:
+        _all_gather_flat(outputs[0], inputs[0], group=group)
+    elif _lacks_grouped_all_gather(group):
+        for output, input in zip(outputs, inputs):
+            _all_gather_flat(output, input, group=group)
+    else:
+        group.allgather_into_tensor_coalesced(list(outputs), list(inputs)).wait()
 
 
 def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -32,6 +45,26 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group: dist.P
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM) -> None:
     dist.all_reduce(tensor, op=op, group=group)
+
+
+_GROUPED_AG_SUPPORT: dict[int, bool] = {}
+
+
+def _lacks_grouped_all_gather(group: dist.ProcessGroup) -> bool:
+    """Some gloo builds have no grouped all-gather (NCCL always has): probe once per group, then gather the
+    tensors one after another there."""
+    if dist.get_backend(group) != "gloo":
+        return False
+    key = id(group)
+    if key not in _GROUPED_AG_SUPPORT:
+        world = dist.get_world_size(group)
+        try:
+            group.allgather_into_tensor_coalesced([torch.zeros(world), torch.zeros(world)],
+                                                  [torch.zeros(1), torch.zeros(1)]).wait()
+            _GROUPED_AG_SUPPORT[key] = True
+        except (RuntimeError, NotImplementedError, AttributeError):
+            _GROUPED_AG_SUPPORT[key] = False
+    return not _GROUPED_AG_SUPPORT[key]
 
 
 _GLOO_RS_SUPPORT: dict[int, bool] = {}
@@ -55,12 +88,13 @@ def _gloo_lacks_reduce_scatter(group: dist.ProcessGroup) -> bool:
 class SymmetricCollectives:
     """Native NCCL symmetric-memory collectives for one shard group, through two staging buffers.
 
-    NCCL picks its symmetric kernels only when both buffers lie in registered windows, so the all-gather
-    copies this rank's shard into its slot of a pool buffer, gathers in place and copies the result out;
-    gradients are packed straight into a pool buffer and reduce-scattered into a pool buffer. Both stages
-    are used on one stream each (all-gather / reduce-scatter), so one of each suffices. Memory: the largest
-    unit's gathered bytes plus its packed-gradient bytes (+ shard), whatever the number of units; a stage
-    that no unit uses is not allocated (0 bytes).
+    NCCL picks its symmetric kernels only when both buffers lie in registered windows and the group call holds
+    one collective, so both collectives are flat, on rank-major pool buffers: the all-gather takes this rank's
+    shard in its slot of the stage, gathers in place, and the caller unpacks the stage into its param-major
+    buffer; gradients are packed straight into the reduce-scatter stage and reduced into a pool buffer. Both
+    stages are used on one stream each (all-gather / reduce-scatter), so one of each suffices. Memory: the
+    largest unit's gathered bytes plus its packed-gradient bytes (+ shard), whatever the number of units; a
+    stage that no unit uses is not allocated (0 bytes).
     """
 
     def __init__(self, group: dist.ProcessGroup, ag_bytes: int, rs_bytes: int):
@@ -72,23 +106,23 @@ class SymmetricCollectives:
         self.rs_stage = self.comm.alloc_tensor(rs_bytes, torch.uint8) if rs_bytes else None
 
     @staticmethod
-    def reduce_scatter_stage_bytes(total_numel: int, world: int, dtype: torch.dtype) -> int:
+    def reduce_scatter_stage_bytes(rank_major_numel: int, world: int, dtype: torch.dtype) -> int:
         """Bytes of the reduce-scatter stage for one group: its packed input (aligned), then its output."""
-        return _rs_output_offset(total_numel, dtype) + total_numel // world * dtype.itemsize
+        return _rs_output_offset(rank_major_numel, dtype) + rank_major_numel // world * dtype.itemsize
 
-    def all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        stage = self.ag_stage[: output.numel() * output.element_size()].view(output.dtype)
-        n = input.numel()
-        slot = stage[self.rank * n : (self.rank + 1) * n]
-        slot.copy_(input)
+    def all_gather_buffers(self, shard_numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rank-major stage of world * shard_numel, this rank's slot in it), both in the pool."""
+        stage = self.ag_stage[: self.world * shard_numel * dtype.itemsize].view(dtype)
+        return stage, stage[self.rank * shard_numel : (self.rank + 1) * shard_numel]
+
+    def all_gather_in_place(self, stage: torch.Tensor, slot: torch.Tensor) -> None:
         self.comm.all_gather_into(stage, slot)
-        output.copy_(stage)
 
-    def reduce_scatter_buffers(self, total_numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(packed input of total_numel, output of total_numel / world), both in the pool."""
-        size, out_at = dtype.itemsize, _rs_output_offset(total_numel, dtype)
-        packed = self.rs_stage[: total_numel * size].view(dtype)
-        out = self.rs_stage[out_at : out_at + total_numel // self.world * size].view(dtype)
+    def reduce_scatter_buffers(self, rank_major_numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed input of rank_major_numel, output of rank_major_numel / world), both in the pool."""
+        size, out_at = dtype.itemsize, _rs_output_offset(rank_major_numel, dtype)
+        packed = self.rs_stage[: rank_major_numel * size].view(dtype)
+        out = self.rs_stage[out_at : out_at + rank_major_numel // self.world * size].view(dtype)
         return packed, out
 
     def reduce_scatter_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -98,8 +132,8 @@ class SymmetricCollectives:
         self.comm.close()
 
 
-def _rs_output_offset(total_numel: int, dtype: torch.dtype) -> int:
-    return _align_up(total_numel * dtype.itemsize, ALIGNMENT)
+def _rs_output_offset(rank_major_numel: int, dtype: torch.dtype) -> int:
+    return _align_up(rank_major_numel * dtype.itemsize, ALIGNMENT)
 
 
 def time_collective(fn, iters: int = 10) -> float:

@@ -1,4 +1,4 @@
-"""FlatBuffer: one flat tensor laid out by a FlatLayout, either the whole (unsharded) buffer or one rank's shard.
+"""FlatBuffer: one flat tensor laid out by a FlatLayout, either one rank's shard or the param-major gathered buffer.
 
 Releasing storage resizes the untyped storage to 0 bytes and reallocating resizes it back, so parameter views
 and tensors that autograd saved keep pointing at the same storage object and stay valid across the cycle.
@@ -13,10 +13,10 @@ from .layout import FlatLayout
 
 class FlatBuffer:
     def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, *, rank: int | None = None):
-        """``rank=None`` makes the unsharded buffer (all shards); otherwise that rank's shard."""
+        """``rank=None`` makes the param-major unsharded buffer; otherwise that rank's shard."""
         self.layout = layout
         self.rank = rank
-        numel = layout.total_numel if rank is None else layout.shard_numel
+        numel = layout.unsharded_numel if rank is None else layout.shard_numel
         self.data = torch.empty(numel, dtype=dtype, device=device)
         self._nbytes = self.data.untyped_storage().nbytes()
 
@@ -29,25 +29,29 @@ class FlatBuffer:
         return self.data.dtype
 
     def param_view(self, index: int) -> torch.Tensor:
-        """The parameter's tensor: full shape when unsharded, its ``(k, *shape[1:])`` local rows when sharded."""
+        """The parameter's tensor: full shape when unsharded; in a shard, the ``(k, *shape[1:])`` rows this
+        rank holds (torch.chunk's split, k possibly 0)."""
         slot = self.layout.slots[index]
         if not self.sharded:
             return slot.view(self.data)
-        lo, hi = self.layout.local_range(slot, self.rank)
-        base = self.rank * self.layout.shard_numel
-        rows = (hi - lo) // slot.row_numel
-        return self.data[lo - base : hi - base].view((rows, *slot.shape[1:]) if len(slot.shape) else (rows,))
+        r0, r1 = self.layout.local_rows(slot, self.rank)
+        start = slot.shard_offset
+        return self.data[start : start + (r1 - r0) * slot.row_numel].view((r1 - r0, *slot.shape[1:]))
 
-    def shard_view(self, rank: int) -> torch.Tensor:
-        """Rank ``rank``'s slice of the unsharded buffer (where its shard lands in an all-gather)."""
-        n = self.layout.shard_numel
-        return self.data[rank * n : (rank + 1) * n]
+    def chunk_slot(self, index: int, rank: int | None = None) -> torch.Tensor:
+        """Parameter ``index``'s chunk slot (``chunk_rows`` rows, padding included): in a shard, this rank's;
+        in the unsharded buffer, where ``rank``'s chunk lands."""
+        slot = self.layout.slots[index]
+        start = slot.shard_offset if self.sharded else slot.unsharded_offset + rank * slot.chunk_numel
+        return self.data[start : start + slot.chunk_numel]
+
+    def padded_param(self, index: int) -> torch.Tensor:
+        """Unsharded buffer only: the parameter padded to ``world * chunk_rows`` rows (an all-gather's output)."""
+        slot = self.layout.slots[index]
+        start = slot.unsharded_offset
+        return self.data[start : start + self.layout.world_size * slot.chunk_numel]
 
     # Storage lifetime: free after use, reallocate before the next all-gather.
-    @property
-    def is_allocated(self) -> bool:
-        return self.data.untyped_storage().nbytes() > 0
-
     def free(self) -> None:
         storage = self.data.untyped_storage()
         if storage.nbytes() > 0 and self.data.device.type != "meta":

@@ -1,15 +1,20 @@
-"""FlatLayout: where each parameter of a group lives in one flat buffer split evenly over the ranks.
+"""FlatLayout: where each parameter of a group lives, sharded exactly as DTensor's ``Shard(0)`` means.
 
-Parameters sit contiguously (param-major), so a gathered buffer holds each parameter as a plain view and the
-all-gather needs no copy-out. The buffer is cut into ``world_size`` equal shards; every shard boundary falls
-on a row boundary of the parameter it cuts (a row is ``shape[1:].numel()`` elements), so each rank's part of
-a parameter is a ``(k, *shape[1:])`` tensor. Padding is placed before a parameter where needed to make that
-true, and the shard size is chosen as the smallest that admits such a placement.
+Sharding is torch.chunk's split (FSDP2's): a parameter of R rows (a row is ``shape[1:].numel()`` elements) is cut
+into chunks of ``c = ceil(R / W)`` rows, and rank r holds rows ``[r*c, min((r+1)*c, R))`` (none when r*c >= R).
+
+Three arrangements of the same chunks:
+  shard        one rank's flat buffer: each parameter's chunk slot (c rows) at an aligned offset that is the same on
+               every rank; the rank's rows fill the front of the slot, the rest is zero padding. Main weight, model
+               weight and main grad use it, so one kernel covers a whole group.
+  unsharded    param-major: each parameter padded to W*c rows at an aligned offset; rank r's chunk lands at row r*c.
+               A per-parameter all-gather of the chunk slots writes every parameter in place, and the module's
+               parameters are plain views (no copy-out).
+  rank-major   W shards back to back: the input of one flat reduce-scatter whose output is the shard itself.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -25,113 +30,94 @@ def _align_up(x: int, a: int) -> int:
 
 @dataclass(frozen=True)
 class ParamSlot:
-    """One parameter's place in the flat buffer and its rows on each rank."""
+    """One parameter: its shape, its chunk size and where its chunks live in each arrangement."""
 
     shape: torch.Size
-    offset: int  # first element in the flat (unsharded) buffer
-    numel: int
     row_numel: int
+    chunk_rows: int  # c = ceil(rows / world)
+    shard_offset: int  # start of its chunk slot in every rank's shard
+    unsharded_offset: int  # start of the parameter in the param-major gathered buffer
 
     @property
-    def end(self) -> int:
-        return self.offset + self.numel
+    def rows(self) -> int:
+        return self.shape[0]
 
-    def view(self, full: torch.Tensor) -> torch.Tensor:
-        """This parameter, shaped, inside a full (unsharded) flat buffer."""
-        return full[self.offset : self.end].view(self.shape)
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
 
+    @property
+    def chunk_numel(self) -> int:
+        return self.chunk_rows * self.row_numel
 
-class _Retry(Exception):
-    def __init__(self, new_shard_numel: int):
-        self.new_shard_numel = new_shard_numel
+    def view(self, unsharded: torch.Tensor) -> torch.Tensor:
+        """This parameter, shaped, inside a param-major (unsharded) flat buffer."""
+        return unsharded[self.unsharded_offset : self.unsharded_offset + self.numel].view(self.shape)
 
 
 class FlatLayout:
-    """Placement of ``shapes`` in a flat buffer of ``world_size * shard_numel`` elements."""
+    """Placement of ``shapes`` for ``world_size`` ranks (see the module docstring)."""
 
     def __init__(self, shapes: Sequence[torch.Size], world_size: int, align: int = ALIGN_ELEMS):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.align = align
-        shapes = [torch.Size(s) for s in shapes]
-        for s in shapes:
-            if len(s) == 0:
+        self.slots: list[ParamSlot] = []
+        shard_cursor = unsharded_cursor = 0
+        for shape in (torch.Size(s) for s in shapes):
+            if len(shape) == 0:
                 raise ValueError("FlatLayout cannot place a 0-d (scalar) parameter; reshape it to (1,)")
-        total = sum(_align_up(s.numel(), align) for s in shapes)
-        shard = _align_up(max(1, math.ceil(total / world_size)), align)
-        for _ in range(10_000):
-            try:
-                self.slots = self._place(shapes, shard)
-                break
-            except _Retry as r:
-                shard = _align_up(max(r.new_shard_numel, shard + align), align)
-        else:  # pragma: no cover - the search always terminates well before this
-            raise RuntimeError("FlatLayout: could not find a shard size")
-        self.shard_numel = shard
+            row_numel = shape[1:].numel()
+            chunk_rows = -(-shape[0] // world_size)
+            slot = ParamSlot(shape, row_numel, chunk_rows, _align_up(shard_cursor, align),
+                             _align_up(unsharded_cursor, align))
+            self.slots.append(slot)
+            shard_cursor = slot.shard_offset + slot.chunk_numel
+            unsharded_cursor = slot.unsharded_offset + world_size * slot.chunk_numel
+        self.shard_numel = _align_up(shard_cursor, align)
+        self.unsharded_numel = _align_up(unsharded_cursor, align)
         self.validate()
 
     @property
     def total_numel(self) -> int:
-        return self.shard_numel * self.world_size
+        """Elements of the param-major gathered buffer (what one unit holds while it computes)."""
+        return self.unsharded_numel
 
-    def _place(self, shapes: Sequence[torch.Size], shard: int) -> list[ParamSlot]:
-        slots, cursor = [], 0
-        for shape in shapes:
-            numel = shape.numel()
-            row = max(1, shape[1:].numel()) if len(shape) > 1 else 1
-            offset = _align_up(cursor, self.align)
-            boundary = (offset // shard + 1) * shard
-            if numel > 0 and offset + numel > boundary:
-                # The parameter crosses a shard boundary: start it so the boundary falls between two rows.
-                step = row * (self.align // math.gcd(self.align, row))  # row multiple keeping alignment
-                rows_before = (boundary - offset) // step * step
-                offset = boundary - rows_before
-                if offset + numel > boundary + shard and shard % row != 0:
-                    # Crosses further boundaries too: the shard size itself must be a multiple of the row.
-                    raise _Retry(_align_up(shard, math.lcm(row, self.align)))
-            slots.append(ParamSlot(shape, offset, numel, row))
-            cursor = offset + numel
-        if cursor > shard * self.world_size:
-            raise _Retry(math.ceil(cursor / self.world_size))
-        return slots
-
-    def validate(self) -> None:
-        prev_end = 0
-        for s in self.slots:
-            if s.offset < prev_end or s.end > self.total_numel or s.offset % self.align:
-                raise AssertionError(f"FlatLayout: bad slot {s} (previous end {prev_end})")
-            for r in range(self.world_size):
-                lo, hi = self.local_range(s, r)
-                if hi > lo and ((lo - s.offset) % s.row_numel or (hi - s.offset) % s.row_numel):
-                    raise AssertionError(f"FlatLayout: rank {r} does not own whole rows of {s}")
-            prev_end = s.end
-
-    def local_range(self, slot: ParamSlot, rank: int) -> tuple[int, int]:
-        """[lo, hi) of ``slot`` that rank owns, in flat-buffer elements (empty when lo == hi)."""
-        lo = max(slot.offset, rank * self.shard_numel)
-        hi = min(slot.end, (rank + 1) * self.shard_numel)
-        return (lo, hi) if hi > lo else (slot.offset, slot.offset)
+    @property
+    def rank_major_numel(self) -> int:
+        """Elements of the rank-major buffer: the reduce-scatter input, W shards back to back."""
+        return self.world_size * self.shard_numel
 
     def local_rows(self, slot: ParamSlot, rank: int) -> tuple[int, int]:
-        """[first_row, end_row) of the parameter that rank owns."""
-        lo, hi = self.local_range(slot, rank)
-        return (lo - slot.offset) // slot.row_numel, (hi - slot.offset) // slot.row_numel
+        """[first_row, end_row) of the parameter that ``rank`` holds (torch.chunk's split; empty past the end)."""
+        first = min(rank * slot.chunk_rows, slot.rows)
+        return first, min(first + slot.chunk_rows, slot.rows)
+
+    def local_numel(self, slot: ParamSlot, rank: int) -> int:
+        r0, r1 = self.local_rows(slot, rank)
+        return (r1 - r0) * slot.row_numel
 
     def local_segments(self, rank: int) -> list[tuple[int, int]]:
-        """Per parameter, [start, end) of its local part relative to rank's shard start: the segment table of
-        the FP8 kernels (sorted; a parameter with no local rows is the empty row (e, e) at its place)."""
-        base = rank * self.shard_numel
-        segs, prev_end = [], 0
+        """Per parameter, [start, end) of the rows ``rank`` holds in its shard: the segment table of the FP8
+        kernels (sorted, non-overlapping; a parameter with no rows here is the empty row (start, start))."""
+        return [(s.shard_offset, s.shard_offset + self.local_numel(s, rank)) for s in self.slots]
+
+    def validate(self) -> None:
+        shard_end = unsharded_end = 0
         for s in self.slots:
-            lo, hi = self.local_range(s, rank)
-            if hi > lo:
-                prev_end = hi - base
-                segs.append((lo - base, prev_end))
-            else:
-                segs.append((prev_end, prev_end))
-        return segs
+            if s.shard_offset % self.align or s.unsharded_offset % self.align:
+                raise AssertionError(f"FlatLayout: unaligned slot {s}")
+            if s.shard_offset < shard_end or s.unsharded_offset < unsharded_end:
+                raise AssertionError(f"FlatLayout: slot {s} overlaps the previous one")
+            if s.chunk_rows * self.world_size < s.rows:
+                raise AssertionError(f"FlatLayout: chunks of {s} do not cover the parameter")
+            shard_end = s.shard_offset + s.chunk_numel
+            unsharded_end = s.unsharded_offset + self.world_size * s.chunk_numel
+        if shard_end > self.shard_numel or unsharded_end > self.unsharded_numel:
+            raise AssertionError("FlatLayout: a slot ends past its buffer")
 
     def __repr__(self) -> str:
-        return (f"FlatLayout(params={len(self.slots)}, world_size={self.world_size}, "
-                f"shard_numel={self.shard_numel}, padding={self.total_numel - sum(s.numel for s in self.slots)})")
+        params = sum(s.numel for s in self.slots)
+        return (f"FlatLayout(params={len(self.slots)}, world_size={self.world_size}, shard_numel={self.shard_numel}, "
+                f"unsharded_numel={self.unsharded_numel}, padding={self.unsharded_numel - params})")

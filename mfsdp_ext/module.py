@@ -256,9 +256,9 @@ class FsdpUnit:
         with ctx.on_stream(ctx.rs_stream):
             symmetric = ctx.symmetric if g.use_symm_reduce_scatter else None
             if symmetric is not None:  # pack straight into the symmetric-memory stage
-                packed, reduced = symmetric.reduce_scatter_buffers(g.layout.total_numel, g.reduce_dtype)
+                packed, reduced = symmetric.reduce_scatter_buffers(g.layout.rank_major_numel, g.reduce_dtype)
             else:
-                packed = torch.empty(g.layout.total_numel, dtype=g.reduce_dtype, device=g.device)
+                packed = torch.empty(g.layout.rank_major_numel, dtype=g.reduce_dtype, device=g.device)
             g.pack_grads(packed, scale=1.0 / (g.world * replicas))  # pre-divide: no overflow in low precision
             for grad in g.drop_unsharded_grads():
                 if ctx.is_cuda:

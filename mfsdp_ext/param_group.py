@@ -1,10 +1,10 @@
 """ParamGroup: the parameters of one FSDP unit that share (dtype, requires_grad), in flat buffers.
 
-Buffers (S = shard size, W = shard-group size):
-  main_weight      (S)   the optimizer's weights; module.parameters() are DTensor views of it while at rest
-  model_weight     (S)   compute-dtype copy, written by the fused cast once per optimizer step
-  unsharded        (W*S) gathered compute-dtype weights; the module's parameters are views into it in compute
-  main_grad        (S)   the optimizer's gradients (fp32 by default); sharded params' .grad are views of it
+Buffers (laid out by FlatLayout: every parameter split as torch.chunk splits it, so its DTensors are truthful):
+  main_weight      shard        the optimizer's weights; module.parameters() are DTensor views of it while at rest
+  model_weight     shard        compute-dtype copy, written by the fused cast once per optimizer step
+  unsharded        param-major  gathered compute-dtype weights; the module's parameters are views into it in compute
+  main_grad        shard        the optimizer's gradients (fp32 by default); sharded params' .grad are views of it
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ class ParamGroup:
         self.stats = GroupStats()
         self.infos = [ParamInfo(fqn, places, p.shape) for fqn, p, places in params]
         self.layout = FlatLayout([p.shape for _, p, _ in params], self.world)
+        self._plan_copies()
         self.on_meta = first.device.type == "meta"
         storage_device = torch.device("meta") if self.on_meta else device
 
@@ -105,8 +106,29 @@ class ParamGroup:
         self.unsharded.free()
 
     # ------------------------------------------------------------------ setup
+    def _plan_copies(self) -> None:
+        """Index lists the collectives reuse on every call (they depend on the layout and the rank only)."""
+        layout, S = self.layout, self.layout.shard_numel
+        self._gathered = [i for i, s in enumerate(layout.slots) if s.chunk_numel > 0]  # nothing to gather if empty
+        self._shard_offsets = [layout.slots[i].shard_offset for i in self._gathered]
+        # (parameter, rank, rows' first element in the parameter, element count, offset in the rank-major buffer)
+        self._rank_major_pieces = [
+            (i, r, layout.local_rows(s, r)[0] * s.row_numel, layout.local_numel(s, r), r * S + s.shard_offset)
+            for i, s in enumerate(layout.slots) for r in range(self.world) if layout.local_numel(s, r) > 0]
+        self._rank_major_offsets = [piece[4] for piece in self._rank_major_pieces]
+
+    def _plan_views(self) -> None:
+        """Views of the buffers that the collectives read and write (valid across free/alloc of the storage)."""
+        source = self.gather_source()
+        self._gather_inputs = [source[s.shard_offset : s.shard_offset + s.chunk_numel]
+                               for s in (self.layout.slots[i] for i in self._gathered)]
+        self._gather_outputs = [self.unsharded.padded_param(i) for i in self._gathered]
+        self._my_unsharded_slots = [self.unsharded.chunk_slot(i, self.rank) for i in self._gathered]
+        self._unsharded_pieces = [self.unsharded.data[self.layout.slots[i].unsharded_offset + start:][:n]
+                                  for i, _, start, n, _ in self._rank_major_pieces]
+
     def local_rows(self, i: int, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of parameter i, out of its full tensor (a view, detached)."""
+        """This rank's rows of parameter i (torch.chunk's split), out of its full tensor (a view, detached)."""
         slot = self.layout.slots[i]
         r0, r1 = self.layout.local_rows(slot, self.rank)
         return full.detach().reshape(slot.shape)[r0:r1]
@@ -116,24 +138,27 @@ class ParamGroup:
         local, offsets = [], []
         for i, (slot, p) in enumerate(zip(self.layout.slots, params)):
             rows = self.local_rows(i, p)
-            if rows.shape[0] > 0:
+            if rows.numel() > 0:
                 local.append(rows.to(self.device, self.dtype).contiguous())
-                lo, _ = self.layout.local_range(slot, self.rank)
-                offsets.append(lo - self.rank * self.layout.shard_numel)
+                offsets.append(slot.shard_offset)
         _native.pack(local, offsets, self.main_weight.data)
 
-    def _make_params(self) -> None:
+    def placements(self) -> tuple:
         if self.mesh.ndim == 2:
-            placements = [Replicate(), Shard(0)]  # HSDP
-        else:
-            placements = [Shard(0)] if self.shard_group is not None else [Replicate()]  # no_shard: replicated
+            return (Replicate(), Shard(0))  # HSDP
+        return (Shard(0),) if self.shard_group is not None else (Replicate(),)  # no_shard: replicated
+
+    def _as_dtensor(self, buffer: FlatBuffer, i: int) -> DTensor:
+        """Parameter i's rows in a shard-layout buffer, as the DTensor they are: this rank's torch.chunk rows."""
+        shape = self.infos[i].shape
+        return DTensor.from_local(buffer.param_view(i), self.mesh, self.placements(), run_check=False, shape=shape,
+                                  stride=_contiguous_stride(shape))
+
+    def _make_params(self) -> None:
         for i, info in enumerate(self.infos):
-            local = self.main_weight.param_view(i)
-            dt = DTensor.from_local(local, self.mesh, placements, run_check=False, shape=info.shape,
-                                    stride=_contiguous_stride(info.shape))
-            info.sharded = nn.Parameter(dt, requires_grad=self.requires_grad)
-            _use_row_layout_methods(info.sharded, self, i, "main_weight")
+            info.sharded = nn.Parameter(self._as_dtensor(self.main_weight, i), requires_grad=self.requires_grad)
             info.unsharded = nn.Parameter(self.unsharded.param_view(i), requires_grad=self.requires_grad)
+        self._plan_views()
 
     def materialize(self, device: torch.device) -> None:
         """Give a meta-device group real (uninitialised) storage on ``device``; values come from init."""
@@ -186,33 +211,47 @@ class ParamGroup:
         return (self.model_weight if self.model_weight is not None else self.main_weight).data
 
     def all_gather(self, symmetric: "comm.SymmetricCollectives | None" = None) -> None:
-        """Gather every rank's model-weight shard straight into the unsharded buffer (no copy-in/out).
+        """Gather every rank's model-weight shard into the param-major unsharded buffer: one all-gather per
+        parameter, issued as one group, each landing at the parameter's place (no copy-in, no copy-out).
 
-        ``symmetric``: gather through the NCCL symmetric-memory stage instead (use_symm_mem)."""
+        ``symmetric``: gather the flat shard through the NCCL symmetric-memory stage instead (use_symm_mem; NCCL
+        runs its symmetric kernels for one collective per group only) and unpack the rank-major result into place
+        with one native copy."""
         self.unsharded.alloc()
         with torch.autograd._unsafe_preserve_version_counter(self.unsharded.data):
-            if self.cast_in_slot:  # cast into this rank's slot and gather in place
-                source = self.unsharded.shard_view(self.rank)
-                _native.cast(self.main_weight.data, source)
-                self.stats.weight_syncs += 1
-            else:
-                source = self.gather_source()
-            if self.world == 1:
-                if not self.cast_in_slot:  # with one rank the slot is the whole buffer
-                    self.unsharded.data.copy_(source)
+            if self.world == 1:  # one rank: the shard layout is the unsharded layout
+                self._write_shard(self.unsharded.data)
             elif symmetric is not None and self.use_symm_all_gather:
-                symmetric.all_gather_into(self.unsharded.data, source)
+                stage, slot = symmetric.all_gather_buffers(self.layout.shard_numel, self.compute_dtype)
+                self._write_shard(slot)
+                symmetric.all_gather_in_place(stage, slot)
+                _native.unpack(stage, self._rank_major_offsets, self._unsharded_pieces)
+            elif self.cast_in_slot:  # cast into this rank's chunk slots, then gather in place
+                _native.unpack(self.main_weight.data, self._shard_offsets, self._my_unsharded_slots)
+                self.stats.weight_syncs += 1
+                comm.all_gather_into(self._gather_outputs, self._my_unsharded_slots, self.shard_group)
             else:
-                comm.all_gather_into(self.unsharded.data, source, self.shard_group)
+                comm.all_gather_into(self._gather_outputs, self._gather_inputs, self.shard_group)
         self.stats.all_gathers += 1
 
-    def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
-        """A new full flat buffer assembled from every rank's ``shard`` (a collective over the shard group)."""
-        full = torch.empty(self.layout.total_numel, dtype=shard.dtype, device=shard.device)
-        if self.world > 1:
-            comm.all_gather_into(full, shard, self.shard_group)
+    def _write_shard(self, out: torch.Tensor) -> None:
+        """This rank's compute-dtype shard into ``out``, a flat buffer in the shard layout."""
+        if self.cast_in_slot:
+            _native.cast(self.main_weight.data, out)
+            self.stats.weight_syncs += 1
         else:
+            out.copy_(self.gather_source())
+
+    def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
+        """A new param-major buffer assembled from every rank's ``shard`` (shard layout; a collective over the
+        shard group). ``layout.slots[i].view(result)`` is parameter i."""
+        full = torch.empty(self.layout.unsharded_numel, dtype=shard.dtype, device=shard.device)
+        if self.world == 1:
             full.copy_(shard)
+            return full
+        slots = [self.layout.slots[i] for i in self._gathered]
+        comm.all_gather_into([full[s.unsharded_offset :][: self.world * s.chunk_numel] for s in slots],
+                             [shard[s.shard_offset :][: s.chunk_numel] for s in slots], self.shard_group)
         return full
 
     def free_unsharded(self) -> None:
@@ -223,12 +262,16 @@ class ParamGroup:
         return any(info.unsharded.grad is not None for info in self.infos)
 
     def pack_grads(self, out: torch.Tensor, scale: float) -> None:
-        """Pack the unsharded grads (missing ones as zeros) into ``out`` (W*S) and drop them."""
+        """Pack the unsharded grads into ``out``, rank-major (W shards back to back; missing grads and padding as
+        zeros), cast to out's dtype and scaled: one native launch. A flat reduce-scatter of ``out`` then yields
+        this rank's shard of every gradient."""
+        grads = [info.unsharded.grad for info in self.infos]
+        flat = [g.reshape(-1) if g is not None else None for g in grads]
         tensors, offsets = [], []
-        for slot, info in zip(self.layout.slots, self.infos):
-            if info.unsharded.grad is not None:
-                tensors.append(info.unsharded.grad)
-                offsets.append(slot.offset)
+        for i, _, start, n, offset in self._rank_major_pieces:
+            if flat[i] is not None:
+                tensors.append(flat[i][start : start + n])
+                offsets.append(offset)
         _native.pack(tensors, offsets, out, scale)
 
     def drop_unsharded_grads(self) -> list[torch.Tensor]:
@@ -255,31 +298,9 @@ class ParamGroup:
     def attach_grads(self) -> None:
         for i, info in enumerate(self.infos):
             if info.sharded_grad is None:
-                local = self.main_grad.param_view(i)
-                info.sharded_grad = DTensor.from_local(local, self.mesh, info.sharded.placements, run_check=False,
-                                                       shape=info.shape, stride=_contiguous_stride(info.shape))
-                _use_row_layout_methods(info.sharded_grad, self, i, "main_grad")
+                info.sharded_grad = self._as_dtensor(self.main_grad, i)
             if info.sharded.grad is not info.sharded_grad:
                 info.sharded.grad = info.sharded_grad
-
-
-
-def _use_row_layout_methods(dt: DTensor, group: "ParamGroup", index: int, buffer: str) -> None:
-    """Our shards are split by whole rows, not as torch.chunk splits them, so DTensor's own full_tensor() /
-    redistribute() would reassemble them wrongly. Give this DTensor a full_tensor() that gathers with the
-    layout, and a redistribute() that says what to do instead."""
-
-    def full_tensor(*, grad_placements=None) -> torch.Tensor:
-        return group.layout.slots[index].view(group.gather_full(getattr(group, buffer).data))
-
-    def redistribute(*args, **kwargs):
-        raise NotImplementedError(
-            "mfsdp_ext: sharded parameters and gradients are split by whole rows, not as torch.chunk splits "
-            "them, so DTensor.redistribute() would misplace rows. Use .full_tensor() (layout-aware here) or "
-            "module.state_dict(), whose DTensors are split as torch.chunk splits them.")
-
-    dt.full_tensor = full_tensor
-    dt.redistribute = redistribute
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

@@ -8,6 +8,7 @@ rank decides the same, and keeps the symmetric path only where it beats the plai
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -51,7 +52,7 @@ def setup_symmetric(units) -> comm.SymmetricCollectives | None:
         if unit.use_symm_mem is True:
             g.use_symm_all_gather, g.use_symm_reduce_scatter = True, g.requires_grad
         else:
-            key = (g.layout.total_numel, g.compute_dtype, g.reduce_dtype, g.requires_grad)
+            key = (tuple(s.shape for s in g.layout.slots), g.compute_dtype, g.reduce_dtype, g.requires_grad)
             if key not in decisions:
                 decisions[key] = _measure(symmetric, g)
             g.use_symm_all_gather, g.use_symm_reduce_scatter = decisions[key]
@@ -67,22 +68,29 @@ def setup_symmetric(units) -> comm.SymmetricCollectives | None:
 
 def _stage_bytes(gathered: list[ParamGroup], reduced: list[ParamGroup]) -> tuple[int, int]:
     """Bytes of the all-gather and reduce-scatter stages: the largest of the groups that use each."""
-    ag = max((g.layout.total_numel * g.compute_dtype.itemsize for g in gathered), default=0)
-    rs = max((comm.SymmetricCollectives.reduce_scatter_stage_bytes(g.layout.total_numel, g.world, g.reduce_dtype)
-              for g in reduced), default=0)
+    ag = max((g.layout.rank_major_numel * g.compute_dtype.itemsize for g in gathered), default=0)
+    rs = max((comm.SymmetricCollectives.reduce_scatter_stage_bytes(g.layout.rank_major_numel, g.world,
+                                                                    g.reduce_dtype) for g in reduced), default=0)
     return ag, rs
 
 
 def _measure(symmetric: comm.SymmetricCollectives, g: ParamGroup) -> tuple[bool, bool]:
-    total, shard = g.layout.total_numel, g.layout.shard_numel
-    out = torch.empty(total, dtype=g.compute_dtype, device=g.device)
-    inp = torch.randn(shard, device=g.device).to(g.compute_dtype)
-    times = [comm.time_collective(lambda: comm.all_gather_into(out, inp, g.shard_group)),
-             comm.time_collective(lambda: symmetric.all_gather_into(out, inp))]
+    """Time the group's own all-gather both ways (the symmetric one with its copy into the stage and its unpack
+    into place) and, if it has gradients, the reduce-scatter of its packed gradients both ways."""
+
+    def gather(path):
+        g.use_symm_all_gather = path is not None
+        g.all_gather(path)
+
+    stats = dataclasses.replace(g.stats)
+    times = [comm.time_collective(lambda: gather(None)), comm.time_collective(lambda: gather(symmetric))]
+    g.stats, g.use_symm_all_gather = stats, False
+    g.free_unsharded()
     if g.requires_grad:
-        packed = torch.randn(total, device=g.device).to(g.reduce_dtype)
+        rank_major, shard = g.layout.rank_major_numel, g.layout.shard_numel
+        packed = torch.randn(rank_major, device=g.device).to(g.reduce_dtype)
         reduced = torch.empty(shard, dtype=g.reduce_dtype, device=g.device)
-        s_packed, s_reduced = symmetric.reduce_scatter_buffers(total, g.reduce_dtype)
+        s_packed, s_reduced = symmetric.reduce_scatter_buffers(rank_major, g.reduce_dtype)
         s_packed.copy_(packed)
         times += [comm.time_collective(lambda: comm.reduce_scatter_into(reduced, packed, g.shard_group)),
                   comm.time_collective(lambda: symmetric.reduce_scatter_into(s_reduced, s_packed))]
