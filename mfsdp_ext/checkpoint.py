@@ -5,6 +5,8 @@ returns the parameters' own DTensors with no communication, and DCP, ``get_state
 resharding and optimizer state work as they do for FSDP2. What is here:
   * save and load hooks that put the sharded parameters in place first (a unit may hold its gathered ones, e.g.
     the root between forward and backward): a load must reach the main weights, never a gathered copy;
+  * a note of the shards state_dict() hands out, so that a later in-place write into them (``dcp.load``) is seen
+    by the next forward's cast, like a load_state_dict;
   * loading plain full tensors (a ``torch.save``d full state dict): each rank keeps its chunk of rows;
   * ``full_state_dict()``: every parameter as a full tensor on every rank.
 """
@@ -28,10 +30,19 @@ def register_state_dict_hooks(module: nn.Module, groups: list[ParamGroup]) -> No
         for g in groups:  # load_state_dict writes through DTensor ops, which the step detection cannot see
             g.mark_main_weight_changed()
 
+    def watch_returned_shards(module, state_dict, prefix, local_metadata) -> None:
+        for g in groups:  # dcp.load(model.state_dict()) writes into them in place, maybe much later
+            for info in g.infos:
+                for place in info.places:
+                    value = state_dict.get(prefix + place.fqn)
+                    if isinstance(value, DTensor):
+                        g.watch_alias(value._local_tensor)
+
     holders = {id(place.module): place.module for g in groups for info in g.infos for place in info.places}
     for m in [module, *holders.values()]:  # as FSDP2: also when a submodule's state_dict() is called directly
         m.register_state_dict_pre_hook(use_sharded_params)
         m.register_load_state_dict_pre_hook(use_sharded_params)
+    module.register_state_dict_post_hook(watch_returned_shards)
     module.register_load_state_dict_pre_hook(_full_tensors_to_local_chunks(groups))
     module.register_load_state_dict_post_hook(mark_loaded)
 
@@ -58,20 +69,19 @@ def _full_tensors_to_local_chunks(groups: list[ParamGroup]):
 @torch.no_grad()
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter of ``module`` as its full tensor, on every rank (a collective: call it on all ranks; one
-    all-gather per group). Named as ``state_dict()`` names them: a tied parameter appears under each of its names."""
-    names_of: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(p), []).append(name)
+    all-gather per group). Named as ``state_dict()`` names them: a tied parameter appears under each of its names.
+    Read from the main weights, also while a unit holds its gathered (compute-dtype) parameters."""
     out: dict[str, torch.Tensor] = {}
-    for m in module.modules():
+    for prefix, m in module.named_modules():
         if not isinstance(m, FsdpModule):
             continue
+        prefix = f"{prefix}." if prefix else ""
         for g in m._mfsdp_unit.groups:
             full = g.gather_full(g.main_weight.data)
             for slot, info in zip(g.layout.slots, g.infos):
                 value = slot.view(full).clone()
-                for name in names_of.get(id(info.sharded), []):
-                    out[name] = value
+                for place in info.places:
+                    out[prefix + place.fqn] = value
     for name, p in module.named_parameters(remove_duplicate=False):
         if name not in out:  # parameters of no unit
             out[name] = p.detach().clone()

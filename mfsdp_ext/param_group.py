@@ -9,6 +9,7 @@ Buffers (laid out by FlatLayout: every parameter split as torch.chunk splits it,
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +101,7 @@ class ParamGroup:
         self.main_grad_replica_summed = False  # HSDP: main_grad holds a finished all-reduce over replicas
         self._synced_version = None  # weights_version() the model weight was cast from
         self._external_writes = 0
+        self._aliases: list[tuple[weakref.ref, int]] = []  # (tensor sharing main_weight's storage, its version)
         self.use_symm_all_gather = False  # set at lazy init when use_symm_mem picks the native path
         self.use_symm_reduce_scatter = False
         self._make_params()
@@ -190,11 +192,29 @@ class ParamGroup:
     def weights_version(self) -> tuple[int, int, int]:
         """Changes whenever the main weights may have changed: optimizer step, direct write, load. Frozen
         groups get no gradients, so no optimizer step changes them: they are not re-cast and re-gathered."""
+        if self._aliases:
+            self._count_alias_writes()
         steps = _optimizer_steps if self.requires_grad else 0
         return (steps, self.main_weight.data._version, self._external_writes)
 
     def mark_main_weight_changed(self) -> None:
         self._external_writes += 1
+
+    def watch_alias(self, tensor: torch.Tensor) -> None:
+        """``tensor`` shares main_weight's storage with a version counter of its own (the local tensor of a
+        DTensor that state_dict() returned, which DCP loads into in place): count writes through it while it lives."""
+        self._aliases.append((weakref.ref(tensor), tensor._version))
+
+    def _count_alias_writes(self) -> None:
+        live = []
+        for ref, seen in self._aliases:
+            tensor = ref()
+            if tensor is None:
+                continue
+            if tensor._version != seen:
+                self._external_writes += 1
+            live.append((ref, tensor._version))
+        self._aliases = live
 
     def needs_weight_sync(self) -> bool:
         return self.model_weight is not None and self._synced_version != self.weights_version()
