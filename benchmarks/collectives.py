@@ -19,6 +19,19 @@ busy by a spin queued before it so the host's launch time is not counted; median
 graphs. busbw = size * (N-1)/N / latency, as nccl-tests. Each method's result is checked
 once against plain (exact: the inputs are small integers). A profiler pass counts the NCCL kernels each
 method ran (ncclSymk* = NCCL's symmetric kernels). Rank 0 writes collectives_<N>gpu.{md,json,png}.
+
+    torchrun --nproc-per-node N benchmarks/collectives.py --units --out DIR
+
+--units instead measures one fully_shard unit's collectives at the unit sizes of benchmarks/step.py's configs 1-4
+(a Llama block of examples/gpt.py and the root's embedding + norm + head; bf16 all-gather, fp32 reduce-scatter),
+laid out by mfsdp_ext.layout.FlatLayout and called as fully_shard calls them, against the alternatives:
+  AG grouped per parameter  ours: one all-gather per parameter, one NCCL group, each into its place (no copy)
+  AG flat                   one flat all-gather of the same bytes (rank-major: the parameters come out split)
+  AG flat + unpack          the flat all-gather plus the native copy into param-major places (FSDP2's copy-out)
+  RS pack + flat            ours: bf16 grads packed (cast, scaled) rank-major in one native launch + flat RS
+  RS flat                   the flat reduce-scatter alone
+  RS grouped per parameter  one reduce-scatter per padded fp32 gradient, one NCCL group (no pack)
+Rank 0 writes collectives_units_<N>gpu.{md,json}.
 """
 
 from __future__ import annotations
@@ -339,6 +352,127 @@ def write_report(out_dir, world, meta, results, kernels, skipped):
 
 
 # ----------------------------------------------------------------------------------------------
+# one unit's collectives, as fully_shard issues them (--units)
+# ----------------------------------------------------------------------------------------------
+def unit_shapes() -> dict:
+    """{unit name: parameter shapes} for the units of benchmarks/step.py's configs 1-4 (examples/gpt.py)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import gpt
+
+    units = {}
+    for dim, ffn in ((2048, 5632), (1024, 2816), (4096, 11008)):
+        cfg = gpt.GPTConfig(n_layers=1, dim=dim, n_heads=dim // 128, ffn_dim=ffn, vocab_size=32000, max_seq_len=256)
+        model = gpt.GPT(cfg, device="meta")
+        units[f"block d{dim}"] = [p.shape for p in model.layers[0].parameters()]
+        if dim == 2048:
+            units[f"root d{dim} (embedding, norm, head)"] = [
+                p.shape for n, p in model.named_parameters() if not n.startswith("layers.")]
+    return units
+
+
+def unit_cases(shapes, group, device, rank, world) -> dict:
+    """{method: run()} for one unit, with its buffers laid out as fully_shard lays them out."""
+    from mfsdp_ext import _native, comm
+    from mfsdp_ext.layout import FlatLayout
+
+    layout = FlatLayout(shapes, world)
+    S, slots = layout.shard_numel, layout.slots
+    shard = torch.randn(S, device=device).to(DTYPE)
+    unsharded = torch.empty(layout.unsharded_numel, dtype=DTYPE, device=device)
+    rank_major = torch.empty(layout.rank_major_numel, dtype=DTYPE, device=device)
+    gather_in = [shard[s.shard_offset:][: s.chunk_numel] for s in slots]
+    gather_out = [unsharded[s.unsharded_offset:][: world * s.chunk_numel] for s in slots]
+    pieces = [(s, r) for s in slots for r in range(world) if layout.local_numel(s, r) > 0]
+    unpack_offsets = [r * S + s.shard_offset for s, r in pieces]
+    unpack_outs = [unsharded[s.unsharded_offset + r * s.chunk_numel:][: layout.local_numel(s, r)] for s, r in pieces]
+    grads = [torch.randn(shape, device=device).to(DTYPE) for shape in shapes]
+    packed = torch.empty(layout.rank_major_numel, dtype=torch.float32, device=device)
+    reduced = torch.empty(S, dtype=torch.float32, device=device)
+    padded = [torch.randn(world * s.chunk_numel, device=device) for s in slots]
+    grouped_reduced = [reduced[s.shard_offset:][: s.chunk_numel] for s in slots]
+
+    def pack():
+        tensors, offsets = [], []
+        for s, r in pieces:
+            first = layout.local_rows(s, r)[0] * s.row_numel
+            tensors.append(grads[slots.index(s)].view(-1)[first:][: layout.local_numel(s, r)])
+            offsets.append(r * S + s.shard_offset)
+        _native.pack(tensors, offsets, packed, 1.0 / world)
+
+    def flat_gather_unpack():
+        _all_gather_flat(rank_major, shard, group=group)
+        _native.unpack(rank_major, unpack_offsets, unpack_outs)
+
+    def pack_reduce():
+        pack()
+        _reduce_scatter_flat(reduced, packed, group=group)
+
+    def grouped_reduce():
+        group.reduce_scatter_tensor_coalesced(grouped_reduced, padded).wait()
+
+    mib = layout.unsharded_numel * DTYPE.itemsize / MiB
+    return mib, len(slots), {
+        "AG grouped per parameter": lambda: comm.all_gather_into(gather_out, gather_in, group),
+        "AG flat": lambda: _all_gather_flat(rank_major, shard, group=group),
+        "AG flat + unpack": flat_gather_unpack,
+        "RS pack + flat": pack_reduce,
+        "RS flat": lambda: _reduce_scatter_flat(reduced, packed, group=group),
+        "RS grouped per parameter": grouped_reduce,
+    }
+
+
+UNIT_METHODS = ("AG grouped per parameter", "AG flat", "AG flat + unpack", "RS pack + flat", "RS flat",
+                "RS grouped per parameter")
+
+
+def bench_units(args, group, device, rank, world, local_rank) -> list:
+    cycles_per_us = sleep_cycles_per_us(device)
+    rows = []
+    for name, shapes in unit_shapes().items():
+        mib, n_params, cases = unit_cases(shapes, group, device, rank, world)
+        row = dict(unit=name, gathered_mib=mib, params=n_params)
+        for method in UNIT_METHODS:
+            iters = iters_for(int(mib * MiB), args.iters_scale)
+            b2b_us, call_us, _ = time_case(cases[method], iters, args.warmup, device, local_rank, cycles_per_us)
+            row[method] = dict(b2b_us=b2b_us, call_us=call_us)
+            log(f"{name:38s} {method:26s} latency {b2b_us:8.1f} us  per call {call_us:8.1f} us")
+        rows.append(row)
+        del cases
+        torch.cuda.empty_cache()
+    return rows
+
+
+def write_units_report(out_dir, world, meta, rows) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"collectives_units_{world}gpu")
+    with open(base + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    lines = [
+        f"# One unit's collectives on {world} x {meta['gpu']}: grouped per parameter vs flat",
+        "",
+        f"torch {meta['torch']}, NCCL {meta['nccl_torch']}, NCCL_NVLS_ENABLE={meta['env'].get('NCCL_NVLS_ENABLE')}. "
+        "All-gather bf16, reduce-scatter fp32; buffers laid out by mfsdp_ext's FlatLayout (torch.chunk's split).",
+        "Latency: back-to-back calls between one event pair, mean per call (median of 5 loops, max over ranks); "
+        "it includes the host's cost of issuing the calls when that is the bottleneck. Per call: the GPU time of "
+        "one call (host launch time hidden by a spin queued before it). Microseconds.",
+        "",
+        "| unit | MiB | params | " + " | ".join(UNIT_METHODS) + " | grouped / flat AG | pack+flat / flat RS |",
+        "|---|---:|---:|" + "---:|" * len(UNIT_METHODS) + "---:|---:|",
+    ]
+    for kind in ("b2b_us", "call_us"):
+        for r in rows:
+            cells = [fmt(r[m][kind]) for m in UNIT_METHODS]
+            ratio_ag = r["AG grouped per parameter"][kind] / r["AG flat"][kind]
+            ratio_rs = r["RS pack + flat"][kind] / r["RS flat"][kind]
+            label = "latency" if kind == "b2b_us" else "per call"
+            lines.append(f"| {r['unit']} ({label}) | {r['gathered_mib']:.1f} | {r['params']} | " + " | ".join(cells)
+                         + f" | {ratio_ag:.2f} | {ratio_rs:.2f} |")
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return base
+
+
+# ----------------------------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results")
@@ -346,6 +480,7 @@ def main() -> int:
     ap.add_argument("--iters-scale", type=float, default=1.0, help="scale the per-size iteration counts")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--no-profile", action="store_true", help="skip the profiler pass")
+    ap.add_argument("--units", action="store_true", help="measure one unit's collectives at configs 1-4's sizes")
     args = ap.parse_args()
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -355,6 +490,8 @@ def main() -> int:
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
     dist.barrier(device_ids=[local_rank])  # make sure the communicator exists before borrowing it
+    if args.units:
+        return run_units(args, group, device, rank, world, local_rank)
 
     sizes = [int(s) for s in args.sizes_mib.split(",") if s]
     sizes = [s for s in sizes if (s * MiB // 2) % world == 0]
@@ -480,6 +617,20 @@ def main() -> int:
         comm.close()
     if tsymm_alloc is not None:
         tsymm_alloc.keep.clear()
+    dist.barrier(device_ids=[local_rank])
+    dist.destroy_process_group()
+    return 0
+
+
+def run_units(args, group, device, rank, world, local_rank) -> int:
+    rows = bench_units(args, group, device, rank, world, local_rank)
+    if rank == 0:
+        meta = dict(gpu=torch.cuda.get_device_name(device), torch=torch.__version__,
+                    nccl_torch=".".join(map(str, torch.cuda.nccl.version())), python=platform.python_version(),
+                    env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "NCCL_ALGO", "NCCL_PROTO")})
+        base = write_units_report(args.out, world, meta, rows)
+        with open(base + ".md") as f:
+            print(f.read(), flush=True)
     dist.barrier(device_ids=[local_rank])
     dist.destroy_process_group()
     return 0

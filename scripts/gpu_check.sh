@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU check, in stages so one device call fits its 10-minute limit:
-#   scripts/gpu_check.sh build tests kernels symm step      (default: all of them)
+#   scripts/gpu_check.sh build tests kernels symm units step      (default: all of them)
 # Logs and result tables go to $OUT (the device runner's output folder; /tmp/out elsewhere).
 set -uo pipefail
 # The device runner returns at most 8 files: work in a scratch folder, pack it into $OUT/gpu_check.tgz at exit.
@@ -9,7 +9,7 @@ export OUT=$(mktemp -d /tmp/gpu_check.XXXX)
 trap 'tar czf "$FINAL_OUT/gpu_check.tgz" -C "$OUT" . && echo "logs: $FINAL_OUT/gpu_check.tgz"' EXIT
 trap 'exit 143' TERM INT   # a `timeout` around this script still packs the logs
 source "$(dirname "$0")/gpu_env.sh"   # NVLink multicast off, repository root, PYTHONPATH
-stages=${*:-build tests kernels symm step}
+stages=${*:-build tests kernels symm units step}
 status=0
 run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures, keep going
     local name=$1; shift
@@ -28,6 +28,11 @@ for stage in $stages; do
     tests) run tests python3 -m pytest -m gpu -q -s tests/test_gpu.py tests/test_kernels.py tests/test_symm_mem.py ;;
     kernels) run kernels python3 benchmarks/kernels.py --out "$OUT" ;;
     symm) run symm env SKIP_PYTEST=1 bash scripts/gpu_symm.sh ;;  # its tests ran in the tests stage
+    units)  # one unit's collectives at configs 1-4's sizes: grouped per parameter vs flat (2 GPUs; 4 if present)
+        for n in 2 4; do
+            [ "$(nvidia-smi -L | wc -l)" -ge $n ] && run units$n timeout -k 10 150 torchrun --standalone \
+                --nproc-per-node $n benchmarks/collectives.py --units --out "$OUT"
+        done ;;
     step) run step bash scripts/gpu_step.sh ;;
     *) echo "unknown stage $stage"; status=1 ;;
     esac
