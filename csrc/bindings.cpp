@@ -56,6 +56,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("pack", &mfsdp::pack, release(), py::arg("tensors"), py::arg("offsets"), py::arg("out"),
         py::arg("scale") = 1.0);
+  m.def("pack_pieces", &mfsdp::pack_pieces, release(), py::arg("tensors"), py::arg("pieces"), py::arg("out"),
+        py::arg("scale") = 1.0);
   m.def("unpack", &mfsdp::unpack, release(), py::arg("flat"), py::arg("offsets"), py::arg("outs"));
   m.def("cast", &mfsdp::cast, release(), py::arg("src"), py::arg("dst"));
   m.def("segment_amax", &mfsdp::segment_amax, release(), py::arg("src"), py::arg("segments"), py::arg("amax"));

@@ -108,6 +108,62 @@ DType tensor_dtype(const at::Tensor& t, const char* fn, const char* list, size_t
   return d;
 }
 
+// One source range to copy into out: `len` elements of dtype `dtype` at `ptr`, landing at out[off].
+struct Item {
+  int64_t off, len;
+  size_t idx;  // which tensor (or piece) it came from, for error messages
+  const void* ptr;
+  DType dtype;
+};
+
+// out[item.off : item.off + item.len] = cast(item * scale) for every item, zeros elsewhere: sorts the items,
+// rejects overlaps, and runs one pass per source dtype (the gaps go with the first one).
+void pack_items(std::vector<Item>& items, const at::Tensor& out, double scale, const char* fn) {
+  const DType od = float_dtype(out, fn, "out");
+  if (out.is_meta()) return;
+  const int64_t total = out.numel();
+  const int64_t osz = out.element_size();
+  char* out_ptr = static_cast<char*>(out.data_ptr());
+  auto by_off = [](const Item& a, const Item& b) { return a.off < b.off; };
+  if (!std::is_sorted(items.begin(), items.end(), by_off)) std::stable_sort(items.begin(), items.end(), by_off);
+
+  std::array<std::vector<Entry>, 3> groups;
+  int first_group = items.empty() ? static_cast<int>(kF32) : static_cast<int>(items[0].dtype);
+  int64_t cur = 0;
+  for (size_t k = 0; k < items.size(); ++k) {
+    const Item& it = items[k];
+    if (it.off < cur) {
+      const Item& prev = items[k - 1];
+      TORCH_CHECK_VALUE(false, "mfsdp_ext.", fn, ": tensors[", prev.idx, "] at [", prev.off, ", ", prev.off + prev.len,
+                  ") and tensors[", it.idx, "] at [", it.off, ", ", it.off + it.len, ") overlap in out");
+    }
+    if (it.off > cur) groups[first_group].push_back(Entry{it.off - cur, nullptr, out_ptr + cur * osz});
+    groups[it.dtype].push_back(Entry{it.len, it.ptr, out_ptr + it.off * osz});
+    cur = it.off + it.len;
+  }
+  if (cur < total) groups[first_group].push_back(Entry{total - cur, nullptr, out_ptr + cur * osz});
+
+  const float fscale = static_cast<float>(scale);
+  const bool use_scale = fscale != 1.0f;
+  for (int g = 0; g < 3; ++g) {
+    run_entries(groups[g], static_cast<DType>(g), od, fscale, use_scale, out, fn);
+  }
+}
+
+// The checks pack and pack_pieces share: out is a flat float tensor on a supported device.
+void check_pack_out(const at::Tensor& out, const char* fn) {
+  TORCH_CHECK_VALUE(out.defined(), "mfsdp_ext.", fn, ": out is undefined");
+  check_flat(out, fn, "out");
+  check_device_supported(out, fn);
+}
+
+// A source tensor's data as a contiguous buffer (a copy kept alive in `keep` when it is not contiguous).
+const void* contiguous_data(const at::Tensor& t, std::vector<at::Tensor>& keep) {
+  if (t.is_contiguous()) return t.data_ptr();
+  keep.push_back(t.contiguous());
+  return keep.back().data_ptr();
+}
+
 }  // namespace
 
 void pack(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& offsets, const at::Tensor& out,
@@ -115,21 +171,10 @@ void pack(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& of
   const char* fn = "pack";
   TORCH_CHECK_VALUE(tensors.size() == offsets.size(), "mfsdp_ext.pack: got ", tensors.size(), " tensors but ",
               offsets.size(), " offsets");
-  TORCH_CHECK_VALUE(out.defined(), "mfsdp_ext.pack: out is undefined");
-  check_flat(out, fn, "out");
-  check_device_supported(out, fn);
-  const DType od = float_dtype(out, fn, "out");
-  const bool meta = out.is_meta();
+  check_pack_out(out, fn);
   const int64_t total = out.numel();
-  const int64_t osz = out.element_size();
-  char* out_ptr = static_cast<char*>(out.data_ptr());
-
-  struct Item {
-    int64_t off, len;
-    size_t idx;
-    const void* ptr;
-    DType dtype;
-  };
+  const void* out_ptr = out.data_ptr();
+  const int64_t out_bytes = total * out.element_size();
   std::vector<Item> items;
   items.reserve(tensors.size());
   std::vector<at::Tensor> keep;  // contiguous copies of non-contiguous inputs (alive until the launch)
@@ -143,44 +188,59 @@ void pack(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& of
     const int64_t off = offsets[i];
     TORCH_CHECK_VALUE(off >= 0 && off <= total - len, "mfsdp_ext.pack: tensors[", i, "] (", len, " elements) at offset ",
                 off, " does not fit in out (", total, " elements)");
-    if (len == 0 || meta) continue;
-    const void* ptr;
-    if (t.is_contiguous()) {
-      ptr = t.data_ptr();
-    } else {
-      keep.push_back(t.contiguous());
-      ptr = keep.back().data_ptr();
-    }
-    TORCH_CHECK_VALUE(!bytes_overlap(ptr, len * t.element_size(), out_ptr, total * osz), "mfsdp_ext.pack: tensors[", i,
+    if (len == 0 || out.is_meta()) continue;
+    const void* ptr = contiguous_data(t, keep);
+    TORCH_CHECK_VALUE(!bytes_overlap(ptr, len * t.element_size(), out_ptr, out_bytes), "mfsdp_ext.pack: tensors[", i,
                 "] overlaps out in memory");
     items.push_back(Item{off, len, i, ptr, d});
   }
-  auto by_off = [](const Item& a, const Item& b) { return a.off < b.off; };
-  if (!std::is_sorted(items.begin(), items.end(), by_off)) std::stable_sort(items.begin(), items.end(), by_off);
+  pack_items(items, out, scale, fn);
+}
 
-  // copy entries per source dtype; the gaps (zeros) go with the first group
-  std::array<std::vector<Entry>, 3> groups;
-  int first_group = items.empty() ? static_cast<int>(kF32) : static_cast<int>(items[0].dtype);
-  int64_t cur = 0;
-  for (size_t k = 0; k < items.size(); ++k) {
-    const Item& it = items[k];
-    if (it.off < cur) {
-      const Item& prev = items[k - 1];
-      TORCH_CHECK_VALUE(false, "mfsdp_ext.pack: tensors[", prev.idx, "] at [", prev.off, ", ", prev.off + prev.len,
-                  ") and tensors[", it.idx, "] at [", it.off, ", ", it.off + it.len, ") overlap in out");
+void pack_pieces(const std::vector<std::optional<at::Tensor>>& tensors, const at::Tensor& pieces, const at::Tensor& out,
+                 double scale) {
+  const char* fn = "pack_pieces";
+  check_pack_out(out, fn);
+  TORCH_CHECK_VALUE(pieces.device().is_cpu() && pieces.scalar_type() == at::kLong && pieces.dim() == 2 &&
+                        pieces.size(1) == 4 && pieces.is_contiguous(),
+              "mfsdp_ext.pack_pieces: pieces must be a contiguous CPU int64 tensor of shape (n, 4), got ",
+              pieces.scalar_type(), " ", pieces.sizes(), " on ", pieces.device());
+  const int64_t total = out.numel();
+  const void* out_ptr = out.data_ptr();
+  const int64_t out_bytes = total * out.element_size();
+  const int64_t n = pieces.size(0);
+  const int64_t* row = pieces.data_ptr<int64_t>();
+  std::vector<const void*> data(tensors.size(), nullptr);  // each present tensor's contiguous data, once
+  std::vector<at::Tensor> keep;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!tensors[i].has_value() || !tensors[i]->defined()) continue;
+    const at::Tensor& t = *tensors[i];
+    TORCH_CHECK_VALUE(t.device() == out.device(), "mfsdp_ext.pack_pieces: tensors[", i, "] is on ", t.device(),
+                " but out is on ", out.device());
+    tensor_dtype(t, fn, "tensors", i);
+    if (t.numel() > 0 && !out.is_meta()) {
+      data[i] = contiguous_data(t, keep);
+      TORCH_CHECK_VALUE(!bytes_overlap(data[i], t.numel() * t.element_size(), out_ptr, out_bytes),
+                  "mfsdp_ext.pack_pieces: tensors[", i, "] overlaps out in memory");
     }
-    if (it.off > cur) groups[first_group].push_back(Entry{it.off - cur, nullptr, out_ptr + cur * osz});
-    groups[it.dtype].push_back(Entry{it.len, it.ptr, out_ptr + it.off * osz});
-    cur = it.off + it.len;
   }
-  if (meta) return;
-  if (cur < total) groups[first_group].push_back(Entry{total - cur, nullptr, out_ptr + cur * osz});
-
-  const float fscale = static_cast<float>(scale);
-  const bool use_scale = fscale != 1.0f;
-  for (int g = 0; g < 3; ++g) {
-    run_entries(groups[g], static_cast<DType>(g), od, fscale, use_scale, out, fn);
+  std::vector<Item> items;
+  items.reserve(n);
+  for (int64_t k = 0; k < n; ++k, row += 4) {
+    const int64_t t = row[0], first = row[1], len = row[2], off = row[3];
+    TORCH_CHECK_VALUE(t >= 0 && t < static_cast<int64_t>(tensors.size()), "mfsdp_ext.pack_pieces: pieces[", k,
+                "] names tensor ", t, " of ", tensors.size());
+    TORCH_CHECK_VALUE(off >= 0 && len >= 0 && off <= total - len, "mfsdp_ext.pack_pieces: pieces[", k, "] (", len,
+                " elements) at offset ", off, " does not fit in out (", total, " elements)");
+    if (data[t] == nullptr) continue;  // a missing tensor (None): its range stays zero
+    const at::Tensor& src = *tensors[t];
+    TORCH_CHECK_VALUE(first >= 0 && first <= src.numel() - len, "mfsdp_ext.pack_pieces: pieces[", k, "] reads [",
+                first, ", ", first + len, ") of tensors[", t, "], which has ", src.numel(), " elements");
+    if (len == 0) continue;
+    items.push_back(Item{off, len, static_cast<size_t>(k), static_cast<const char*>(data[t]) + first * src.element_size(),
+                         tensor_dtype(src, fn, "tensors", t)});
   }
+  pack_items(items, out, scale, fn);
 }
 
 void unpack(const at::Tensor& flat, const std::vector<int64_t>& offsets, const std::vector<at::Tensor>& outs) {

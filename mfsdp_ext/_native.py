@@ -15,6 +15,11 @@ pack(tensors, offsets, out, scale=1.0)
     CUDA: up to 160 copy entries (tensors plus gaps, per source dtype) the entry table travels in the
     kernel's parameters, so the call can be captured in a CUDA graph; above that it is uploaded on every
     call through pinned memory, and capturing raises.
+pack_pieces(tensors, pieces, out, scale=1.0)
+    pack with each source given as pieces: every row (t, first, count, offset) of ``pieces`` (a CPU int64 (n, 4)
+    tensor, made once and reused: no per-call slicing in Python) writes
+    out[offset : offset + count] = tensors[t].flatten()[first : first + count] * scale; the rest of out is 0, and a
+    tensor given as None leaves its pieces' ranges 0. One launch as for pack.
 unpack(flat, offsets, outs)
     outs[i].view(-1)[:] = flat[offsets[i] : offsets[i] + outs[i].numel()], cast to outs[i].dtype.
 cast(src, dst)
@@ -109,6 +114,11 @@ def _check_cuda_segments(segments: torch.Tensor, total: int) -> None:
 # ----------------------------------------------------------------------------------------------
 def pack(tensors: Sequence[torch.Tensor], offsets: Sequence[int], out: torch.Tensor, scale: float = 1.0) -> None:
     _C.pack(tensors, offsets, out, float(scale))
+
+
+def pack_pieces(tensors: Sequence[torch.Tensor | None], pieces: torch.Tensor, out: torch.Tensor,
+                scale: float = 1.0) -> None:
+    _C.pack_pieces(tensors, pieces, out, float(scale))
 
 
 def unpack(flat: torch.Tensor, offsets: Sequence[int], outs: Sequence[torch.Tensor]) -> None:

@@ -113,11 +113,11 @@ class ParamGroup:
         layout, S = self.layout, self.layout.shard_numel
         self._gathered = [i for i, s in enumerate(layout.slots) if s.chunk_numel > 0]  # nothing to gather if empty
         self._shard_offsets = [layout.slots[i].shard_offset for i in self._gathered]
-        # (parameter, rank, rows' first element in the parameter, element count, offset in the rank-major buffer)
-        self._rank_major_pieces = [
-            (i, r, layout.local_rows(s, r)[0] * s.row_numel, layout.local_numel(s, r), r * S + s.shard_offset)
-            for i, s in enumerate(layout.slots) for r in range(self.world) if layout.local_numel(s, r) > 0]
-        self._rank_major_offsets = [piece[4] for piece in self._rank_major_pieces]
+        # every rank's rows of every parameter: (parameter, first element, count, offset in the rank-major buffer)
+        self._pieces = [(i, layout.local_rows(s, r)[0] * s.row_numel, layout.local_numel(s, r), r * S + s.shard_offset)
+                        for i, s in enumerate(layout.slots) for r in range(self.world) if layout.local_numel(s, r) > 0]
+        self._grad_pieces = torch.tensor(self._pieces, dtype=torch.int64).reshape(-1, 4)  # pack_pieces' table
+        self._rank_major_offsets = [offset for _, _, _, offset in self._pieces]
 
     def _plan_views(self) -> None:
         """Views of the buffers that the collectives read and write (valid across free/alloc of the storage)."""
@@ -126,8 +126,8 @@ class ParamGroup:
                                for s in (self.layout.slots[i] for i in self._gathered)]
         self._gather_outputs = [self.unsharded.padded_param(i) for i in self._gathered]
         self._my_unsharded_slots = [self.unsharded.chunk_slot(i, self.rank) for i in self._gathered]
-        self._unsharded_pieces = [self.unsharded.data[self.layout.slots[i].unsharded_offset + start:][:n]
-                                  for i, _, start, n, _ in self._rank_major_pieces]
+        self._unsharded_pieces = [self.unsharded.data[self.layout.slots[i].unsharded_offset + first:][:n]
+                                  for i, first, n, _ in self._pieces]
 
     def local_rows(self, i: int, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of parameter i (torch.chunk's split), out of its full tensor (a view, detached)."""
@@ -285,14 +285,7 @@ class ParamGroup:
         """Pack the unsharded grads into ``out``, rank-major (W shards back to back; missing grads and padding as
         zeros), cast to out's dtype and scaled: one native launch. A flat reduce-scatter of ``out`` then yields
         this rank's shard of every gradient."""
-        grads = [info.unsharded.grad for info in self.infos]
-        flat = [g.reshape(-1) if g is not None else None for g in grads]
-        tensors, offsets = [], []
-        for i, _, start, n, offset in self._rank_major_pieces:
-            if flat[i] is not None:
-                tensors.append(flat[i][start : start + n])
-                offsets.append(offset)
-        _native.pack(tensors, offsets, out, scale)
+        _native.pack_pieces([info.unsharded.grad for info in self.infos], self._grad_pieces, out, scale)
 
     def drop_unsharded_grads(self) -> list[torch.Tensor]:
         grads = []

@@ -258,6 +258,43 @@ def test_pack_mixed_dtypes_noncontiguous_and_empty(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("src_dtype,out_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32)])
+def test_pack_pieces_matches_pack_of_slices(device, src_dtype, out_dtype):
+    """pack_pieces == pack of the same slices, bit for bit; a None tensor leaves its ranges zero."""
+    g = gen(19)
+    shapes = [(7, 5), (1,), (300, 13), (0, 4), (64, 64), (33,)]
+    tensors = [rand_values(math.prod(s), g).view(s).to(src_dtype).to(device) for s in shapes]
+    world, pieces, slices, offsets, cur = 3, [], [], [], 0
+    for i, t in enumerate(tensors):  # rank-major: each tensor's torch.chunk rows go to W places
+        row = math.prod(t.shape[1:])
+        for r, rows in enumerate(t.chunk(world) if t.numel() else []):
+            offset = cur + 5 + r * 40_000
+            pieces.append([i, r * -(-t.shape[0] // world) * row, rows.numel(), offset])
+            slices.append(rows.reshape(-1))
+            offsets.append(offset)
+        cur += -(-t.shape[0] // world) * row + 7
+    out, ref = (poison(torch.empty(3 * 40_000, dtype=out_dtype, device=device)) for _ in range(2))
+    table = torch.tensor(pieces, dtype=torch.int64)
+    N.pack_pieces(tensors, table, out, 0.25)
+    N.pack(slices, offsets, ref, 0.25)
+    assert_bits_equal(out, ref, "pack_pieces")
+    N.pack_pieces([None if i == 2 else t for i, t in enumerate(tensors)], table, out, 0.25)
+    keep = [k for k, p in enumerate(pieces) if p[0] != 2]
+    N.pack([slices[k] for k in keep], [offsets[k] for k in keep], ref, 0.25)
+    assert_bits_equal(out, ref, "pack_pieces with None")
+    bad = [
+        (ValueError, "names tensor 9", torch.tensor([[9, 0, 1, 0]])),
+        (ValueError, r"reads \[0, 36\) of tensors\[0\]", torch.tensor([[0, 0, 36, 0]])),
+        (ValueError, "does not fit in out", torch.tensor([[0, 0, 5, 3 * 40_000 - 2]])),
+        (ValueError, "overlap in out", torch.tensor([[0, 0, 5, 0], [1, 0, 1, 4]])),
+        (ValueError, r"shape \(n, 4\)", torch.tensor([[0, 0, 5]])),
+    ]
+    for exc, msg, pieces_table in bad:
+        with pytest.raises(exc, match=msg):
+            N.pack_pieces(tensors, pieces_table, out)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("flat_dtype", [torch.float32, torch.bfloat16])
 def test_unpack_matches_reference(device, flat_dtype):
     g = gen(14)
