@@ -31,6 +31,9 @@ laid out by mfsdp_ext.layout.FlatLayout and called as fully_shard calls them, ag
   RS pack + flat            ours: bf16 grads packed (cast, scaled) rank-major in one native launch + flat RS
   RS flat                   the flat reduce-scatter alone
   RS grouped per parameter  one reduce-scatter per padded fp32 gradient, one NCCL group (no pack)
+  AG symmetric + unpack     use_symm_mem's all-gather: shard into its slot of the NCCL symmetric stage, symmetric
+                            all-gather (one collective: NCCL's symmetric kernels take no groups), native unpack
+  RS symmetric pack + flat  use_symm_mem's reduce-scatter: pack into the stage, symmetric reduce-scatter
 Rank 0 writes collectives_units_<N>gpu.{md,json}.
 """
 
@@ -370,8 +373,9 @@ def unit_shapes() -> dict:
     return units
 
 
-def unit_cases(shapes, group, device, rank, world) -> dict:
-    """{method: run()} for one unit, with its buffers laid out as fully_shard lays them out."""
+def unit_cases(shapes, group, device, rank, world, symmetric=None) -> dict:
+    """{method: run()} for one unit, with its buffers laid out as fully_shard lays them out; ``symmetric``
+    (comm.SymmetricCollectives) adds use_symm_mem's paths."""
     from mfsdp_ext import _native, comm
     from mfsdp_ext.layout import FlatLayout
 
@@ -391,27 +395,24 @@ def unit_cases(shapes, group, device, rank, world) -> dict:
     padded = [torch.randn(world * s.chunk_numel, device=device) for s in slots]
     grouped_reduced = [reduced[s.shard_offset:][: s.chunk_numel] for s in slots]
 
-    def pack():
-        tensors, offsets = [], []
-        for s, r in pieces:
-            first = layout.local_rows(s, r)[0] * s.row_numel
-            tensors.append(grads[slots.index(s)].view(-1)[first:][: layout.local_numel(s, r)])
-            offsets.append(r * S + s.shard_offset)
-        _native.pack(tensors, offsets, packed, 1.0 / world)
+    table = torch.tensor([[slots.index(s), layout.local_rows(s, r)[0] * s.row_numel, layout.local_numel(s, r),
+                           r * S + s.shard_offset] for s, r in pieces], dtype=torch.int64)
+
+    def pack_into(out):  # as ParamGroup.pack_grads: rank-major, cast to fp32, scaled
+        _native.pack_pieces(grads, table, out, 1.0 / world)
 
     def flat_gather_unpack():
         _all_gather_flat(rank_major, shard, group=group)
         _native.unpack(rank_major, unpack_offsets, unpack_outs)
 
     def pack_reduce():
-        pack()
+        pack_into(packed)
         _reduce_scatter_flat(reduced, packed, group=group)
 
     def grouped_reduce():
         group.reduce_scatter_tensor_coalesced(grouped_reduced, padded).wait()
 
-    mib = layout.unsharded_numel * DTYPE.itemsize / MiB
-    return mib, len(slots), {
+    cases = {
         "AG grouped per parameter": lambda: comm.all_gather_into(gather_out, gather_in, group),
         "AG flat": lambda: _all_gather_flat(rank_major, shard, group=group),
         "AG flat + unpack": flat_gather_unpack,
@@ -419,19 +420,45 @@ def unit_cases(shapes, group, device, rank, world) -> dict:
         "RS flat": lambda: _reduce_scatter_flat(reduced, packed, group=group),
         "RS grouped per parameter": grouped_reduce,
     }
+    if symmetric is not None:
+        stage, slot = symmetric.all_gather_buffers(S, DTYPE)
+        s_packed, s_reduced = symmetric.reduce_scatter_buffers(layout.rank_major_numel, torch.float32)
+
+        def symmetric_gather():
+            slot.copy_(shard)
+            symmetric.all_gather_in_place(stage, slot)
+            _native.unpack(stage, unpack_offsets, unpack_outs)
+
+        def symmetric_reduce():
+            pack_into(s_packed)
+            symmetric.reduce_scatter_into(s_reduced, s_packed)
+
+        cases.update({"AG symmetric + unpack": symmetric_gather, "RS symmetric pack + flat": symmetric_reduce})
+    return layout.unsharded_numel * DTYPE.itemsize / MiB, len(slots), cases
 
 
-UNIT_METHODS = ("AG grouped per parameter", "AG flat", "AG flat + unpack", "RS pack + flat", "RS flat",
-                "RS grouped per parameter")
+UNIT_METHODS = ("AG grouped per parameter", "AG flat", "AG flat + unpack", "AG symmetric + unpack", "RS pack + flat",
+                "RS flat", "RS grouped per parameter", "RS symmetric pack + flat")
 
 
 def bench_units(args, group, device, rank, world, local_rank) -> list:
+    from mfsdp_ext import comm, symm_mem
+    from mfsdp_ext.layout import FlatLayout
+
     cycles_per_us = sleep_cycles_per_us(device)
+    units = unit_shapes()
+    symmetric = None
+    if agree(symm_mem.is_available(group)[0], device):
+        layouts = [FlatLayout(shapes, world) for shapes in units.values()]
+        symmetric = comm.SymmetricCollectives(
+            group, max(l.rank_major_numel for l in layouts) * DTYPE.itemsize,
+            max(comm.SymmetricCollectives.reduce_scatter_stage_bytes(l.rank_major_numel, world, torch.float32)
+                for l in layouts))
     rows = []
-    for name, shapes in unit_shapes().items():
-        mib, n_params, cases = unit_cases(shapes, group, device, rank, world)
+    for name, shapes in units.items():
+        mib, n_params, cases = unit_cases(shapes, group, device, rank, world, symmetric)
         row = dict(unit=name, gathered_mib=mib, params=n_params)
-        for method in UNIT_METHODS:
+        for method in (m for m in UNIT_METHODS if m in cases):
             iters = iters_for(int(mib * MiB), args.iters_scale)
             b2b_us, call_us, _ = time_case(cases[method], iters, args.warmup, device, local_rank, cycles_per_us)
             row[method] = dict(b2b_us=b2b_us, call_us=call_us)
@@ -439,6 +466,8 @@ def bench_units(args, group, device, rank, world, local_rank) -> list:
         rows.append(row)
         del cases
         torch.cuda.empty_cache()
+    if symmetric is not None:
+        symmetric.close()
     return rows
 
 
@@ -461,7 +490,7 @@ def write_units_report(out_dir, world, meta, rows) -> str:
     ]
     for kind in ("b2b_us", "call_us"):
         for r in rows:
-            cells = [fmt(r[m][kind]) for m in UNIT_METHODS]
+            cells = [fmt(r[m][kind]) if m in r else "-" for m in UNIT_METHODS]
             ratio_ag = r["AG grouped per parameter"][kind] / r["AG flat"][kind]
             ratio_rs = r["RS pack + flat"][kind] / r["RS flat"][kind]
             label = "latency" if kind == "b2b_us" else "per call"

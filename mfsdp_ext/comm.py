@@ -53,18 +53,21 @@ _GROUPED_AG_SUPPORT: dict[int, bool] = {}
 def _lacks_grouped_all_gather(group: dist.ProcessGroup) -> bool:
     """Some gloo builds have no grouped all-gather (NCCL always has): probe once per group, then gather the
     tensors one after another there."""
-    if dist.get_backend(group) != "gloo":
+    supported = _GROUPED_AG_SUPPORT.get(id(group))
+    if supported is None:
+        supported = dist.get_backend(group) != "gloo" or _probe_grouped_all_gather(group)
+        _GROUPED_AG_SUPPORT[id(group)] = supported
+    return not supported
+
+
+def _probe_grouped_all_gather(group: dist.ProcessGroup) -> bool:
+    world = dist.get_world_size(group)
+    try:
+        group.allgather_into_tensor_coalesced([torch.zeros(world), torch.zeros(world)],
+                                              [torch.zeros(1), torch.zeros(1)]).wait()
+        return True
+    except (RuntimeError, NotImplementedError, AttributeError):
         return False
-    key = id(group)
-    if key not in _GROUPED_AG_SUPPORT:
-        world = dist.get_world_size(group)
-        try:
-            group.allgather_into_tensor_coalesced([torch.zeros(world), torch.zeros(world)],
-                                                  [torch.zeros(1), torch.zeros(1)]).wait()
-            _GROUPED_AG_SUPPORT[key] = True
-        except (RuntimeError, NotImplementedError, AttributeError):
-            _GROUPED_AG_SUPPORT[key] = False
-    return not _GROUPED_AG_SUPPORT[key]
 
 
 _GLOO_RS_SUPPORT: dict[int, bool] = {}
