@@ -114,11 +114,7 @@ class FsdpUnit:
             v == g.weights_version() for v, g in zip(self.gathered_versions, self.groups))
 
     def unshard(self) -> None:
-        """Issue the all-gather of every group on the all-gather stream (does not wait for it).
-
-        Then cast the next unit's weights on that stream, so that its prefetch issues the all-gather alone: behind
-        a cast, a prefetched all-gather could start only when the cast ended, often after this unit's first GEMM
-        had taken every SM, and then it overlapped nothing."""
+        """Issue the all-gather of every group on the all-gather stream (does not wait for it)."""
         ctx = self.context
         if self._gathered_is_current() or (self.is_unsharded and not ctx.weight_sync_allowed()):
             return
@@ -126,25 +122,15 @@ class FsdpUnit:
             if ctx.is_cuda:
                 ctx.ag_stream.wait_stream(ctx.compute_stream())
             with ctx.on_stream(ctx.ag_stream):
-                self.sync_weights()
                 for i, g in enumerate(self.groups):
+                    if ctx.weight_sync_allowed() or g._synced_version is None:
+                        with ctx.nvtx(f"mfsdp.weight_sync {self.name}"):
+                            g.sync_model_weight()
                     g.all_gather(ctx.symmetric)
                     self.gathered_versions[i] = g.weights_version()
                 if ctx.is_cuda:
                     self.unshard_event = ctx.ag_stream.record_event()
-                nxt = ctx.next_in_forward(self)
-                if nxt is not None and nxt is not self and not _in_backward():
-                    nxt.sync_weights()
         self.is_unsharded = True
-
-    def sync_weights(self) -> None:
-        """Cast main -> model weights of the groups whose main weights changed since their last cast (on the
-        current stream; inside microbatch(is_first=False) only groups never cast)."""
-        ctx = self.context
-        for g in self.groups:
-            if ctx.weight_sync_allowed() or g._synced_version is None:
-                with ctx.nvtx(f"mfsdp.weight_sync {self.name}"):
-                    g.sync_model_weight()
 
     def wait_unshard(self) -> None:
         """Make compute wait for this unit's all-gather only, then compute on the gathered parameters."""
