@@ -43,13 +43,17 @@ def _optimizer(model, kind: str) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
 
 
-def _steps(model, opt, steps: range) -> list[float]:
+def _tiny_lm_loss(model, step: int, rank: int, world: int) -> torch.Tensor:
+    tokens, targets = batch(step, GLOBAL_BATCH)
+    return lm_loss(model, tokens.chunk(world)[rank], targets.chunk(world)[rank])
+
+
+def _steps(model, opt, steps: range, loss_of=_tiny_lm_loss) -> list[float]:
     """One optimizer step per global batch; this rank trains on its slice. Returns the global losses."""
     rank, world = dist.get_rank(), dist.get_world_size()
     losses = []
     for step in steps:
-        tokens, targets = batch(step, GLOBAL_BATCH)
-        loss = lm_loss(model, tokens.chunk(world)[rank], targets.chunk(world)[rank])
+        loss = loss_of(model, step, rank, world)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -358,20 +362,10 @@ def _hf_llama(seed: int, impl: str = "ours"):
     return IMPLS[impl](model)
 
 
-def _hf_steps(model, opt, steps: range) -> list[float]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for step in steps:
-        g = torch.Generator().manual_seed(2000 + step)
-        tokens = torch.randint(0, 512, (8, 33), generator=g).to(rank_device()).chunk(world)[rank]
-        loss = model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses
+def _hf_loss(model, step: int, rank: int, world: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(2000 + step)
+    tokens = torch.randint(0, 512, (8, 33), generator=g).to(rank_device()).chunk(world)[rank]
+    return model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss
 
 
 def _case_hf_llama_resume(tmpdir: str):
@@ -380,17 +374,17 @@ def _case_hf_llama_resume(tmpdir: str):
     pytest.importorskip("transformers")
     model = _hf_llama(41)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    _hf_steps(model, opt, range(K))
+    _steps(model, opt, range(K), _hf_loss)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmpdir)
-    want = _hf_steps(model, opt, range(K, K + N))
+    want = _steps(model, opt, range(K, K + N), _hf_loss)
     fresh = _hf_llama(42)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3, weight_decay=0.1)
     msd, osd = get_state_dict(fresh, fresh_opt)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=tmpdir)
     set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    got = _hf_steps(fresh, fresh_opt, range(K, K + N))
+    got = _steps(fresh, fresh_opt, range(K, K + N), _hf_loss)
     assert got == want, (got, want)
     return {"losses": got}
 
