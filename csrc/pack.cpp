@@ -111,14 +111,14 @@ DType tensor_dtype(const at::Tensor& t, const char* fn, const char* list, size_t
 // One source range to copy into out: `len` elements of dtype `dtype` at `ptr`, landing at out[off].
 struct Item {
   int64_t off, len;
-  size_t idx;  // which tensor (or piece) it came from, for error messages
+  size_t idx;  // which tensor (pack) or piece (pack_pieces) it came from, for error messages
   const void* ptr;
   DType dtype;
 };
 
 // out[item.off : item.off + item.len] = cast(item * scale) for every item, zeros elsewhere: sorts the items,
 // rejects overlaps, and runs one pass per source dtype (the gaps go with the first one).
-void pack_items(std::vector<Item>& items, const at::Tensor& out, double scale, const char* fn) {
+void pack_items(std::vector<Item>& items, const at::Tensor& out, double scale, const char* fn, const char* what) {
   const DType od = float_dtype(out, fn, "out");
   if (out.is_meta()) return;
   const int64_t total = out.numel();
@@ -134,8 +134,9 @@ void pack_items(std::vector<Item>& items, const at::Tensor& out, double scale, c
     const Item& it = items[k];
     if (it.off < cur) {
       const Item& prev = items[k - 1];
-      TORCH_CHECK_VALUE(false, "mfsdp_ext.", fn, ": tensors[", prev.idx, "] at [", prev.off, ", ", prev.off + prev.len,
-                  ") and tensors[", it.idx, "] at [", it.off, ", ", it.off + it.len, ") overlap in out");
+      TORCH_CHECK_VALUE(false, "mfsdp_ext.", fn, ": ", what, "[", prev.idx, "] at [", prev.off, ", ",
+                        prev.off + prev.len, ") and ", what, "[", it.idx, "] at [", it.off, ", ", it.off + it.len,
+                        ") overlap in out");
     }
     if (it.off > cur) groups[first_group].push_back(Entry{it.off - cur, nullptr, out_ptr + cur * osz});
     groups[it.dtype].push_back(Entry{it.len, it.ptr, out_ptr + it.off * osz});
@@ -194,7 +195,7 @@ void pack(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& of
                 "] overlaps out in memory");
     items.push_back(Item{off, len, i, ptr, d});
   }
-  pack_items(items, out, scale, fn);
+  pack_items(items, out, scale, fn, "tensors");
 }
 
 void pack_pieces(const std::vector<std::optional<at::Tensor>>& tensors, const at::Tensor& pieces, const at::Tensor& out,
@@ -237,10 +238,10 @@ void pack_pieces(const std::vector<std::optional<at::Tensor>>& tensors, const at
     TORCH_CHECK_VALUE(first >= 0 && first <= src.numel() - len, "mfsdp_ext.pack_pieces: pieces[", k, "] reads [",
                 first, ", ", first + len, ") of tensors[", t, "], which has ", src.numel(), " elements");
     if (len == 0) continue;
-    items.push_back(Item{off, len, static_cast<size_t>(k), static_cast<const char*>(data[t]) + first * src.element_size(),
-                         tensor_dtype(src, fn, "tensors", t)});
+    const char* src_ptr = static_cast<const char*>(data[t]) + first * src.element_size();
+    items.push_back(Item{off, len, static_cast<size_t>(k), src_ptr, tensor_dtype(src, fn, "tensors", t)});
   }
-  pack_items(items, out, scale, fn);
+  pack_items(items, out, scale, fn, "pieces");
 }
 
 void unpack(const at::Tensor& flat, const std::vector<int64_t>& offsets, const std::vector<at::Tensor>& outs) {

@@ -31,7 +31,8 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
     Apply bottom-up (blocks first, then the root). Afterwards ``module.parameters()`` are fp32 DTensor shards
     split as torch.chunk splits them, exactly as FSDP2's (``Shard(0)``; ``Replicate()`` for ``no_shard``;
     ``(Replicate(), Shard(0))`` on a 2-D HSDP mesh), so any ``torch.optim`` optimizer, DCP and
-    ``torch.distributed.checkpoint.state_dict`` work. Returns the same module, whose class now also derives from FsdpModule.
+    ``torch.distributed.checkpoint.state_dict`` work. Returns the same module, whose class now also derives
+    from FsdpModule.
     """
     if isinstance(module, FsdpModule):
         raise ValueError(f"fully_shard: {type(module).__name__} is already sharded; apply fully_shard once per module")
