@@ -377,47 +377,47 @@ def unit_cases(shapes, group, device, rank, world, symmetric=None) -> dict:
     """{method: run()} for one unit, with its buffers laid out as fully_shard lays them out; ``symmetric``
     (comm.SymmetricCollectives) adds use_symm_mem's paths."""
     from mfsdp_ext import _native, comm
+    from mfsdp_ext.flat_buffer import FlatBuffer
     from mfsdp_ext.layout import FlatLayout
 
     layout = FlatLayout(shapes, world)
-    S, slots = layout.shard_numel, layout.slots
-    shard = torch.randn(S, device=device).to(DTYPE)
-    unsharded = torch.empty(layout.unsharded_numel, dtype=DTYPE, device=device)
+    S, n_params = layout.shard_numel, len(layout.slots)
+    shard = FlatBuffer(layout, DTYPE, device, rank=rank)
+    shard.data.copy_(torch.randn(S, device=device))
+    unsharded = FlatBuffer(layout, DTYPE, device)
     rank_major = torch.empty(layout.rank_major_numel, dtype=DTYPE, device=device)
-    gather_in = [shard[s.shard_offset:][: s.chunk_numel] for s in slots]
-    gather_out = [unsharded[s.unsharded_offset:][: world * s.chunk_numel] for s in slots]
-    pieces = [(s, r) for s in slots for r in range(world) if layout.local_numel(s, r) > 0]
-    unpack_offsets = [r * S + s.shard_offset for s, r in pieces]
-    unpack_outs = [unsharded[s.unsharded_offset + r * s.chunk_numel:][: layout.local_numel(s, r)] for s, r in pieces]
+    gather_in = [shard.chunk_slot(i) for i in range(n_params)]
+    gather_out = [unsharded.padded_param(i) for i in range(n_params)]
+    pieces = layout.rank_major_pieces()  # as ParamGroup uses them
+    unpack_offsets = [offset for _, _, _, offset in pieces]
+    unpack_outs = [unsharded.padded_param(i)[first : first + n] for i, first, n, _ in pieces]
+    table = torch.tensor(pieces, dtype=torch.int64)
     grads = [torch.randn(shape, device=device).to(DTYPE) for shape in shapes]
     packed = torch.empty(layout.rank_major_numel, dtype=torch.float32, device=device)
-    reduced = torch.empty(S, dtype=torch.float32, device=device)
-    padded = [torch.randn(world * s.chunk_numel, device=device) for s in slots]
-    grouped_reduced = [reduced[s.shard_offset:][: s.chunk_numel] for s in slots]
-
-    table = torch.tensor([[slots.index(s), layout.local_rows(s, r)[0] * s.row_numel, layout.local_numel(s, r),
-                           r * S + s.shard_offset] for s, r in pieces], dtype=torch.int64)
+    reduced = FlatBuffer(layout, torch.float32, device, rank=rank)
+    padded = [torch.randn(world * s.chunk_numel, device=device) for s in layout.slots]
+    grouped_reduced = [reduced.chunk_slot(i) for i in range(n_params)]
 
     def pack_into(out):  # as ParamGroup.pack_grads: rank-major, cast to fp32, scaled
         _native.pack_pieces(grads, table, out, 1.0 / world)
 
     def flat_gather_unpack():
-        _all_gather_flat(rank_major, shard, group=group)
+        _all_gather_flat(rank_major, shard.data, group=group)
         _native.unpack(rank_major, unpack_offsets, unpack_outs)
 
     def pack_reduce():
         pack_into(packed)
-        _reduce_scatter_flat(reduced, packed, group=group)
+        _reduce_scatter_flat(reduced.data, packed, group=group)
 
     def grouped_reduce():
         group.reduce_scatter_tensor_coalesced(grouped_reduced, padded).wait()
 
     cases = {
         "AG grouped per parameter": lambda: comm.all_gather_into(gather_out, gather_in, group),
-        "AG flat": lambda: _all_gather_flat(rank_major, shard, group=group),
+        "AG flat": lambda: _all_gather_flat(rank_major, shard.data, group=group),
         "AG flat + unpack": flat_gather_unpack,
         "RS pack + flat": pack_reduce,
-        "RS flat": lambda: _reduce_scatter_flat(reduced, packed, group=group),
+        "RS flat": lambda: _reduce_scatter_flat(reduced.data, packed, group=group),
         "RS grouped per parameter": grouped_reduce,
     }
     if symmetric is not None:
@@ -425,7 +425,7 @@ def unit_cases(shapes, group, device, rank, world, symmetric=None) -> dict:
         s_packed, s_reduced = symmetric.reduce_scatter_buffers(layout.rank_major_numel, torch.float32)
 
         def symmetric_gather():
-            slot.copy_(shard)
+            slot.copy_(shard.data)
             symmetric.all_gather_in_place(stage, slot)
             _native.unpack(stage, unpack_offsets, unpack_outs)
 
@@ -434,7 +434,7 @@ def unit_cases(shapes, group, device, rank, world, symmetric=None) -> dict:
             symmetric.reduce_scatter_into(s_reduced, s_packed)
 
         cases.update({"AG symmetric + unpack": symmetric_gather, "RS symmetric pack + flat": symmetric_reduce})
-    return layout.unsharded_numel * DTYPE.itemsize / MiB, len(slots), cases
+    return layout.unsharded_numel * DTYPE.itemsize / MiB, n_params, cases
 
 
 UNIT_METHODS = ("AG grouped per parameter", "AG flat", "AG flat + unpack", "AG symmetric + unpack", "RS pack + flat",

@@ -77,9 +77,9 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
             continue
         prefix = f"{prefix}." if prefix else ""
         for g in m._mfsdp_unit.groups:
-            full = g.gather_full(g.main_weight.data)
-            for slot, info in zip(g.layout.slots, g.infos):
-                value = slot.view(full).clone()
+            full = g.gather_full(g.main_weight)
+            for i, info in enumerate(g.infos):
+                value = full.param_view(i).clone()
                 for place in info.places:
                     out[prefix + place.fqn] = value
     for name, p in module.named_parameters(remove_duplicate=False):

@@ -98,6 +98,14 @@ class FlatLayout:
         r0, r1 = self.local_rows(slot, rank)
         return (r1 - r0) * slot.row_numel
 
+    def rank_major_pieces(self) -> list[tuple[int, int, int, int]]:
+        """Every rank's rows of every parameter as (parameter, first element in it, element count, offset in the
+        rank-major buffer): where packing copies gradients before the flat reduce-scatter, and where unpacking
+        copies a flat rank-major gather into the param-major buffer (at ``unsharded_offset + first``)."""
+        S = self.shard_numel
+        return [(i, self.local_rows(s, r)[0] * s.row_numel, self.local_numel(s, r), r * S + s.shard_offset)
+                for i, s in enumerate(self.slots) for r in range(self.world_size) if self.local_numel(s, r) > 0]
+
     def local_segments(self, rank: int) -> list[tuple[int, int]]:
         """Per parameter, [start, end) of the rows ``rank`` holds in its shard: the segment table of the FP8
         kernels (sorted, non-overlapping; a parameter with no rows here is the empty row (start, start))."""

@@ -110,24 +110,19 @@ class ParamGroup:
     # ------------------------------------------------------------------ setup
     def _plan_copies(self) -> None:
         """Index lists the collectives reuse on every call (they depend on the layout and the rank only)."""
-        layout, S = self.layout, self.layout.shard_numel
+        layout = self.layout
         self._gathered = [i for i, s in enumerate(layout.slots) if s.chunk_numel > 0]  # nothing to gather if empty
         self._shard_offsets = [layout.slots[i].shard_offset for i in self._gathered]
-        # every rank's rows of every parameter: (parameter, first element, count, offset in the rank-major buffer)
-        self._pieces = [(i, layout.local_rows(s, r)[0] * s.row_numel, layout.local_numel(s, r), r * S + s.shard_offset)
-                        for i, s in enumerate(layout.slots) for r in range(self.world) if layout.local_numel(s, r) > 0]
+        self._pieces = layout.rank_major_pieces()
         self._grad_pieces = torch.tensor(self._pieces, dtype=torch.int64).reshape(-1, 4)  # pack_pieces' table
         self._rank_major_offsets = [offset for _, _, _, offset in self._pieces]
 
     def _plan_views(self) -> None:
         """Views of the buffers that the collectives read and write (valid across free/alloc of the storage)."""
-        source = self.gather_source()
-        self._gather_inputs = [source[s.shard_offset : s.shard_offset + s.chunk_numel]
-                               for s in (self.layout.slots[i] for i in self._gathered)]
+        self._gather_inputs = [self.gather_source().chunk_slot(i) for i in self._gathered]
         self._gather_outputs = [self.unsharded.padded_param(i) for i in self._gathered]
         self._my_unsharded_slots = [self.unsharded.chunk_slot(i, self.rank) for i in self._gathered]
-        self._unsharded_pieces = [self.unsharded.data[self.layout.slots[i].unsharded_offset + first:][:n]
-                                  for i, first, n, _ in self._pieces]
+        self._unsharded_pieces = [self.unsharded.padded_param(i)[first : first + n] for i, first, n, _ in self._pieces]
 
     def local_rows(self, i: int, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of parameter i (torch.chunk's split), out of its full tensor (a view, detached)."""
@@ -227,8 +222,9 @@ class ParamGroup:
         self._synced_version = self.weights_version()
         self.stats.weight_syncs += 1
 
-    def gather_source(self) -> torch.Tensor:
-        return (self.model_weight if self.model_weight is not None else self.main_weight).data
+    def gather_source(self) -> FlatBuffer:
+        """The shard the all-gather sends: the compute-dtype copy, or the main weight when no cast is needed."""
+        return self.model_weight if self.model_weight is not None else self.main_weight
 
     def all_gather(self, symmetric: "comm.SymmetricCollectives | None" = None) -> None:
         """Gather every rank's model-weight shard into the param-major unsharded buffer: one all-gather per
@@ -260,18 +256,17 @@ class ParamGroup:
             _native.cast(self.main_weight.data, out)
             self.stats.weight_syncs += 1
         else:
-            out.copy_(self.gather_source())
+            out.copy_(self.gather_source().data)
 
-    def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
-        """A new param-major buffer assembled from every rank's ``shard`` (shard layout; a collective over the
-        shard group). ``layout.slots[i].view(result)`` is parameter i."""
-        full = torch.empty(self.layout.unsharded_numel, dtype=shard.dtype, device=shard.device)
+    def gather_full(self, shard: FlatBuffer) -> FlatBuffer:
+        """A new param-major buffer assembled from every rank's ``shard`` (a collective over the shard group);
+        its ``param_view(i)`` is parameter i."""
+        full = FlatBuffer(self.layout, shard.dtype, shard.data.device)
         if self.world == 1:
-            full.copy_(shard)
-            return full
-        slots = [self.layout.slots[i] for i in self._gathered]
-        comm.all_gather_into([full[s.unsharded_offset :][: self.world * s.chunk_numel] for s in slots],
-                             [shard[s.shard_offset :][: s.chunk_numel] for s in slots], self.shard_group)
+            full.data.copy_(shard.data)
+        else:
+            comm.all_gather_into([full.padded_param(i) for i in self._gathered],
+                                 [shard.chunk_slot(i) for i in self._gathered], self.shard_group)
         return full
 
     def free_unsharded(self) -> None:
