@@ -38,8 +38,9 @@ def register_state_dict_hooks(module: nn.Module, groups: list[ParamGroup]) -> No
                     if isinstance(value, DTensor):
                         g.watch_alias(value._local_tensor)
 
-    holders = {id(place.module): place.module for g in groups for info in g.infos for place in info.places}
-    for m in [module, *holders.values()]:  # as FSDP2: also when a submodule's state_dict() is called directly
+    holders = {id(module): module}  # as FSDP2, also the modules holding the parameters: their own state_dict()
+    holders.update((id(place.module), place.module) for g in groups for info in g.infos for place in info.places)
+    for m in holders.values():
         m.register_state_dict_pre_hook(use_sharded_params)
         m.register_load_state_dict_pre_hook(use_sharded_params)
     module.register_state_dict_post_hook(watch_returned_shards)
@@ -59,9 +60,7 @@ def _full_tensors_to_local_chunks(groups: list[ParamGroup]):
                     value = state_dict.get(key)
                     if value is None or isinstance(value, DTensor) or value.shape != info.shape:
                         continue  # absent, already sharded, or wrong (nn.Module reports the size mismatch)
-                    local = g.local_rows(i, value).to(g.device, g.dtype)
-                    state_dict[key] = DTensor.from_local(local, g.mesh, g.placements(), run_check=False,
-                                                         shape=info.shape, stride=info.sharded.stride())
+                    state_dict[key] = g.as_dtensor(i, g.local_rows(i, value).to(g.device, g.dtype))
 
     return hook
 

@@ -126,7 +126,7 @@ class FsdpUnit:
                     if ctx.weight_sync_allowed() or g._synced_version is None:
                         with ctx.nvtx(f"mfsdp.weight_sync {self.name}"):
                             g.sync_model_weight()
-                    g.all_gather(ctx.symmetric)
+                    g.all_gather(ctx.symmetric if g.use_symm_all_gather else None)
                     self.gathered_versions[i] = g.weights_version()
                 if ctx.is_cuda:
                     self.unshard_event = ctx.ag_stream.record_event()

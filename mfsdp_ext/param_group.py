@@ -145,15 +145,16 @@ class ParamGroup:
             return (Replicate(), Shard(0))  # HSDP
         return (Shard(0),) if self.shard_group is not None else (Replicate(),)  # no_shard: replicated
 
-    def _as_dtensor(self, buffer: FlatBuffer, i: int) -> DTensor:
-        """Parameter i's rows in a shard-layout buffer, as the DTensor they are: this rank's torch.chunk rows."""
+    def as_dtensor(self, i: int, local: torch.Tensor) -> DTensor:
+        """``local`` (this rank's torch.chunk rows of parameter i) as the DTensor it is."""
         shape = self.infos[i].shape
-        return DTensor.from_local(buffer.param_view(i), self.mesh, self.placements(), run_check=False, shape=shape,
+        return DTensor.from_local(local, self.mesh, self.placements(), run_check=False, shape=shape,
                                   stride=_contiguous_stride(shape))
 
     def _make_params(self) -> None:
         for i, info in enumerate(self.infos):
-            info.sharded = nn.Parameter(self._as_dtensor(self.main_weight, i), requires_grad=self.requires_grad)
+            info.sharded = nn.Parameter(self.as_dtensor(i, self.main_weight.param_view(i)),
+                                        requires_grad=self.requires_grad)
             info.unsharded = nn.Parameter(self.unsharded.param_view(i), requires_grad=self.requires_grad)
         self._plan_views()
 
@@ -230,14 +231,14 @@ class ParamGroup:
         """Gather every rank's model-weight shard into the param-major unsharded buffer: one all-gather per
         parameter, issued as one group, each landing at the parameter's place (no copy-in, no copy-out).
 
-        ``symmetric``: gather the flat shard through the NCCL symmetric-memory stage instead (use_symm_mem; NCCL
-        runs its symmetric kernels for one collective per group only) and unpack the rank-major result into place
-        with one native copy."""
+        ``symmetric`` (passed by the caller where use_symm_mem chose it for this group): gather the flat shard
+        through the NCCL symmetric-memory stage instead (NCCL runs its symmetric kernels for one collective per
+        group only) and unpack the rank-major result into place with one native copy."""
         self.unsharded.alloc()
         with torch.autograd._unsafe_preserve_version_counter(self.unsharded.data):
             if self.world == 1:  # one rank: the shard layout is the unsharded layout
                 self._write_shard(self.unsharded.data)
-            elif symmetric is not None and self.use_symm_all_gather:
+            elif symmetric is not None:
                 stage, slot = symmetric.all_gather_buffers(self.layout.shard_numel, self.compute_dtype)
                 self._write_shard(slot)
                 symmetric.all_gather_in_place(stage, slot)
@@ -306,7 +307,7 @@ class ParamGroup:
     def attach_grads(self) -> None:
         for i, info in enumerate(self.infos):
             if info.sharded_grad is None:
-                info.sharded_grad = self._as_dtensor(self.main_grad, i)
+                info.sharded_grad = self.as_dtensor(i, self.main_grad.param_view(i))
             if info.sharded.grad is not info.sharded_grad:
                 info.sharded.grad = info.sharded_grad
 

@@ -78,13 +78,9 @@ def _measure(symmetric: comm.SymmetricCollectives, g: ParamGroup) -> tuple[bool,
     """Time the group's own all-gather both ways (the symmetric one with its copy into the stage and its unpack
     into place) and, if it has gradients, the reduce-scatter of its packed gradients both ways."""
 
-    def gather(path):
-        g.use_symm_all_gather = path is not None
-        g.all_gather(path)
-
-    stats = dataclasses.replace(g.stats)
-    times = [comm.time_collective(lambda: gather(None)), comm.time_collective(lambda: gather(symmetric))]
-    g.stats, g.use_symm_all_gather = stats, False
+    stats = dataclasses.replace(g.stats)  # timing runs are not the model's gathers
+    times = [comm.time_collective(lambda: g.all_gather(None)), comm.time_collective(lambda: g.all_gather(symmetric))]
+    g.stats = stats
     g.free_unsharded()
     if g.requires_grad:
         rank_major, shard = g.layout.rank_major_numel, g.layout.shard_numel
