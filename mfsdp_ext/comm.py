@@ -9,8 +9,6 @@ torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``*
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 import torch.distributed as dist
 
@@ -21,21 +19,21 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def all_gather_into(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+def all_gather_into(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     """outputs[i] (world * n_i) <- every rank's inputs[i] (n_i) in rank order, for all i as one grouped collective,
     on the current stream. An input may be this rank's slot of its output (in place)."""
     if len(inputs) == 1:
         _all_gather_flat(outputs[0], inputs[0], group=group)
-    elif _lacks_grouped_all_gather(group):
+    elif _gloo_lacks(_probe_grouped_all_gather, group):
         for output, input in zip(outputs, inputs):
             _all_gather_flat(output, input, group=group)
     else:
-        group.allgather_into_tensor_coalesced(list(outputs), list(inputs)).wait()
+        group.allgather_into_tensor_coalesced(outputs, inputs).wait()
 
 
 def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
     """output (n) <- SUM over ranks of this rank's n-element slice of input (world * n)."""
-    if _gloo_lacks_reduce_scatter(group):
+    if _gloo_lacks(_probe_reduce_scatter, group):
         dist.all_reduce(input, group=group)
         rank = dist.get_rank(group)
         output.copy_(input[rank * output.numel() : (rank + 1) * output.numel()])
@@ -47,45 +45,32 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.
     dist.all_reduce(tensor, op=op, group=group)
 
 
-_GROUPED_AG_SUPPORT: dict[int, bool] = {}
-
-
-def _lacks_grouped_all_gather(group: dist.ProcessGroup) -> bool:
-    """Some gloo builds have no grouped all-gather (NCCL always has): probe once per group, then gather the
-    tensors one after another there."""
-    supported = _GROUPED_AG_SUPPORT.get(id(group))
-    if supported is None:
-        supported = dist.get_backend(group) != "gloo" or _probe_grouped_all_gather(group)
-        _GROUPED_AG_SUPPORT[id(group)] = supported
-    return not supported
-
-
-def _probe_grouped_all_gather(group: dist.ProcessGroup) -> bool:
+def _probe_grouped_all_gather(group: dist.ProcessGroup) -> None:
     world = dist.get_world_size(group)
-    try:
-        group.allgather_into_tensor_coalesced([torch.zeros(world), torch.zeros(world)],
-                                              [torch.zeros(1), torch.zeros(1)]).wait()
-        return True
-    except (RuntimeError, NotImplementedError, AttributeError):
-        return False
+    group.allgather_into_tensor_coalesced([torch.zeros(world), torch.zeros(world)],
+                                          [torch.zeros(1), torch.zeros(1)]).wait()
 
 
-_GLOO_RS_SUPPORT: dict[int, bool] = {}
+def _probe_reduce_scatter(group: dist.ProcessGroup) -> None:
+    _reduce_scatter_flat(torch.zeros(1), torch.zeros(dist.get_world_size(group)), group=group)
 
 
-def _gloo_lacks_reduce_scatter(group: dist.ProcessGroup) -> bool:
-    """Older gloo builds have no flat reduce-scatter; probe once per group."""
-    if dist.get_backend(group) != "gloo":
-        return False
-    key = id(group)
-    if key not in _GLOO_RS_SUPPORT:
-        world = dist.get_world_size(group)
-        try:
-            _reduce_scatter_flat(torch.zeros(1), torch.zeros(world), group=group)
-            _GLOO_RS_SUPPORT[key] = True
-        except (RuntimeError, NotImplementedError):
-            _GLOO_RS_SUPPORT[key] = False
-    return not _GLOO_RS_SUPPORT[key]
+_GLOO_SUPPORT: dict[tuple, bool] = {}  # (probe, id(group)) -> whether gloo ran it
+
+
+def _gloo_lacks(probe, group: dist.ProcessGroup) -> bool:
+    """Some gloo builds lack a grouped all-gather or a flat reduce-scatter (NCCL has both): run the small probe
+    collective once per group (every rank does, in the same order), then take the fallback where it failed."""
+    key = (probe, id(group))
+    if key not in _GLOO_SUPPORT:
+        supported = True
+        if dist.get_backend(group) == "gloo":
+            try:
+                probe(group)
+            except (RuntimeError, NotImplementedError, AttributeError):
+                supported = False
+        _GLOO_SUPPORT[key] = supported
+    return not _GLOO_SUPPORT[key]
 
 
 class SymmetricCollectives:
