@@ -14,8 +14,10 @@ import torch.nn as nn
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 from mfsdp_ext.checkpoint import full_state_dict
 
+from . import test_checkpoint as ck
 from . import test_fully_shard as fs
 from . import test_strategies as st
+from .conftest import get_pool
 from .models import Block, TinyLM, rank_device, rel_err, run_profiled, shard_tiny_lm, train
 
 pytestmark = pytest.mark.gpu
@@ -60,8 +62,6 @@ def test_weight_sync_once_per_step(gpu_pool):
 
 
 def test_hsdp_2x2():
-    from .conftest import get_pool
-
     print(get_pool(4, "nccl").run(st._case_hsdp, 3)[0])
 
 
@@ -261,9 +261,6 @@ def test_symm_mem_kernels(gpu_pool, use_symm_mem):
 
 # ----------------------------------------------------------------------------------------------- checkpoints
 def test_checkpoint_resume_bit_exact(tmp_path):
-    from . import test_checkpoint as ck
-    from .conftest import get_pool
-
     pool = get_pool(2, "nccl")
     pool.run(ck._case_save, str(tmp_path))
     pool.restart()  # fresh processes load the checkpoint
@@ -272,42 +269,29 @@ def test_checkpoint_resume_bit_exact(tmp_path):
 
 @pytest.mark.parametrize("saved_on,loaded_on", [(2, 1), (1, 2), (2, 4), (4, 2)])
 def test_checkpoint_reshard(tmp_path, saved_on, loaded_on):
-    from . import test_checkpoint as ck
-    from .conftest import get_pool
-
     get_pool(saved_on, "nccl").run(ck._case_save_for_reshard, str(tmp_path))
     print(get_pool(loaded_on, "nccl").run(ck._case_load_resharded, str(tmp_path))[0])
 
 
 @pytest.mark.parametrize("saved_by,loaded_by", [("fsdp2", "ours"), ("ours", "fsdp2")])
 def test_checkpoint_interop_with_fsdp2(gpu_pool, tmp_path, saved_by, loaded_by):
-    from . import test_checkpoint as ck
-
     gpu_pool.run(ck._case_save, str(tmp_path), saved_by)
     print(gpu_pool.run(ck._case_resume, str(tmp_path), loaded_by, 1e-6, saved_by)[0])
 
 
 def test_full_state_dicts(gpu_pool, tmp_path):
-    from . import test_checkpoint as ck
-
     print(gpu_pool.run(ck._case_full_state_dicts, str(tmp_path))[0])
 
 
 def test_dcp_load_in_place(gpu_pool, tmp_path):
-    from . import test_checkpoint as ck
-
     gpu_pool.run(ck._case_dcp_load_in_place, str(tmp_path))
 
 
 def test_dtensor_semantics_match_fsdp2(gpu_pool):
-    from . import test_checkpoint as ck
-
     print(gpu_pool.run(ck._case_dtensor_semantics_match_fsdp2)[0])
 
 
 def test_hf_llama_resume(gpu_pool, tmp_path):
     """The issue's repro: a HuggingFace LlamaForCausalLM checkpointed the torchtitan way resumes bit-exactly."""
-    from . import test_checkpoint as ck
-
     pytest.importorskip("transformers")
     print(gpu_pool.run(ck._case_hf_llama_resume, str(tmp_path))[0])
