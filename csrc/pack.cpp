@@ -211,14 +211,15 @@ void pack_pieces(const std::vector<std::optional<at::Tensor>>& tensors, const at
   const int64_t out_bytes = total * out.element_size();
   const int64_t n = pieces.size(0);
   const int64_t* row = pieces.data_ptr<int64_t>();
-  std::vector<const void*> data(tensors.size(), nullptr);  // each present tensor's contiguous data, once
+  std::vector<const void*> data(tensors.size(), nullptr);  // each present tensor's contiguous data and dtype, once
+  std::vector<DType> dtypes(tensors.size(), kF32);
   std::vector<at::Tensor> keep;
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (!tensors[i].has_value() || !tensors[i]->defined()) continue;
     const at::Tensor& t = *tensors[i];
     TORCH_CHECK_VALUE(t.device() == out.device(), "mfsdp_ext.pack_pieces: tensors[", i, "] is on ", t.device(),
                 " but out is on ", out.device());
-    tensor_dtype(t, fn, "tensors", i);
+    dtypes[i] = tensor_dtype(t, fn, "tensors", i);
     if (t.numel() > 0 && !out.is_meta()) {
       data[i] = contiguous_data(t, keep);
       TORCH_CHECK_VALUE(!bytes_overlap(data[i], t.numel() * t.element_size(), out_ptr, out_bytes),
@@ -239,7 +240,7 @@ void pack_pieces(const std::vector<std::optional<at::Tensor>>& tensors, const at
                 first, ", ", first + len, ") of tensors[", t, "], which has ", src.numel(), " elements");
     if (len == 0) continue;
     const char* src_ptr = static_cast<const char*>(data[t]) + first * src.element_size();
-    items.push_back(Item{off, len, static_cast<size_t>(k), src_ptr, tensor_dtype(src, fn, "tensors", t)});
+    items.push_back(Item{off, len, static_cast<size_t>(k), src_ptr, dtypes[t]});
   }
   pack_items(items, out, scale, fn, "pieces");
 }
