@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from mfsdp_ext import _native as N  # noqa: E402
-from mfsdp_ext.layout import ALIGN_ELEMS, _align_up  # noqa: E402
+from mfsdp_ext.layout import ALIGN_ELEMS, align_up  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 DEVICE = "cuda"  # --device cpu: a smoke test of this script on a machine without a GPU (numbers meaningless)
@@ -175,7 +175,7 @@ def _bench_pack(n: int, reps: int, t_copy: float, align: int = 1) -> tuple[list[
     tensors = [torch.randn(s, device=DEVICE) for s in sizes]
     offsets, cur = [], 0
     for s in sizes:
-        cur = _align_up(cur, align)
+        cur = align_up(cur, align)
         offsets.append(cur)
         cur += s
     flat = torch.empty(cur, device=DEVICE)

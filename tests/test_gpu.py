@@ -195,7 +195,8 @@ def _case_symm_auto():
     a = train(plain, 3, 24, sharded=True)
     b = train(auto, 3, 24, sharded=True)
     ctx = auto._mfsdp_unit.context
-    chosen = [(g.use_symm_all_gather, g.use_symm_reduce_scatter) for u in ctx.units for g in u.groups]
+    chosen = [(g.all_gather_op.name == "symmetric", g.reduce_scatter_op.name == "symmetric")
+              for u in ctx.units for g in u.groups]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, chosen)
     assert all(c == chosen for c in everyone), everyone
