@@ -2,7 +2,8 @@
 
 On CUDA the all-gather and reduce-scatter run on side streams ordered by events; on CPU every call here is a
 no-op (there is one program order), so the callers have no device branches. Labels are ``record_function``
-ranges: they show in the PyTorch profiler on both devices (and in Nsight under ``emit_nvtx``).
+ranges, made only while a profiler records: they show in the PyTorch profiler on both devices (and in Nsight
+under ``emit_nvtx``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Optional
 
 import torch
 from torch.profiler import record_function
+
+_profiler_enabled = torch._C._autograd._profiler_enabled  # also true under emit_nvtx (Nsight)
 
 
 class DeviceHandle:
@@ -52,4 +55,5 @@ class DeviceHandle:
 
     @staticmethod
     def label(name: str) -> contextlib.AbstractContextManager:
-        return record_function(name)
+        """A named range while a profiler records (a few microseconds each, so none otherwise)."""
+        return record_function(name) if _profiler_enabled() else contextlib.nullcontext()
