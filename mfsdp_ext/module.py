@@ -165,12 +165,15 @@ class FsdpUnit:
         self.training_state = TrainingState.FORWARD
         self.unshard()
         self.wait_unshard()
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        args, kwargs = self._hook_post_backward(args, kwargs)
+        # Prefetch last, right before this unit computes: the next gather then overlaps this unit's kernels
+        # rather than the host's work in this hook.
         nxt = ctx.next_in_forward(self)
         if nxt is not None and nxt is not self:
             nxt.unshard()
-        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
-        return self._hook_post_backward(args, kwargs)
+        return args, kwargs
 
     def post_forward(self, module, args, output):
         ctx = self.context
