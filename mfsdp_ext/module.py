@@ -45,6 +45,12 @@ class Strategy(str, Enum):
         return self in (Strategy.OPTIM_GRADS, Strategy.OPTIM_GRADS_PARAMS)
 
 
+def _autograd_is_running() -> bool:
+    """Whether a backward is executing now. Asked only when the root's forward starts while the context is still
+    in backward, to tell a recompute of the whole root (inside the backward) from a backward that raised."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's forward inputs; its backward runs once the unit's own backward is complete."""
 
@@ -155,12 +161,18 @@ class FsdpUnit:
     # ------------------------------------------------------------------ forward hooks
     def pre_forward(self, module, args, kwargs):
         ctx = self.lazy_init()
+        if self.is_root and ctx.in_backward and not _autograd_is_running():
+            self._abandon_iteration()  # the last backward raised: its final callback never ran
         if ctx.in_backward:  # activation-checkpoint recompute: gather if needed, no prefetch, no reshard
             self.unshard()
             self.wait_unshard()
             return self._hook_post_backward(args, kwargs)
         if self.is_root and ctx.forward_order:
-            self._end_iteration()  # the previous forward had no backward (evaluation)
+            self._abandon_iteration()  # the last forward had no backward (evaluation) or raised
+        if self.is_root and ctx.explicit_microbatch and ctx.is_first_microbatch:
+            for unit in ctx.units:  # a new accumulation: nothing kept from a sequence that failed midway
+                for g in unit.groups:
+                    g.drop_unsharded_grads()
         ctx.record_forward(self)
         self.training_state = TrainingState.FORWARD
         self.unshard()
@@ -232,7 +244,7 @@ class FsdpUnit:
         self.training_state = TrainingState.POST_BACKWARD
         with self.context.device.label(f"mfsdp.reduce {self.name}"):
             for g in self.groups:
-                if g.requires_grad and g.has_unsharded_grads():
+                if g.has_unsharded_grads():
                     self._reduce(g)
         self.show_sharded_params()
 
@@ -264,6 +276,20 @@ class FsdpUnit:
             else:
                 unit.show_sharded_params()
         ctx.device.wait_stream(ctx.rs_stream)
+        self._end_iteration()
+
+    def _abandon_iteration(self) -> None:
+        """End an iteration whose backward did not complete (evaluation, or a forward or backward that raised):
+        gradients not yet reduced are dropped (the training loop zeroes the rest, as after any failed step) and
+        every unit is brought to rest, so the next iteration starts as if this one had not happened."""
+        ctx = self.context
+        for unit in ctx.units:
+            if unit.training_state is TrainingState.PRE_BACKWARD:
+                for g in unit.groups:
+                    g.drop_unsharded_grads()
+            unit.show_sharded_params()
+            unit.unshard_event = None
+        ctx.device.wait_stream(ctx.rs_stream)  # reductions the failed backward started
         self._end_iteration()
 
     def _end_iteration(self) -> None:

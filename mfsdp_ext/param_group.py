@@ -191,17 +191,26 @@ class ParamGroup:
 
     def use_unsharded_params(self) -> None:
         for info in self.infos:
+            if info.unsharded.requires_grad != info.sharded.requires_grad:
+                info.unsharded.requires_grad_(info.sharded.requires_grad)  # frozen (or unfrozen) after fully_shard
             for place in info.places:
                 place.module._parameters[place.name] = info.unsharded
 
+    def trainable(self) -> list[int]:
+        """Indices of the parameters that require grad now (the user may freeze some after fully_shard)."""
+        return [i for i, info in enumerate(self.infos) if info.sharded.requires_grad]
+
     # ------------------------------------------------------------------ weights
-    def weights_version(self) -> tuple[int, int, int]:
-        """Changes whenever the main weights may have changed: optimizer step, direct write, load. Frozen
-        groups get no gradients, so no optimizer step changes them: they are not re-cast and re-gathered."""
+    def weights_version(self) -> tuple[int, int, int, int]:
+        """Changes whenever the main weights may have changed: an optimizer step (its foreach kernels bump no
+        version counter, hence the step count), an in-place op on a parameter (a hand-written update, copy_:
+        the DTensor's own version counter), a write to the flat buffer (init, load), a load. Frozen groups get no
+        gradients, so no optimizer step changes them: they are not re-cast and re-gathered."""
         if self._aliases:
             self._count_alias_writes()
-        steps = _OptimizerSteps.count if self.requires_grad else 0
-        return (steps, self.main_weight.data._version, self._external_writes)
+        steps = _OptimizerSteps.count if self.trainable() else 0
+        params = sum(info.sharded._version for info in self.infos)
+        return (steps, params, self.main_weight.data._version, self._external_writes)
 
     def mark_main_weight_changed(self) -> None:
         self._external_writes += 1
@@ -292,8 +301,9 @@ class ParamGroup:
 
     def grads_attached(self) -> bool:
         """True when the optimizer-visible grads still hold the last accumulation (not zeroed to None)."""
+        infos = [self.infos[i] for i in self.trainable()]
         return self.main_grad is not None and all(
-            i.sharded_grad is not None and i.sharded.grad is i.sharded_grad for i in self.infos)
+            i.sharded_grad is not None and i.sharded.grad is i.sharded_grad for i in infos)
 
     def reduce_scatter(self, scale: float) -> torch.Tensor:
         """Pack the unsharded grads (times ``scale``) and reduce-scatter them over the shard group, with this
@@ -327,7 +337,9 @@ class ParamGroup:
         self.attach_grads()
 
     def attach_grads(self) -> None:
-        for i, info in enumerate(self.infos):
+        """The trainable parameters' .grad become views of main_grad (frozen ones get none)."""
+        for i in self.trainable():
+            info = self.infos[i]
             if info.sharded_grad is None:
                 info.sharded_grad = self.as_dtensor(i, self.main_grad.param_view(i))
             if info.sharded.grad is not info.sharded_grad:

@@ -1,0 +1,180 @@
+"""A failed step, freezing after fully_shard, hand-written updates: the model stays right (gloo ranks).
+
+A failed step is compared with a run of the same model that never took that step's batch: fp32, same code path,
+so the losses must be equal exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
+
+from .models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
+from .test_fully_shard import GLOBAL_BATCH, _compare_params
+
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def _raise(*args):
+    raise _Boom("this step fails")
+
+
+def _fail_in(model: TinyLM, where: str):
+    """A hook on the middle block that raises in its forward, or when the backward reaches its output (after the
+    last block has reduced its gradients)."""
+    if where == "forward":
+        return model.blocks[1].register_forward_hook(_raise)
+    def raise_on_grad(module, args, out) -> None:
+        out.register_hook(_raise)
+
+    return model.blocks[1].register_forward_hook(raise_on_grad)
+
+
+def _train_with_failures(model, steps: int, fail: dict[int, str], microbatches: int = 1) -> list[float]:
+    """AdamW on this rank's slice of each step's batch; fail[step] is "forward" or "backward" (that step raises
+    there, is caught on every rank and followed by zero_grad, as a training loop that skips a bad batch does)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(steps):
+        if fail.get(step) == "skip":  # the reference: this batch is never seen
+            losses.append(None)
+            continue
+        tokens, targets = batch(step, GLOBAL_BATCH, device=rank_device())
+        tokens, targets = tokens.chunk(world)[rank], targets.chunk(world)[rank]
+        total = torch.zeros((), device=rank_device())
+        try:
+            for i, (t, y) in enumerate(zip(tokens.chunk(microbatches), targets.chunk(microbatches))):
+                with microbatch(model, is_first=i == 0, is_last=i == microbatches - 1):
+                    fails_here = step in fail and i == microbatches // 2  # midway through the microbatches
+                    handle = _fail_in(model, fail[step]) if fails_here else None
+                    try:
+                        loss = lm_loss(model, t, y) / microbatches
+                        loss.backward()
+                    finally:
+                        if handle is not None:
+                            handle.remove()
+                total += loss.detach()
+        except _Boom:
+            opt.zero_grad()
+            losses.append(None)
+            continue
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(total)
+        losses.append((total / world).item())
+    return losses
+
+
+def _case_failed_step(where: str, microbatches: int, strategy: str):
+    torch.manual_seed(30)
+    base = TinyLM()
+    failing = shard_tiny_lm(copy.deepcopy(base), fully_shard, sharding_strategy=strategy)
+    clean = shard_tiny_lm(copy.deepcopy(base), fully_shard, sharding_strategy=strategy)
+    steps, failed_step = 5, 2
+    got = _train_with_failures(failing, steps, {failed_step: where}, microbatches)
+    # the clean run takes the same batches except the failed one: run it with the same step numbers
+    want = _train_with_failures(clean, steps, {failed_step: "skip"}, microbatches)
+    assert got[failed_step] is None
+    assert got == want, (got, want)
+    for m in failing.modules():  # at rest: sharded parameters, gathered storage freed, no stale grads
+        unit = getattr(m, "_mfsdp_unit", None)
+        if unit is not None and strategy == "optim_grads_params":
+            assert all(g.unsharded.nbytes() == 0 for g in unit.groups), unit.name
+            assert not any(g.has_unsharded_grads() for g in unit.groups), unit.name
+    return {"losses": got}
+
+
+def _case_freeze_after_fully_shard():
+    """requires_grad_(False) after fully_shard: no gradient, the weights unchanged, the rest trains as in one process."""
+    torch.manual_seed(31)
+    model = TinyLM(tie=False)
+    ref = copy.deepcopy(model).to(rank_device())
+    shard_tiny_lm(model, fully_shard)
+    for m in (model, ref):
+        m.blocks[0].fc1.weight.requires_grad_(False)
+        m.head.weight.requires_grad_(False)
+    frozen_before = {n: p.full_tensor().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    losses, ref_losses = _plain_steps(model, sharded=True), _plain_steps(ref, sharded=False)
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            assert p.grad is None, n
+            assert torch.equal(p.full_tensor(), frozen_before[n]), n
+    loss_err = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
+    param_err = _compare_params(model, ref)
+    assert loss_err <= 1e-5 and param_err <= 1e-5, (loss_err, param_err)
+    return {"loss_err": loss_err, "param_err": param_err}
+
+
+def _plain_steps(model, sharded: bool, steps: int = 4, update=None) -> list[float]:
+    """AdamW (or ``update(model)``) on the same global batches; a sharded model sees this rank's slice."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2) if update is None else None
+    rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
+    losses = []
+    for step in range(steps):
+        tokens, targets = batch(step, GLOBAL_BATCH, device=rank_device())
+        loss = lm_loss(model, tokens.chunk(world)[rank], targets.chunk(world)[rank])
+        loss.backward()
+        if update is None:
+            opt.step()
+            opt.zero_grad()
+        else:
+            update(model)
+        loss = loss.detach()
+        if sharded:
+            dist.all_reduce(loss)
+            loss /= world
+        losses.append(loss.item())
+    return losses
+
+
+def _case_hand_written_update():
+    """A hand-written SGD update (no torch.optim) under bf16 is seen by the next forward's cast: the same losses as
+    torch.optim.SGD(foreach=False), which performs the same in-place update."""
+    torch.manual_seed(32)
+    base = TinyLM()
+    by_hand = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=BF16)
+    with_optim = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=BF16)
+
+    @torch.no_grad()
+    def sgd(model):
+        for p in model.parameters():
+            p.add_(p.grad, alpha=-0.1)
+            p.grad = None
+
+    sgd_optim = torch.optim.SGD(with_optim.parameters(), lr=0.1, foreach=False)
+
+    def optim_step(model):
+        sgd_optim.step()
+        sgd_optim.zero_grad()
+
+    a = _plain_steps(by_hand, sharded=True, update=sgd)
+    b = _plain_steps(with_optim, sharded=True, update=optim_step)
+    assert a == b, (a, b)
+    return {"losses": a}
+
+
+# ----------------------------------------------------------------------------------------------- pytest
+
+@pytest.mark.parametrize("where,microbatches,strategy", [
+    ("backward", 1, "optim_grads_params"), ("forward", 1, "optim_grads_params"),
+    ("backward", 3, "optim_grads_params"), ("forward", 3, "optim_grads_params"), ("backward", 3, "optim")])
+def test_failed_step_leaves_model_usable(cpu_pool, where, microbatches, strategy):
+    print(cpu_pool.run(_case_failed_step, where, microbatches, strategy)[0])
+
+
+def test_freeze_after_fully_shard(cpu_pool):
+    print(cpu_pool.run(_case_freeze_after_fully_shard)[0])
+
+
+def test_hand_written_update_seen(cpu_pool):
+    print(cpu_pool.run(_case_hand_written_update)[0])
