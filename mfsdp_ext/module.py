@@ -23,6 +23,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .collectives import PLAIN_ALL_GATHER, PLAIN_REDUCE_SCATTER
+from . import summary
 from .context import FsdpContext
 from .mixed_precision import MixedPrecisionPolicy
 from .param_group import ParamGroup
@@ -75,7 +76,7 @@ class FsdpUnit:
 
     def __init__(self, module: nn.Module, name: str, groups: list[ParamGroup], strategy: Strategy,
                  reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy, device: torch.device,
-                 use_symm_mem: bool | str = False):
+                 use_symm_mem: bool | str = False, verbose: bool = False):
         self.module = module
         self.name = name or module.__class__.__name__
         self.groups = groups
@@ -84,6 +85,7 @@ class FsdpUnit:
         self.mp_policy = mp_policy
         self.device = device
         self.use_symm_mem = use_symm_mem  # False, True or "auto" (resolved at lazy init)
+        self.verbose = verbose  # the root prints the unit summary at its first forward
         self.context: Optional[FsdpContext] = None
         self.requires_gradient_sync = True
         self.training_state = TrainingState.IDLE
@@ -111,6 +113,8 @@ class FsdpUnit:
         for unit in units:
             unit.context = ctx
         ctx.symmetric = choose_symmetric(units)
+        if summary.wanted(self.verbose):
+            summary.print_summary(self.module, units)
         return ctx
 
     # ------------------------------------------------------------------ unshard / reshard

@@ -250,6 +250,32 @@ def _case_units_inside_checkpoint():
     return results
 
 
+def _case_unit_summary():
+    """fully_shard(root, verbose=True): one line per unit, named by module path, saying what it holds."""
+    import io
+    from contextlib import redirect_stdout
+
+    lines = {}
+    for strategy in ("optim_grads_params", "no_shard"):
+        model = TinyLM()
+        for blk in model.blocks:
+            fully_shard(blk, sharding_strategy=strategy)
+        fully_shard(model, sharding_strategy=strategy, verbose=True)
+        out = io.StringIO()
+        with redirect_stdout(out):
+            lm_loss(model, *batch(0, 4))
+        printed = out.getvalue().splitlines()
+        lines[strategy] = printed
+        if dist.get_rank() != 0:
+            assert printed == [], printed  # rank 0 prints
+            continue
+        assert len(printed) == 4 and printed[0].startswith("mfsdp_ext unit <root> (TinyLM)"), printed
+        assert any(line.startswith("mfsdp_ext unit blocks.2 (Block)") for line in printed), printed
+        held = f"over {dist.get_world_size()} ranks" if strategy != "no_shard" else "replicated"
+        assert all(held in line and strategy in line for line in printed), printed
+    return lines
+
+
 def _case_no_sync_accumulation():
     """FSDP2's idiom: set_requires_gradient_sync(False) until the last microbatch; one reduce per step."""
 
@@ -316,6 +342,10 @@ def test_recompute_no_extra_gathers(cpu_pool):
 
 def test_units_inside_checkpoint(cpu_pool):
     print(cpu_pool.run(_case_units_inside_checkpoint)[0])
+
+
+def test_unit_summary(cpu_pool):
+    print(cpu_pool.run(_case_unit_summary)[0])
 
 
 def test_no_sync_accumulation(cpu_pool):

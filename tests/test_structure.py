@@ -19,7 +19,7 @@ LAYERS = [
     ["symmetric.collectives"],
     ["symmetric.choose"],
     ["param_group"],
-    ["context"],
+    ["context", "summary"],
     ["module"],
     ["checkpoint"],
     ["shard_init"],
