@@ -80,24 +80,14 @@ def owned_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[ParamP
     stack = [("", module)]
     while stack:
         prefix, m = stack.pop(0)
+        if _is_fsdp2_module(m):
+            raise ValueError(f"fully_shard: '{prefix[:-1] or type(m).__name__}' was sharded by PyTorch FSDP2's "
+                             "fully_shard; one model takes one of the two: apply mfsdp_ext.fully_shard to every unit")
         for name, p in m._parameters.items():
             if p is None:
                 continue
             fqn = f"{prefix}{name}"
-            owner = _OWNER_NAMES.get(p)
-            if owner is not None:
-                raise ValueError(
-                    f"fully_shard: parameter '{fqn}' is shared with a module of an inner fully_shard unit "
-                    f"({owner}); tied parameters must belong to one unit: shard the module that "
-                    "contains every use of it, not the inner one")
-            if isinstance(p, DTensor):
-                raise ValueError(f"fully_shard: parameter '{fqn}' is already a DTensor (sharded by another API)")
-            if p.dim() == 0:
-                raise ValueError(f"fully_shard: parameter '{fqn}' is a 0-d scalar; rows cannot be sharded. "
-                                 "Store it with shape (1,) instead")
-            if not p.is_floating_point():
-                raise ValueError(f"fully_shard: parameter '{fqn}' has non-floating dtype {p.dtype}; only floating "
-                                 "parameters can be sharded (make it a buffer)")
+            _check_param(fqn, p, m)
             if id(p) in found:
                 found[id(p)][2].append(ParamPlace(m, name, fqn))
             else:
@@ -106,6 +96,34 @@ def owned_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[ParamP
             if child is not None and not isinstance(child, FsdpModule):
                 stack.append((f"{prefix}{child_name}.", child))
     return list(found.values())
+
+
+def _check_param(fqn: str, p: nn.Parameter, holder: nn.Module) -> None:
+    owner = _OWNER_NAMES.get(p)
+    if owner is not None:
+        raise ValueError(
+            f"fully_shard: parameter '{fqn}' is shared with a module of an inner fully_shard unit "
+            f"({owner}); tied parameters must belong to one unit: shard the module that "
+            "contains every use of it, not the inner one")
+    if isinstance(p, DTensor):
+        raise ValueError(f"fully_shard: parameter '{fqn}' is already a DTensor (sharded by another API)")
+    if p.dim() == 0:
+        raise ValueError(f"fully_shard: parameter '{fqn}' is a 0-d scalar; rows cannot be sharded. "
+                         "Store it with shape (1,) instead")
+    if not p.is_floating_point():
+        raise ValueError(f"fully_shard: parameter '{fqn}' has non-floating dtype {p.dtype}; only floating "
+                         "parameters can be sharded (make it a buffer)")
+    if getattr(holder, "sparse", False) and isinstance(holder, (nn.Embedding, nn.EmbeddingBag)):
+        raise ValueError(f"fully_shard: parameter '{fqn}' belongs to an embedding with sparse=True; sparse "
+                         "gradients cannot be reduce-scattered into flat shards: build it with sparse=False")
+
+
+def _is_fsdp2_module(m: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return False
+    return isinstance(m, FSDPModule)
 
 
 def move_buffers(module: nn.Module, device: torch.device) -> None:

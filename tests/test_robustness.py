@@ -163,6 +163,28 @@ def _case_hand_written_update():
     return {"losses": a}
 
 
+def _case_bad_input_errors():
+    """Inputs fully_shard cannot take are refused at once, with a message that says what to do."""
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    def refused(fn) -> str:
+        with pytest.raises(ValueError) as err:
+            fn()
+        return str(err.value)
+
+    msgs = {"sparse": refused(lambda: fully_shard(torch.nn.Embedding(10, 4, sparse=True)))}
+    assert "sparse=False" in msgs["sparse"], msgs
+    mixed = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    fsdp2_fully_shard(mixed[0])
+    msgs["fsdp2_inside"] = refused(lambda: fully_shard(mixed))
+    assert "FSDP2" in msgs["fsdp2_inside"] and "'0'" in msgs["fsdp2_inside"], msgs
+    complex_param = torch.nn.Linear(4, 4)
+    complex_param.weight = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.complex64))
+    msgs["complex"] = refused(lambda: fully_shard(complex_param))
+    assert "non-floating dtype torch.complex64" in msgs["complex"], msgs
+    return msgs
+
+
 # ----------------------------------------------------------------------------------------------- pytest
 
 @pytest.mark.parametrize("where,microbatches,strategy", [
@@ -178,3 +200,7 @@ def test_freeze_after_fully_shard(cpu_pool):
 
 def test_hand_written_update_seen(cpu_pool):
     print(cpu_pool.run(_case_hand_written_update)[0])
+
+
+def test_bad_input_errors(cpu_pool):
+    print(cpu_pool.run(_case_bad_input_errors)[0])
