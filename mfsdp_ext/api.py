@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import checkpoint, shard_init
+from .marks import is_marked
 from .mixed_precision import MixedPrecisionPolicy
 from .module import FsdpModule, FsdpUnit, Strategy
 from .param_group import ParamGroup
@@ -42,6 +43,8 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
         raise ValueError(f"use_symm_mem must be False, True or 'auto', got {use_symm_mem!r}")
     mesh, device, shard_group, replicate_group = shard_init.resolve_mesh(mesh, strategy)
     params = shard_init.owned_params(module)
+    if params and all(is_marked(p) for _, p, _ in params):
+        return module  # all no_shard: no unit, no hooks; the enclosing unit (the root's) holds them
     shard_init.check_same_on_all_ranks(module, params, mesh, device)
     shard_init.move_buffers(module, device)
     use_symm_mem = check_available(use_symm_mem, shard_group)

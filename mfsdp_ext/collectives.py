@@ -38,7 +38,9 @@ class PlainAllGather:
     name = "plain"
 
     def __call__(self, g: "ParamGroup") -> None:
-        if g.world == 1:  # one rank: the shard layout is the unsharded layout
+        if g.unsharded is g.main_weight:  # replicated, no cast: the module computes on the main weight
+            return
+        if g.world == 1:  # one rank or replicated: the shard layout is the unsharded layout
             g.write_shard(g.unsharded.data)
         elif g.cast_in_slot:  # no cached compute-dtype shard: cast into this rank's slots, gather in place
             g.cast_into_own_slots()

@@ -130,6 +130,8 @@ class FsdpUnit:
             return
         with ctx.device.label(f"mfsdp.unshard {self.name}"), ctx.device.use_stream(ctx.ag_stream):
             for i, g in enumerate(self.groups):
+                if g.replicated and self.gathered_versions[i] == g.weights_version():
+                    continue  # replicated groups stay gathered: refreshed only when their weights change
                 if ctx.weight_sync_allowed() or g._synced_version is None:
                     g.sync_model_weight()
                 g.all_gather()
@@ -257,14 +259,15 @@ class FsdpUnit:
         accumulating locally where the strategy defers the reduction to the last microbatch."""
         ctx = self.context
         last = self.requires_gradient_sync and ctx.is_last_microbatch
-        if not (self.requires_gradient_sync if self.strategy.reduces_every_microbatch else last):
+        every_microbatch = self.strategy.reduces_every_microbatch and not g.replicated
+        if not (self.requires_gradient_sync if every_microbatch else last):
             return
         replicas = dist.get_world_size(g.replicate_group) if g.replicate_group is not None else 1
         with ctx.device.use_stream(ctx.rs_stream):
             reduced = g.reduce_scatter(scale=1.0 / (g.world * replicas))  # pre-divide: no overflow in low precision
             for grad in g.drop_unsharded_grads():
                 ctx.device.record_stream(grad, ctx.rs_stream)  # autograd allocated it on the compute stream
-            defer_replicas = g.replicate_group is not None and self.strategy.reduces_every_microbatch
+            defer_replicas = g.replicate_group is not None and every_microbatch
             g.accumulate_reduced(reduced, defer_replicas, last)
 
     # ------------------------------------------------------------------ the root ends the iteration

@@ -82,6 +82,7 @@ class ParamGroup:
         self.mesh = mesh
         self.shard_group = shard_group
         self.replicate_group = replicate_group
+        self.replicated = shard_group is None  # no_shard: every rank holds every row; gathered once, kept
         self.world = dist.get_world_size(shard_group) if shard_group is not None else 1
         self.rank = dist.get_rank(shard_group) if shard_group is not None else 0
         self.device = device
@@ -102,7 +103,7 @@ class ParamGroup:
         self.cast_in_slot = needs_cast and not cache_model_weight  # cast at every gather, no cached copy
         self.model_weight = (FlatBuffer(self.layout, compute_dtype, storage_device, rank=self.rank)
                              if needs_cast and cache_model_weight else None)
-        self.unsharded = FlatBuffer(self.layout, compute_dtype, storage_device)
+        self.unsharded = self._make_unsharded(storage_device)
         self.main_grad = None  # allocated at the first reduction
         self.main_grad_replica_summed = False  # HSDP: main_grad holds a finished all-reduce over replicas
         self._synced_version = None  # weights_version() the model weight was cast from
@@ -113,9 +114,15 @@ class ParamGroup:
         self.all_gather_op: AllGather = PLAIN_ALL_GATHER
         self.reduce_scatter_op: ReduceScatter = PLAIN_REDUCE_SCATTER
         self._make_params()
-        self.unsharded.free()
+        self.free_unsharded()
 
     # ------------------------------------------------------------------ setup
+    def _make_unsharded(self, device: torch.device) -> FlatBuffer:
+        """The buffer the module computes with; a replicated group with no cast computes on its main weight."""
+        if self.replicated and self.compute_dtype == self.dtype:
+            return self.main_weight
+        return FlatBuffer(self.layout, self.compute_dtype, device)
+
     def _plan_copies(self) -> None:
         """Index lists the collectives reuse on every call (they depend on the layout and the rank only)."""
         layout = self.layout
@@ -177,11 +184,11 @@ class ParamGroup:
         self.main_weight.data.zero_()
         if self.model_weight is not None:
             self.model_weight = FlatBuffer(self.layout, self.compute_dtype, device, rank=self.rank)
-        self.unsharded = FlatBuffer(self.layout, self.compute_dtype, device)
+        self.unsharded = self._make_unsharded(device)
         self.on_meta = False
         self._synced_version = None
         self._make_params()
-        self.unsharded.free()
+        self.free_unsharded()
 
     # ------------------------------------------------------------------ parameter swapping
     def use_sharded_params(self) -> None:
@@ -279,7 +286,8 @@ class ParamGroup:
         return full
 
     def free_unsharded(self) -> None:
-        self.unsharded.free()
+        if not self.replicated:  # a replicated group keeps its gathered weights (its main weight, maybe)
+            self.unsharded.free()
 
     # ------------------------------------------------------------------ gradients
     def has_unsharded_grads(self) -> bool:

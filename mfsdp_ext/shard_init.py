@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .marks import is_marked
 from .mixed_precision import MixedPrecisionPolicy
 from .module import FsdpModule, Strategy
 from .param_group import ParamGroup, ParamPlace
@@ -40,15 +41,21 @@ def resolve_mesh(mesh: Optional[DeviceMesh], strategy: Strategy) -> tuple[Device
 
 def make_groups(module: nn.Module, params, mesh: DeviceMesh, device: torch.device, shard_group, replicate_group,
                 mp_policy: MixedPrecisionPolicy, strategy: Strategy) -> list[ParamGroup]:
-    """One ParamGroup per (dtype, requires_grad) of the parameters, which become the groups' DTensor shards."""
+    """One ParamGroup per (dtype, requires_grad, marked no_shard) of the parameters, which become the groups'
+    DTensor shards (a marked group: replicated over the mesh, as the no_shard strategy holds everything)."""
     groups = []
-    for (dtype, requires_grad), members in _group_by_kind(params).items():
+    for (dtype, requires_grad, marked), members in _group_by_kind(params).items():
+        replicated = marked and shard_group is not None
+        if replicated and mesh.ndim != 1:
+            raise ValueError(f"no_shard-marked parameters ({members[0][0]}, ...) on a 2-D (HSDP) mesh are not "
+                             "supported yet; leave them unmarked there")
         groups.append(ParamGroup(
             members, mesh, compute_dtype=mp_policy.compute_dtype(dtype),
             reduce_dtype=mp_policy.reduction_dtype(dtype), main_grad_dtype=mp_policy.main_grad_dtype
-            if dtype == torch.float32 else dtype, device=device, shard_group=shard_group,
-            replicate_group=replicate_group,
-            cache_model_weight=mp_policy.cache_model_weight and not strategy.keeps_weights_gathered))
+            if dtype == torch.float32 else dtype, device=device,
+            shard_group=None if replicated else shard_group,
+            replicate_group=mesh.get_group(0) if replicated else replicate_group,
+            cache_model_weight=mp_policy.cache_model_weight and not (strategy.keeps_weights_gathered or marked)))
     owner = type(module).__name__
     for _, p, _ in params:
         _OWNER_NAMES[p] = owner  # the original Parameter: a use of it outside this unit is caught later
@@ -141,7 +148,7 @@ def _group_by_kind(params):
     kinds: dict[tuple[torch.dtype, bool], list] = {}
     for item in params:
         p = item[1]
-        kinds.setdefault((p.dtype, p.requires_grad), []).append(item)
+        kinds.setdefault((p.dtype, p.requires_grad, is_marked(p)), []).append(item)
     return kinds
 
 

@@ -13,7 +13,7 @@ import pathlib
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mfsdp_ext"
 LAYERS = [
     ["_C"],
-    ["_native", "layout", "mixed_precision", "device", "states"],
+    ["_native", "layout", "mixed_precision", "device", "states", "marks"],
     ["flat_buffer", "dist_ops", "symmetric.comm"],
     ["collectives"],
     ["symmetric.collectives"],
