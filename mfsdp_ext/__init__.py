@@ -1,6 +1,7 @@
 """mfsdp_ext: fully sharded data parallel (ZeRO) for PyTorch, a drop-in for FSDP2's ``fully_shard``."""
 
 from .api import fully_shard, microbatch, reset_parameters
+from .fp8_linear import Fp8Linear, Fp8LinearConfig, to_fp8_linear
 from .mixed_precision import MixedPrecisionPolicy
 from .module import FsdpModule, Strategy
 
@@ -13,5 +14,5 @@ def build_info() -> dict:
 
 
 __all__ = ["fully_shard", "microbatch", "reset_parameters", "MixedPrecisionPolicy", "FsdpModule", "Strategy",
-           "build_info"]
+           "Fp8Linear", "Fp8LinearConfig", "to_fp8_linear", "build_info"]
 __version__ = "0.1.0"
