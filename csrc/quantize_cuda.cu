@@ -347,10 +347,12 @@ int launch_dependent(Kernel kernel, int blocks, cudaStream_t stream, Args... arg
   return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
 
+// elements one full wave holds (the smaller of the two FP8 outputs' occupancies)
 template <class In>
 int64_t fused_capacity_of() {
-  auto kernel = quant_fused_kernel<In, E4M3T>;  // same registers for both FP8 outputs
-  const int64_t blocks = static_cast<int64_t>(num_sms()) * blocks_per_sm(reinterpret_cast<const void*>(kernel));
+  const int b4 = blocks_per_sm(reinterpret_cast<const void*>(quant_fused_kernel<In, E4M3T>));
+  const int b5 = blocks_per_sm(reinterpret_cast<const void*>(quant_fused_kernel<In, E5M2T>));
+  const int64_t blocks = static_cast<int64_t>(num_sms()) * (b4 < b5 ? b4 : b5);
   return blocks * kThreads * kHold * static_cast<int64_t>(16 / sizeof(typename In::raw));
 }
 
