@@ -15,6 +15,7 @@ Variants (same weights, inputs and output gradients):
   ... W pre-quantized     the weight's FP8 form and transpose supplied (set_fp8_weight), as fully_shard will
                           gather it once per step: what training will run
   ... grad e4m3           the output gradient in e4m3 instead of the default e5m2 (speed is the same; accuracy)
+  ... fused quantizer     the quantizer's one-launch algorithm instead of the default two-pass one
   torch-ops fp8           the same GEMMs with the quantization written in torch ops (amax, scale, clamp,
                           .to(float8), .t().contiguous() for the transposed operands): the contrast
 Timing: CUDA events around each call, the GPU first held by a sleep kernel so host overhead does not show
@@ -105,6 +106,11 @@ def variants(k: int, n: int, device: str, weight: torch.Tensor) -> dict:
                 name = f"ours fp8, wgrad {wgrad}" + (", W pre-quantized" if pre else "") + \
                     (", grad e4m3" if grad == E4M3 else "")
                 out[name] = m
+    if device == "cuda":  # the one-launch quantizer in the variants training will run
+        for wgrad in ("fp8", "bf16"):
+            m = to_fp8_linear(linear(), config=Fp8LinearConfig(wgrad=wgrad, quantize_algo="fused"))
+            m.set_fp8_weight(quantize(m.weight.detach(), transpose=True))
+            out[f"ours fp8, wgrad {wgrad}, W pre-quantized, fused quantizer"] = m
     out["torch-ops fp8"] = linear(TorchOpsFp8Linear)
     return out
 

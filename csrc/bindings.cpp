@@ -71,7 +71,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_quantize", &mfsdp::fp8_quantize, release(), py::arg("src"), py::arg("dst"), py::arg("scale_inv"),
         py::arg("amax") = py::none(), py::arg("dst_t") = py::none(), py::arg("eps") = 1e-12, py::arg("algo") = 0);
   m.def("fp8_transpose", &mfsdp::fp8_transpose, release(), py::arg("src"), py::arg("dst"));
-  m.def("fp8_quantize_fused_capacity", &mfsdp::fp8_quantize_fused_capacity, py::arg("src"));
   m.def("check_segments", &mfsdp::check_segments, release(), py::arg("segments"), py::arg("total"));
   m.def("build_info", &build_info);
   mfsdp_register_symm_comm(m);

@@ -45,15 +45,12 @@ int grad_accumulate(void* main_grad, DType main_dtype, const void* reduced, DTyp
 
 // FP8 quantizer of one tensor with per-tensor current scaling (quantize_cuda.cu). dst[i] = saturate(src[i] *
 // scale) with scale = fp8_max / max(amax, eps) (1 for amax 0 / inf / NaN); scale_inv[0] = 1 / scale, amax[0] =
-// max |src| (amax may be null). dst_t (may be null, two-pass only): the (cols, rows) transpose of dst seen as
-// (numel / cols, cols). workspace: fp8_quantize_workspace_words() uint32 words on the device.
+// max |src| (amax may be null). dst_t (may be null): the (cols, rows) transpose of dst seen as
+// (numel / cols, cols). workspace: fp8_quantize_workspace_words() uint32 words on the device (two-pass).
+// algo: kQuantizeTwoPass or kQuantizeFused (two-pass under CUDA graph capture).
 constexpr int kQuantizeTwoPass = 1;
 constexpr int kQuantizeFused = 2;
 int64_t fp8_quantize_workspace_words();
-// largest numel the fused (cooperative, register-resident) algorithm takes for this source dtype on the current
-// device; it also needs src 16-byte and dst 8-byte (fp32 source: 4-byte) aligned (fp8_quantize_fused_fits)
-int64_t fp8_quantize_fused_capacity(DType in);
-bool fp8_quantize_fused_fits(const void* src, DType in, int64_t numel, const void* dst);
 int fp8_quantize(const void* src, DType in, int64_t numel, int64_t cols, void* dst, void* dst_t, DType out,
                  float* scale_inv, float* amax, float eps, int algo, uint32_t* workspace, void* stream);
 

@@ -102,8 +102,6 @@ void fp8_quantize(const at::Tensor& src, const at::Tensor& dst, const at::Tensor
   }
   TORCH_CHECK_VALUE(algo >= 0 && algo <= 2, "mfsdp_ext.fp8_quantize: algo must be 0 (auto), 1 (two-pass) or 2 "
                     "(fused), got ", algo);
-  TORCH_CHECK_VALUE(!(algo == 2 && has_t), "mfsdp_ext.fp8_quantize: algo 'fused' does not write the transpose; "
-                    "use 'auto' or 'two_pass' with dst_t");
   TORCH_CHECK_VALUE(std::isfinite(eps) && static_cast<float>(eps) > 0.0f,
                     "mfsdp_ext.fp8_quantize: eps must be a positive finite float32, got ", eps);
   if (src.is_meta()) return;
@@ -129,30 +127,12 @@ void fp8_quantize(const at::Tensor& src, const at::Tensor& dst, const at::Tensor
   }
 #ifdef MFSDP_WITH_CUDA
   c10::cuda::CUDAGuard guard(src.device());
-  if (algo == 2) {
-    TORCH_CHECK_VALUE(cuda::fp8_quantize_fused_fits(src.data_ptr(), sd, src.numel(), dst.data_ptr()),
-                      "mfsdp_ext.fp8_quantize: algo 'fused' keeps the tensor in registers: on this GPU it takes up to ",
-                      cuda::fp8_quantize_fused_capacity(sd), " elements of ", src.scalar_type(),
-                      " with src 16-byte and dst 8-byte aligned; got ", src.numel(), " elements (use 'auto')");
-  }
-  const int code = algo == 2 ? cuda::kQuantizeFused : cuda::kQuantizeTwoPass;  // auto: two-pass (see the .cu)
+  const int code = algo == 2 ? cuda::kQuantizeFused : cuda::kQuantizeTwoPass;  // auto: two-pass (quantize_cuda.cu)
   const at::Tensor workspace = at::empty({cuda::fp8_quantize_workspace_words()}, src.options().dtype(at::kInt));
   check_cuda(cuda::fp8_quantize(src.data_ptr(), sd, src.numel(), cols, dst.data_ptr(), dst_t_ptr, dd,
                                 scale_inv.data_ptr<float>(), amax_ptr, feps, code,
                                 reinterpret_cast<uint32_t*>(workspace.data_ptr<int32_t>()), cuda_stream(src)),
              fn);
-#endif
-}
-
-int64_t fp8_quantize_fused_capacity(const at::Tensor& src) {
-  const DType sd = float_dtype(src, "fp8_quantize_fused_capacity", "src");
-  if (!src.is_cuda()) return 0;
-#ifdef MFSDP_WITH_CUDA
-  c10::cuda::CUDAGuard guard(src.device());
-  return cuda::fp8_quantize_fused_capacity(sd);
-#else
-  (void)sd;
-  return 0;
 #endif
 }
 

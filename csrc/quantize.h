@@ -8,12 +8,10 @@
 
 namespace mfsdp {
 
-// algo: 0 auto, 1 two-pass, 2 fused (cooperative, CUDA only; an error where the tensor does not fit)
+// algo: 0 auto, 1 two-pass, 2 fused (one launch; CUDA only, two-pass under graph capture)
 void fp8_quantize(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& scale_inv,
                   const std::optional<at::Tensor>& amax, const std::optional<at::Tensor>& dst_t, double eps,
                   int64_t algo);
 void fp8_transpose(const at::Tensor& src, const at::Tensor& dst);
-// Largest number of elements of src's dtype that algo 'fused' takes on src's device (0 on the CPU).
-int64_t fp8_quantize_fused_capacity(const at::Tensor& src);
 
 }  // namespace mfsdp

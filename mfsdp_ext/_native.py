@@ -45,13 +45,12 @@ fp8_quantize(src, dst, scale_inv, amax=None, dst_t=None, eps=1e-12, algo="auto")
     dst's dtype): the transpose of the FP8 result with src seen as (rows, cols), cols = src's last dimension,
     shape (cols, rows), written in the same pass (what Hopper FP8 GEMMs want as a column-major operand).
     CUDA ``algo``: "two_pass" (two launches: per-block amax, then the cast, which re-reads the input from the
-    end so that the part still in L2 comes first), "fused" (one cooperative launch holding the tensor in
-    registers across a grid barrier; only for tensors that fit, no dst_t, else ValueError; its blocks wait for
-    each other, so SMs held by concurrent kernels such as NCCL's stall it), "auto" (two-pass). CPU: one way.
+    end so that the part still in L2 comes first), "fused" (one launch: tiles taken by an atomic ticket, each
+    block's first tile kept in registers while the amax is completed, the rest re-read; no grid barrier, so
+    nothing waits for SMs that other kernels hold; two-pass under CUDA graph capture), "auto" (two-pass for
+    now; benchmarks/kernels.py compares them). CPU: one way, the same bits.
 fp8_transpose(src, dst)
     dst = src.t() for a 2-D FP8 tensor: dst (cols, rows) contiguous, the same dtype.
-fp8_quantize_fused_capacity(src)
-    The largest numel algo "fused" takes for src's dtype on src's device (0 on the CPU).
 
 Segment tables: rows sorted and non-overlapping, ``0 <= start_i <= end_i <= src.numel()`` and
 ``end_{i-1} <= start_i``; an empty row is written ``(e, e)`` at its place in order (e.g. clipping each
@@ -172,12 +171,6 @@ def fp8_quantize(src: torch.Tensor, dst: torch.Tensor, scale_inv: torch.Tensor, 
 
 def fp8_transpose(src: torch.Tensor, dst: torch.Tensor) -> None:
     _C.fp8_transpose(src, dst)
-
-
-def fp8_quantize_fused_capacity(src: torch.Tensor) -> int:
-    """How many elements of src's dtype fp8_quantize(algo="fused") takes on src's device (0 on the CPU); it also
-    needs src 16-byte and dst 8-byte aligned."""
-    return int(_C.fp8_quantize_fused_capacity(src))
 
 
 def grad_accumulate(main_grad: torch.Tensor, reduced: torch.Tensor, scale: float, accumulate: bool) -> None:

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._native import QUANTIZE_ALGOS
 from .fp8_tensor import E4M3, E5M2, Fp8Tensor, quantize
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -50,12 +51,14 @@ class Fp8LinearConfig:
         (dy.T @ x in the input's dtype; keeps x for backward as nn.Linear does). Speed: benchmarks/fp8_linear.py.
     fast_accum: the forward GEMM's fast accumulation (as torchao; dgrad and wgrad always accumulate exactly).
     eps: amax floor of the scale, ``scale = fp8_max / max(amax, eps)``.
+    quantize_algo: the native quantizer's CUDA algorithm ("auto", "two_pass", "fused"; same bits).
     """
 
     grad_dtype: torch.dtype = E5M2
     wgrad: str = "fp8"
     fast_accum: bool = True
     eps: float = 1e-12
+    quantize_algo: str = "auto"
 
     def __post_init__(self):
         if self.grad_dtype not in (E4M3, E5M2):
@@ -65,6 +68,9 @@ class Fp8LinearConfig:
             raise ValueError(f"Fp8LinearConfig.wgrad must be one of {WGRAD_MODES}, got {self.wgrad!r}")
         if not self.eps > 0:
             raise ValueError(f"Fp8LinearConfig.eps must be positive, got {self.eps}")
+        if self.quantize_algo not in QUANTIZE_ALGOS:
+            raise ValueError(f"Fp8LinearConfig.quantize_algo must be one of {sorted(QUANTIZE_ALGOS)}, "
+                             f"got {self.quantize_algo!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,8 +149,10 @@ class _Fp8LinearFn(torch.autograd.Function):
                 need_dw: bool):
         x2 = x.reshape(-1, x.shape[-1])
         fp8_wgrad = need_dw and cfg.wgrad == "fp8"
-        xq = quantize(x2, E4M3, transpose=fp8_wgrad, eps=cfg.eps)  # x8t only for FP8 wgrad
-        w = fp8_weight if fp8_weight is not None else quantize(weight, E4M3, transpose=need_dx, eps=cfg.eps)
+        algo = cfg.quantize_algo
+        xq = quantize(x2, E4M3, transpose=fp8_wgrad, eps=cfg.eps, algo=algo)  # x8t only for FP8 wgrad
+        w = fp8_weight if fp8_weight is not None else quantize(weight, E4M3, transpose=need_dx, eps=cfg.eps,
+                                                                algo=algo)
         y = scaled_mm(xq.data, w.data.t(), xq.scale_inv, w.scale_inv, x.dtype, bias=bias, fast_accum=cfg.fast_accum)
         ctx.cfg, ctx.fp8_wgrad = cfg, fp8_wgrad
         ctx.need = (need_dx, need_dw, bias is not None and bias.requires_grad)
@@ -166,7 +174,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             dy2 = dy2.contiguous()
         dx = dw = db = None
         if need_dx or ctx.fp8_wgrad:
-            dyq = quantize(dy2, cfg.grad_dtype, transpose=ctx.fp8_wgrad, eps=cfg.eps)
+            dyq = quantize(dy2, cfg.grad_dtype, transpose=ctx.fp8_wgrad, eps=cfg.eps, algo=cfg.quantize_algo)
         if need_dx:
             w = ctx.w
             dx = scaled_mm(dyq.data, w.transposed().t(), dyq.scale_inv, w.scale_inv, ctx.x_dtype)

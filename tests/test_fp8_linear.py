@@ -288,6 +288,8 @@ def test_config_validation_and_exports():
         FL.Fp8LinearConfig(wgrad="fp16")
     with pytest.raises(ValueError, match="eps must be positive"):
         FL.Fp8LinearConfig(eps=0.0)
+    with pytest.raises(ValueError, match="quantize_algo must be one of"):
+        FL.Fp8LinearConfig(quantize_algo="cooperative")
     assert mfsdp_ext.Fp8Linear is FL.Fp8Linear and mfsdp_ext.Fp8LinearConfig is FL.Fp8LinearConfig
     assert mfsdp_ext.to_fp8_linear is FL.to_fp8_linear
 
@@ -330,3 +332,16 @@ def test_cuda_launches_per_call():
     assert len(bwd) == 4, bwd  # quantize dy with its transpose (2), dgrad, wgrad
     lin.set_fp8_weight(quantize(lin.weight.detach(), transpose=True))
     assert len(kernels(lambda: lin(x))) == 3, "a supplied FP8 weight must not be re-quantized"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")
+def test_cuda_quantizer_algorithms_give_identical_results():
+    lin, x, dy = make_case(1024, 1024, 2048, device="cuda")
+    FL.to_fp8_linear(lin)
+    results = []
+    for algo in ("two_pass", "fused"):
+        lin.fp8_config = FL.Fp8LinearConfig(quantize_algo=algo)
+        results.append(run(lin, x.requires_grad_(), dy))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
