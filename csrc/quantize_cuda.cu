@@ -301,21 +301,33 @@ __device__ __forceinline__ unsigned long long* ws_counter(uint32_t* ws, int i) {
   return reinterpret_cast<unsigned long long*>(ws) + i;
 }
 
-// thread 0 takes a ticket from *ctr; every thread gets it
-__device__ __forceinline__ int64_t block_ticket(unsigned long long* ctr) {
-  __shared__ int64_t s;
-  __syncthreads();  // everyone has read the previous ticket
-  if (threadIdx.x == 0) s = static_cast<int64_t>(atomicAdd(ctr, 1ull));
-  __syncthreads();
-  return s;
-}
+// Tickets from an atomic counter, one ahead: thread 0 asks for the next ticket when the block starts on the
+// current one, so the atomic's round trip overlaps the tile's loads. take() hands the asked-for ticket to every
+// thread and asks for the one after it.
+struct Tickets {
+  unsigned long long* ctr;
+  unsigned long long next;  // thread 0's pending ticket
+  __device__ __forceinline__ explicit Tickets(unsigned long long* c) : ctr(c), next(0ull) {
+    if (threadIdx.x == 0) next = atomicAdd(ctr, 1ull);
+  }
+  __device__ __forceinline__ int64_t take() {
+    __shared__ int64_t s;
+    __syncthreads();  // everyone has read the previous ticket
+    if (threadIdx.x == 0) {
+      s = static_cast<int64_t>(next);
+      next = atomicAdd(ctr, 1ull);
+    }
+    __syncthreads();
+    return s;
+  }
+};
 
 template <class In, class F8>
 __global__ void __launch_bounds__(kThreads)
     quant_fused_kernel(const typename In::raw* __restrict__ src, int64_t rows, int64_t cols, bool vec, bool tvec,
                        float eps, typename F8::raw* __restrict__ dst, typename F8::raw* __restrict__ dst_t,
-                       float* __restrict__ scale_inv, float* __restrict__ amax_out, uint32_t* __restrict__ ws) {
-  using T = TileIO<In, F8>;
+                       float* __restrict__ scale_inv, float* __restrict__ amax_out, uint32_t* ws) {
+  using T = TileIO<In, F8>;  // ws: counters other blocks change, never __restrict__
   __shared__ __align__(16) uint8_t tile[kTileR * kTileC];
   __shared__ uint32_t s_word;
   const TileGrid tg(rows, cols);
@@ -326,8 +338,9 @@ __global__ void __launch_bounds__(kThreads)
   typename T::Regs held[T::kLoads];
   int64_t held_t = -1, taken = 0;
   uint32_t m = 0;
+  Tickets tickets1(ws_counter(ws, 0));
   for (;;) {
-    const int64_t t = block_ticket(ws_counter(ws, 0));
+    const int64_t t = tickets1.take();
     if (t >= ntiles) break;
     const int64_t r0 = tg.r0(t), c0 = tg.c0(t);
     const bool full = vec && r0 + kTileR <= rows && c0 + kTileC <= cols;
@@ -371,8 +384,9 @@ __global__ void __launch_bounds__(kThreads)
     T::store(held, scale, dst, dst_t != nullptr ? tile : nullptr, cols, r0, c0);
     T::finish_transposed(tile, dst_t, rows, cols, r0, c0, tvec);
   }
+  Tickets tickets2(ws_counter(ws, 2));
   for (;;) {
-    const int64_t u = block_ticket(ws_counter(ws, 2));
+    const int64_t u = tickets2.take();
     if (u >= ntiles) break;
     const int64_t t = ntiles - 1 - u;
     if (t < gridDim.x) {  // held by some block? (its flag is final: set before the count we waited for)
