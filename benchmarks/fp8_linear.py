@@ -146,7 +146,6 @@ def measure(m: int, k: int, n: int, reps: int, device: str) -> dict:
         t_all = K.time_gpu(fwd_bwd, reps)
         t_wall = K.time_host(fwd_bwd, reps)  # calls back to back: max(host overhead, GPU time) per call
         res[name] = {"fwd_s": t_fwd, "fwd_bwd_s": t_all, "fwd_bwd_wall_s": t_wall, "err": errs}
-        del mod
     return res
 
 
@@ -209,7 +208,8 @@ def main() -> int:
     meta = {"gpu": name, "date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
             "cuda": torch.version.cuda, "build": info}
     print(f"# {name}, torch {torch.__version__}", flush=True)
-    shapes = SHAPES if args.device == "cuda" else [("small", 64, 176, 4), ("small up", 64, 176, 2), ("small down", 176, 64, 1)]
+    small = [("small", 64, 176, 4), ("small up", 64, 176, 2), ("small down", 176, 64, 1)]  # CPU smoke test
+    shapes = SHAPES if args.device == "cuda" else small
     results = []
     for tokens in (int(t) for t in args.tokens.split(",") if t.strip()):
         for shape, k, n, count in shapes:

@@ -256,7 +256,8 @@ def bench_quantize(n: int, reps_base: int, cols: int = 4096) -> tuple[list[dict]
             r = {"kernel": name, "elements": n, "src_bytes": 2 * n, "bytes_moved": bpe * n, "ours_s": t,
                  "ours_gbps": bpe * n / t / 1e9, "copy_s": t_copy, "copy_gbps": 4 * n / t_copy / 1e9,
                  "torch_s": t_torch, "torch_gbps": bpe * n / t_torch / 1e9, "speedup": t_torch / t,
-                 "torch_way": "abs().max(); (x.float()*s).clamp().to(e4m3)" + ("; .t().contiguous()" if transpose else "")}
+                 "torch_way": "abs().max(); (x.float()*s).clamp().to(e4m3)"
+                              + ("; .t().contiguous()" if transpose else "")}
             r["frac_of_copy"] = r["ours_gbps"] / r["copy_gbps"]
             rows.append(r)
     return rows, ok

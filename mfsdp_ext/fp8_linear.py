@@ -130,7 +130,8 @@ def fp8_unsupported_reason(x: torch.Tensor, weight: torch.Tensor) -> Optional[st
     elif x.device.type != "cpu":
         return f"device type {x.device.type!r} is not supported (CUDA or CPU)"
     if x.dtype not in COMPUTE_DTYPES or weight.dtype not in COMPUTE_DTYPES:
-        return f"input dtype {x.dtype} / weight dtype {weight.dtype}: FP8 quantization takes float32, bfloat16 or float16"
+        return (f"input dtype {x.dtype} / weight dtype {weight.dtype}: FP8 quantization takes float32, bfloat16 "
+                "or float16")
     if weight.dim() != 2 or x.dim() == 0:
         return f"input {tuple(x.shape)} / weight {tuple(weight.shape)} is not a linear layer's shape"
     k, n = x.shape[-1], weight.shape[0]
@@ -234,7 +235,8 @@ class Fp8LinearMixin:
         if self._fp8_warned:
             return
         self._fp8_warned = True
-        name = self._fp8_name or f"{type(self).__name__}(in_features={self.in_features}, out_features={self.out_features})"
+        name = self._fp8_name or (f"{type(self).__name__}(in_features={self.in_features}, "
+                                  f"out_features={self.out_features})")
         warnings.warn(f"mfsdp_ext Fp8Linear {name!r}: {reason}; this layer computes with F.linear in the input's "
                       "dtype instead of FP8 (warned once per module)", stacklevel=3)
 
