@@ -202,9 +202,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     from outside; default: ``weight`` quantized here, on every call."""
     cfg = config or Fp8LinearConfig()
     if fp8_weight is not None:
-        if fp8_weight.dtype != E4M3 or tuple(fp8_weight.shape) != tuple(weight.shape):
-            raise ValueError(f"mfsdp_ext.fp8_linear: fp8_weight must be float8_e4m3fn of the weight's shape "
-                             f"{tuple(weight.shape)}, got {fp8_weight.dtype} {tuple(fp8_weight.shape)}")
+        if (fp8_weight.dtype != E4M3 or tuple(fp8_weight.shape) != tuple(weight.shape)
+                or not fp8_weight.data.is_contiguous()):
+            raise ValueError(f"mfsdp_ext.fp8_linear: fp8_weight must be contiguous float8_e4m3fn of the weight's "
+                             f"shape {tuple(weight.shape)}, got {fp8_weight.dtype} {tuple(fp8_weight.shape)} "
+                             f"with strides {fp8_weight.data.stride()}")
     elif not weight.is_contiguous():
         weight = weight.contiguous()
     if not x.is_contiguous():

@@ -165,10 +165,13 @@ def test_supplied_fp8_weight_matches_per_call_quantization(device, with_transpos
     assert wq.data_t is not None  # made by backward's dgrad when it was missing
     lin.set_fp8_weight(None)
     assert torch.isnan(lin(x)).all()  # back to quantizing the (NaN) weight on every call
-    with pytest.raises(ValueError, match="fp8_weight must be float8_e4m3fn of the weight's shape"):
+    with pytest.raises(ValueError, match="fp8_weight must be contiguous float8_e4m3fn of the weight's shape"):
         FL.fp8_linear(x, lin.weight, fp8_weight=quantize(lin.weight.detach()[:16]))
-    with pytest.raises(ValueError, match="fp8_weight must be float8_e4m3fn"):
+    with pytest.raises(ValueError, match="got torch.float8_e5m2"):
         FL.fp8_linear(x, lin.weight, fp8_weight=quantize(lin.weight.detach(), E5M2))
+    wq_t = quantize(lin.weight.detach().t().contiguous())
+    with pytest.raises(ValueError, match="with strides"):
+        FL.fp8_linear(x, lin.weight, fp8_weight=FL.Fp8Tensor(wq_t.data.t(), wq_t.scale_inv))
 
 
 @pytest.mark.parametrize("device", DEVICES)
