@@ -5,7 +5,7 @@
 
 What gets compiled:
   * always: the C++ CPU kernels, the bindings and the symmetric pool's offset allocator (csrc/bindings.cpp,
-    pack.cpp, cast.cpp, symm_comm.cpp);
+    pack.cpp, cast.cpp, quantize.cpp, symm_comm.cpp);
   * CUDA kernels (csrc/*.cu, -DMFSDP_WITH_CUDA) when torch has CUDA and nvcc is found (CUDA_HOME);
   * NCCL code (in csrc/symm_comm.cpp, -DMFSDP_WITH_NCCL, linked with -l:libnccl.so.2) when, in addition, nccl.h
     is found: $NCCL_INCLUDE_DIR, $NCCL_HOME, the ``nvidia.nccl`` Python package, CUDA_HOME, then the system.
@@ -124,7 +124,8 @@ class Build(BuildExtension):
 
 def make_extension():
     # symm_comm.cpp always: without NCCL it registers its build info and the (pure C++) offset allocator
-    sources = [os.path.join(CSRC, f) for f in ("bindings.cpp", "pack.cpp", "cast.cpp", "symm_comm.cpp")]
+    sources = [os.path.join(CSRC, f) for f in ("bindings.cpp", "pack.cpp", "cast.cpp", "quantize.cpp",
+                                                    "symm_comm.cpp")]
     cxx = ["-O3", "-ffp-contract=off"]
     nvcc_flags = ["-O3", "-fmad=true"]  # kernels use explicit __fmul_rn / __fmaf_rn where rounding matters
     include_dirs = [os.path.join(ROOT, CSRC)]
@@ -148,7 +149,7 @@ def make_extension():
     gencode, arch_names = cuda_arch_flags()
     defines = ["-DMFSDP_WITH_CUDA", f"-DMFSDP_CUDA_ARCHS={arch_names}"]
     # Not pack.cu / cast.cu: torch names object files by stem, so they would clash with pack.o / cast.o.
-    sources += [os.path.join(CSRC, f) for f in ("pack_cuda.cu", "cast_cuda.cu")]
+    sources += [os.path.join(CSRC, f) for f in ("pack_cuda.cu", "cast_cuda.cu", "quantize_cuda.cu")]
     nvcc_flags += gencode
     if os.environ.get("MFSDP_PTXAS_VERBOSE") == "1":
         nvcc_flags += ["-Xptxas", "-v"]

@@ -1,9 +1,10 @@
-// Python bindings of mfsdp_ext._C: registration only. Kernels: pack.cpp / cast.cpp (+ .cu); NCCL
+// Python bindings of mfsdp_ext._C: registration only. Kernels: pack.cpp / cast.cpp / quantize.cpp (+ .cu); NCCL
 // communicator and symmetric-memory collectives: symm_comm.cpp (its NCCL part built when NCCL is found).
 #include <torch/extension.h>
 
 #include "cast.h"
 #include "pack.h"
+#include "quantize.h"
 
 #include "symm_comm.h"
 #ifdef MFSDP_WITH_NCCL
@@ -67,6 +68,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale_inv"), py::arg("dst"));
   m.def("grad_accumulate", &mfsdp::grad_accumulate, release(), py::arg("main_grad"), py::arg("reduced"),
         py::arg("scale"), py::arg("accumulate"));
+  m.def("fp8_quantize", &mfsdp::fp8_quantize, release(), py::arg("src"), py::arg("dst"), py::arg("scale_inv"),
+        py::arg("amax") = py::none(), py::arg("dst_t") = py::none(), py::arg("eps") = 1e-12, py::arg("algo") = 0);
+  m.def("fp8_transpose", &mfsdp::fp8_transpose, release(), py::arg("src"), py::arg("dst"));
   m.def("check_segments", &mfsdp::check_segments, release(), py::arg("segments"), py::arg("total"));
   m.def("build_info", &build_info);
   mfsdp_register_symm_comm(m);

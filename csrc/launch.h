@@ -43,6 +43,20 @@ int fp8_dequantize(const void* src, DType in, int64_t numel, const int64_t* segm
 int grad_accumulate(void* main_grad, DType main_dtype, const void* reduced, DType red_dtype,
                     int64_t numel, float scale, bool accumulate, void* stream);
 
+// FP8 quantizer of one tensor with per-tensor current scaling (quantize_cuda.cu). dst[i] = saturate(src[i] *
+// scale) with scale = fp8_max / max(amax, eps) (1 for amax 0 / inf / NaN); scale_inv[0] = 1 / scale, amax[0] =
+// max |src| (amax may be null). dst_t (may be null): the (cols, rows) transpose of dst seen as
+// (numel / cols, cols). workspace: fp8_quantize_workspace_words() uint32 words on the device (two-pass).
+// algo: kQuantizeTwoPass or kQuantizeFused (two-pass under CUDA graph capture).
+constexpr int kQuantizeTwoPass = 1;
+constexpr int kQuantizeFused = 2;
+int64_t fp8_quantize_workspace_words();
+int fp8_quantize(const void* src, DType in, int64_t numel, int64_t cols, void* dst, void* dst_t, DType out,
+                 float* scale_inv, float* amax, float eps, int algo, uint32_t* workspace, void* stream);
+
+// dst (cols, rows) = src (rows, cols), one-byte elements
+int fp8_transpose(const void* src, int64_t rows, int64_t cols, void* dst, void* stream);
+
 const char* error_string(int err);
 // 1 when work on `stream` is being captured into a CUDA graph, else 0
 int stream_is_capturing(void* stream);

@@ -14,8 +14,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mfsdp_ext"
 LAYERS = [
     ["_C"],
     ["_native", "layout", "mixed_precision", "device", "states", "marks"],
-    ["flat_buffer", "dist_ops", "symmetric.comm"],
-    ["collectives"],
+    ["flat_buffer", "dist_ops", "symmetric.comm", "fp8_tensor"],
+    ["collectives", "fp8_linear"],
     ["symmetric.collectives"],
     ["symmetric.choose"],
     ["param_group"],
