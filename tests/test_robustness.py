@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from torch.distributed.tensor import DTensor
+
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 
 from .models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
@@ -163,6 +165,47 @@ def _case_hand_written_update():
     return {"losses": a}
 
 
+def _case_evaluation_between_steps():
+    """Forwards under no_grad / inference_mode / eval() between steps reduce nothing, leave every unit at rest,
+    and training goes on with exactly the losses of a run without them."""
+    from .test_strategies import count_collectives
+
+    torch.manual_seed(33)
+    base = TinyLM()
+    evaluated = shard_tiny_lm(copy.deepcopy(base), fully_shard)
+    plain = shard_tiny_lm(copy.deepcopy(base), fully_shard)
+    tokens, _ = batch(99, GLOBAL_BATCH, device=rank_device())
+    eval_counts = []
+
+    def evaluate_then_update(model):
+        opt_step(model)
+        for mode in ("no_grad", "inference_mode", "eval"):
+            ctx = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
+            with count_collectives() as counts, ctx:
+                model.train(mode != "eval")
+                model(tokens)
+            model.train()
+            eval_counts.append(dict(counts))
+            for m in model.modules():
+                unit = getattr(m, "_mfsdp_unit", None)
+                if unit is not None:
+                    assert all(g.unsharded.nbytes() == 0 for g in unit.groups), (mode, unit.name)
+                    assert all(isinstance(p, DTensor) for p in m.parameters()), (mode, unit.name)
+
+    opts = {}
+
+    def opt_step(model):
+        opt = opts.setdefault(id(model), torch.optim.AdamW(model.parameters(), lr=1e-2))
+        opt.step()
+        opt.zero_grad()
+
+    a = _plain_steps(evaluated, sharded=True, update=evaluate_then_update)
+    b = _plain_steps(plain, sharded=True, update=opt_step)
+    assert a == b, (a, b)
+    assert all(c.get("reduce_scatter_into", 0) == 0 and c.get("all_reduce", 0) == 0 for c in eval_counts), eval_counts
+    return {"losses": a, "collectives per evaluation": eval_counts[:3]}
+
+
 def _case_bad_input_errors():
     """Inputs fully_shard cannot take are refused at once, with a message that says what to do."""
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
@@ -204,3 +247,7 @@ def test_hand_written_update_seen(cpu_pool):
 
 def test_bad_input_errors(cpu_pool):
     print(cpu_pool.run(_case_bad_input_errors)[0])
+
+
+def test_evaluation_between_steps(cpu_pool):
+    print(cpu_pool.run(_case_evaluation_between_steps)[0])
