@@ -87,7 +87,11 @@ def _case_failed_step(where: str, microbatches: int, strategy: str):
     # the clean run takes the same batches except the failed one: run it with the same step numbers
     want = _train_with_failures(clean, steps, {failed_step: "skip"}, microbatches)
     assert got[failed_step] is None
-    assert got == want, (got, want)
+    if rank_device().type == "cpu":
+        assert got == want, (got, want)
+    else:  # GPU kernels (e.g. atomics in an embedding's backward) need not repeat bit for bit across two models
+        assert all((a is None) == (b is None) and (a is None or abs(a - b) <= 1e-6 * abs(b))
+                   for a, b in zip(got, want)), (got, want)
     for m in failing.modules():  # at rest: sharded parameters, gathered storage freed, no stale grads
         unit = getattr(m, "_mfsdp_unit", None)
         if unit is not None and strategy == "optim_grads_params":
@@ -204,6 +208,42 @@ def _case_evaluation_between_steps():
     assert a == b, (a, b)
     assert all(c.get("reduce_scatter_into", 0) == 0 and c.get("all_reduce", 0) == 0 for c in eval_counts), eval_counts
     return {"losses": a, "collectives per evaluation": eval_counts[:3]}
+
+
+def _case_resting_memory_flat(steps: int = 50):
+    """GPU: 50 steps with microbatches, an evaluation every 7th step and a failed step every 10th: the bytes
+    allocated at rest after each completed step stay flat (no gathered buffer, gradient or event leaks)."""
+    torch.manual_seed(34)
+    model = shard_tiny_lm(TinyLM(vocab=512, dim=256, ffn=1024), fully_shard, mp_policy=BF16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    at_rest = []
+    for step in range(steps):
+        tokens, targets = batch(step, GLOBAL_BATCH, vocab=512, device=rank_device())
+        tokens, targets = tokens.chunk(world)[rank], targets.chunk(world)[rank]
+        failed = False
+        try:
+            for i, (t, y) in enumerate(zip(tokens.chunk(3), targets.chunk(3))):
+                with microbatch(model, is_first=i == 0, is_last=i == 2):
+                    handle = _fail_in(model, "backward") if step % 10 == 9 and i == 1 else None
+                    try:
+                        (lm_loss(model, t, y) / 3).backward()
+                    finally:
+                        if handle is not None:
+                            handle.remove()
+            opt.step()
+        except _Boom:
+            failed = True  # its unreduced gradients are dropped at the next forward: measured after that step
+        opt.zero_grad()
+        if step % 7 == 6:
+            with torch.no_grad():
+                model(tokens)
+        torch.cuda.synchronize()
+        if not failed:
+            at_rest.append(torch.cuda.memory_allocated())
+    settled = at_rest[2:]  # optimizer state and main grads exist from the first steps on
+    assert max(settled) == min(settled), [b - settled[0] for b in settled]
+    return {"bytes at rest (first, last)": (at_rest[0], at_rest[-1]), "steps": steps}
 
 
 def _case_bad_input_errors():
