@@ -107,8 +107,6 @@ def run_variant(marked: bool, args, device) -> dict:
         times.append(start.elapsed_time(end))
     t = torch.tensor([statistics.median(times), torch.cuda.max_memory_allocated() / 2**30], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    del model, opt
-    torch.cuda.empty_cache()
     return {"step_ms": t[0].item(), "peak_gib": t[1].item(), "collectives_per_step": dict(counts)}
 
 
@@ -128,7 +126,10 @@ def main() -> None:
     device = torch.device("cuda", local)
     dist.init_process_group("nccl", device_id=device)
     world = dist.get_world_size()
-    results = {"tower sharded": run_variant(False, args, device), "tower no_shard": run_variant(True, args, device)}
+    results = {}
+    for name, marked in (("tower sharded", False), ("tower no_shard", True)):
+        results[name] = run_variant(marked, args, device)
+        torch.cuda.empty_cache()  # the variant's model and optimizer are gone
     if dist.get_rank() == 0:
         base = results["tower sharded"]
         lines = [f"# no_shard: a frozen {args.tower_layers}-layer tower, {world} x {torch.cuda.get_device_name()}", "",
