@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import datetime
+import gc
 import math
 import os
 import sys
@@ -314,6 +315,12 @@ def setup_distributed(device_arg: str, timeout: Optional[datetime.timedelta] = N
     """init_process_group for torchrun: NCCL on this rank's GPU (device_arg "cuda", or "auto" with a GPU), else
     gloo on the CPU. Returns the rank's device."""
     import torch.distributed as dist
+    # Before init_process_group: torch.distributed.nn and others that torch._dynamo imports bind
+    # `group=group.WORLD` as default arguments. Imported later (torch does so lazily, e.g. at the first DTensor
+    # collective) they hold the default group forever, so destroy_process_group() cannot stop gloo's worker
+    # threads; one that frees a finished collective's tensors while the interpreter shuts down aborts the
+    # process ("terminate called without an active exception").
+    import torch._dynamo  # noqa: F401
 
     kwargs = {} if timeout is None else {"timeout": timeout}
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -328,14 +335,31 @@ def setup_distributed(device_arg: str, timeout: Optional[datetime.timedelta] = N
     return device
 
 
-def forward_backward(model: nn.Module, impl: str, microbatches) -> torch.Tensor:
+def teardown_distributed(*meshes) -> None:
+    """Destroy the process group so that its threads (gloo's workers, NCCL's watchdog) are joined here, while the
+    interpreter is whole, and do not run on into its shutdown. That needs the groups' last references gone: call it
+    after the model and optimizer are (sharded modules hold their groups in reference cycles, hence the gc), and
+    pass the device meshes used: torch 2.13's mesh keeps its groups in ``_pg_registry``, and DTensor's global caches
+    (sharding decisions, redistribute planners, mesh topology) keep the mesh."""
+    import torch.distributed as dist
+
+    gc.collect()
+    for mesh in meshes:
+        for m in (mesh, mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh):
+            getattr(m, "_pg_registry", {}).clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def forward_backward(model: nn.Module, impl: str, microbatches, loss_fn: Optional[Callable] = None) -> torch.Tensor:
     """Forward + backward of every (inputs, targets) microbatch, each loss divided by their number, gradients
-    reduced on the last one. Returns the summed loss (detached)."""
+    reduced on the last one. ``loss_fn(model, inputs, targets)`` gives a microbatch's mean loss (default:
+    ``model(inputs, targets)``). Returns the summed loss (detached)."""
     k = len(microbatches)
     loss_sum = None
     for i, (x, y) in enumerate(microbatches):
         with grad_sync_context(model, impl, i, k):
-            loss = model(x, y) / k
+            loss = (model(x, y) if loss_fn is None else loss_fn(model, x, y)) / k
             loss.backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     return loss_sum
