@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU check, in stages so one device call fits its 10-minute limit:
-#   scripts/gpu_check.sh build tests kernels symm units step      (default: all of them)
+#   scripts/gpu_check.sh build tests kernels symm units step jit hf mainjob      (default: all of them)
 # Logs and result tables go to $OUT (the device runner's output folder; /tmp/out elsewhere).
 set -uo pipefail
 # The device runner returns at most 8 files: work in a scratch folder, pack it into $OUT/gpu_check.tgz at exit.
@@ -9,7 +9,7 @@ export OUT=$(mktemp -d /tmp/gpu_check.XXXX)
 trap 'tar czf "$FINAL_OUT/gpu_check.tgz" -C "$OUT" . && echo "logs: $FINAL_OUT/gpu_check.tgz"' EXIT
 trap 'exit 143' TERM INT   # a `timeout` around this script still packs the logs
 source "$(dirname "$0")/gpu_env.sh"   # NVLink multicast off, repository root, PYTHONPATH
-stages=${*:-build tests kernels symm units step}
+stages=${*:-build tests kernels symm units step jit hf mainjob}
 status=0
 run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures, keep going
     local name=$1; shift
@@ -34,6 +34,9 @@ for stage in $stages; do
                 --nproc-per-node $n benchmarks/collectives.py --units --out "$OUT"
         done ;;
     step) run step bash scripts/gpu_step.sh ;;
+    jit) run jit bash scripts/gpu_jit.sh ;;          # fresh venv, no ahead-of-time build: import compiles CUDA + NCCL
+    hf) run hf bash scripts/gpu_hf.sh ;;             # train_hf.py: ours vs FSDP2 (fp32 1e-5), bf16, AC + compile
+    mainjob) run mainjob bash scripts/gpu_mainjob.sh ;;  # main job x3 exits 0, kill-free resume from step 6
     *) echo "unknown stage $stage"; status=1 ;;
     esac
 done
