@@ -42,7 +42,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--metrics-file", help="rank 0 appends one JSON line per step (exact losses) to this file")
     p.add_argument("--ckpt-dir", help="folder of DCP checkpoints (step-<N>/ each)")
-    p.add_argument("--ckpt-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    p.add_argument("--ckpt-every", type=int, default=0,
+                   help="save a checkpoint every N steps and after the last one (0: never)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest complete checkpoint in --ckpt-dir (from scratch if it has none)")
 
@@ -157,7 +158,8 @@ def run(model, args, device: torch.device, *, impl: str, vocab_size: int, flops_
             log(f"resume: no complete checkpoint in {args.ckpt_dir}; starting from step 0")
         else:
             start = checkpointing.load(found[1], model, optimizer, scheduler)
-            log(f"resumed from {found[1]} at step {start}")
+            log(f"resumed from {found[1]} at step {start}" + (" of " + str(args.steps) + ": nothing left to train"
+                                                                 if start >= args.steps else ""))
 
     losses, step_times = [], []
     gpt.synchronize(device)
@@ -188,7 +190,7 @@ def run(model, args, device: torch.device, *, impl: str, vocab_size: int, flops_
             with open(args.metrics_file, "a") as f:
                 f.write(json.dumps({"step": step, "loss": loss_value, "grad_norm": grad_norm.item(),
                                     "lr": scheduler.get_last_lr()[0]}) + "\n")
-        if args.ckpt_every and step % args.ckpt_every == 0:
+        if args.ckpt_every and (step % args.ckpt_every == 0 or step == args.steps):
             path, seconds = checkpointing.save(args.ckpt_dir, step, model, optimizer, scheduler)
             log(f"checkpoint: step {step} saved to {path} ({seconds:.1f} s)")
 

@@ -36,7 +36,7 @@ def _case_train_hf(impl: str, checkpointing: bool) -> dict:
         losses = train_hf.train(args, torch.device("cpu"), init_device_mesh("cpu", (dist.get_world_size(),)))
     finally:
         hook.remove()
-    layers = 4  # the built-in CPU config
+    layers = train_hf.CONFIGS["cpu"][0]["num_hidden_layers"]
     return {"losses": losses, "mlp_forwards_per_layer_step": len(calls) / (layers * STEPS)}
 
 
