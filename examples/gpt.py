@@ -10,9 +10,10 @@ The glue (bottom of the file) lets the same script run PyTorch FSDP2 or our ``mf
 ``load_impl("fsdp2" | "ours")`` returns the ``fully_shard`` / ``MixedPrecisionPolicy`` pair,
 ``shard_model`` applies ``fully_shard`` to each block and then the root, ``materialize`` initialises a
 meta-built sharded model, ``build_sharded`` does one or the other path end to end, and ``grad_sync_context``
-is the per-microbatch gradient-accumulation context.
+is the per-microbatch gradient-accumulation context. ``setup_distributed`` / ``teardown_distributed`` start and end
+the process group in the order that lets the process exit cleanly.
 
-Used by ``examples/train_gpt.py`` and ``benchmarks/step.py``.
+Used by ``examples/train_gpt.py``, ``examples/train_hf.py``, ``examples/training.py`` and ``benchmarks/step.py``.
 """
 
 from __future__ import annotations
