@@ -10,9 +10,10 @@ The glue (bottom of the file) lets the same script run PyTorch FSDP2 or our ``mf
 ``load_impl("fsdp2" | "ours")`` returns the ``fully_shard`` / ``MixedPrecisionPolicy`` pair,
 ``shard_model`` applies ``fully_shard`` to each block and then the root, ``materialize`` initialises a
 meta-built sharded model, ``build_sharded`` does one or the other path end to end, and ``grad_sync_context``
-is the per-microbatch gradient-accumulation context.
+is the per-microbatch gradient-accumulation context. ``setup_distributed`` / ``teardown_distributed`` start and end
+the process group in the order that lets the process exit cleanly.
 
-Used by ``examples/train_gpt.py`` and ``benchmarks/step.py``.
+Used by ``examples/train_gpt.py``, ``examples/train_hf.py``, ``examples/training.py`` and ``benchmarks/step.py``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import datetime
+import gc
 import math
 import os
 import sys
@@ -314,6 +316,12 @@ def setup_distributed(device_arg: str, timeout: Optional[datetime.timedelta] = N
     """init_process_group for torchrun: NCCL on this rank's GPU (device_arg "cuda", or "auto" with a GPU), else
     gloo on the CPU. Returns the rank's device."""
     import torch.distributed as dist
+    # Before init_process_group: torch.distributed.nn and others that torch._dynamo imports bind
+    # `group=group.WORLD` as default arguments. Imported later (torch does so lazily, e.g. at the first DTensor
+    # collective) they hold the default group forever, so destroy_process_group() cannot stop gloo's worker
+    # threads; one that frees a finished collective's tensors while the interpreter shuts down aborts the
+    # process ("terminate called without an active exception").
+    import torch._dynamo  # noqa: F401
 
     kwargs = {} if timeout is None else {"timeout": timeout}
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -328,14 +336,31 @@ def setup_distributed(device_arg: str, timeout: Optional[datetime.timedelta] = N
     return device
 
 
-def forward_backward(model: nn.Module, impl: str, microbatches) -> torch.Tensor:
+def teardown_distributed(*meshes) -> None:
+    """Destroy the process group so that its threads (gloo's workers, NCCL's watchdog) are joined here, while the
+    interpreter is whole, and do not run on into its shutdown. That needs the groups' last references gone: call it
+    after the model and optimizer are (sharded modules hold their groups in reference cycles, hence the gc), and
+    pass the device meshes used: torch 2.13's mesh keeps its groups in ``_pg_registry``, and DTensor's global caches
+    (sharding decisions, redistribute planners, mesh topology) keep the mesh."""
+    import torch.distributed as dist
+
+    gc.collect()
+    for mesh in meshes:
+        for m in (mesh, mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh):
+            getattr(m, "_pg_registry", {}).clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def forward_backward(model: nn.Module, impl: str, microbatches, loss_fn: Optional[Callable] = None) -> torch.Tensor:
     """Forward + backward of every (inputs, targets) microbatch, each loss divided by their number, gradients
-    reduced on the last one. Returns the summed loss (detached)."""
+    reduced on the last one. ``loss_fn(model, inputs, targets)`` gives a microbatch's mean loss (default:
+    ``model(inputs, targets)``). Returns the summed loss (detached)."""
     k = len(microbatches)
     loss_sum = None
     for i, (x, y) in enumerate(microbatches):
         with grad_sync_context(model, impl, i, k):
-            loss = model(x, y) / k
+            loss = (model(x, y) if loss_fn is None else loss_fn(model, x, y)) / k
             loss.backward()
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
     return loss_sum

@@ -64,20 +64,45 @@ scales: ``scale = fp8_max / max(amax, eps)`` in fp32, ``scale_inv = 1 / scale`` 
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
+import warnings
 from typing import Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-try:
-    from . import _C
-except ImportError as exc:  # pragma: no cover - depends on the build
-    raise ImportError(
-        "mfsdp_ext: the native extension mfsdp_ext._C is not built or does not load "
-        f"({type(exc).__name__}: {exc}). Build it from the repository root with "
-        "`pip install --no-build-isolation -e .` (on a GPU machine: "
-        "`pip install --no-build-isolation --no-deps -e .`), with the same torch that imports it."
-    ) from exc
+
+def _load_extension():
+    """(module, how it was built, its path): the ahead-of-time build installed with the package (setup.py), else
+    the just-in-time build (mfsdp_ext/_jit.py: cached, compiled on first use). Registered as mfsdp_ext._C."""
+    aot_error = None
+    installed = importlib.util.find_spec(f"{__package__}._C")
+    # only one beside this file: an editable install of another checkout can answer for mfsdp_ext._C too
+    if installed is not None and os.path.dirname(installed.origin) == os.path.dirname(os.path.abspath(__file__)):
+        try:
+            from . import _C as module
+
+            return module, "ahead-of-time", module.__file__
+        except ImportError as exc:  # e.g. built against another torch
+            aot_error = exc
+            warnings.warn(f"mfsdp_ext: the ahead-of-time build of mfsdp_ext._C does not load ({exc}); building it "
+                          "just in time instead", stacklevel=3)
+    from . import _jit
+
+    try:
+        module = _jit.load()
+    except ImportError as exc:
+        if aot_error is not None:
+            raise ImportError(f"{exc}\n(the ahead-of-time build did not load either: {aot_error})") from exc
+        raise
+    sys.modules[f"{__package__}._C"] = module  # `from mfsdp_ext import _C` finds it, as an installed _C
+    setattr(sys.modules[__package__], "_C", module)
+    return module, "just-in-time", module.__file__
+
+
+_C, _BUILD, _PATH = _load_extension()
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -85,13 +110,15 @@ _BUILD_INFO: dict | None = None
 
 
 def build_info() -> dict:
-    """What ``_C`` was built with: {"native", "cpu", "cuda", "cuda_arch", "nccl", "nccl_version", ...}."""
+    """What ``_C`` was built with: {"native", "cpu", "cuda", "cuda_arch", "nccl", "nccl_version", ...}, and which
+    build is loaded: "build" ("ahead-of-time" or "just-in-time") and "path" (its shared library)."""
     global _BUILD_INFO
     if _BUILD_INFO is None:
         info = dict(_C.build_info())
         # cuda_arch: compiled architectures, e.g. "sm_90a" (several: "sm_80,sm_90a")
         if info.get("cuda_arch"):
             info["cuda_arch"] = ",".join(info["cuda_arch"].split("__"))
+        info.update(build=_BUILD, path=_PATH)
         _BUILD_INFO = info
     return dict(_BUILD_INFO)
 

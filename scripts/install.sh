@@ -8,7 +8,10 @@ if python3 -c "import torch" 2>/dev/null; then
 else
     python3 -m pip install -q torch==2.13.0
 fi
-# numpy: torch.distributed.checkpoint (DCP) needs it for its object collectives; the CPU torch wheel does not pull it
-python3 -c "import pybind11, ninja, pytest, numpy" 2>/dev/null || python3 -m pip install -q pybind11 ninja pytest numpy
+# numpy: torch.distributed.checkpoint (DCP) needs it for its object collectives; the CPU torch wheel does not pull it.
+# transformers: examples/train_hf.py and the HuggingFace tests (the `test` extra of pyproject.toml).
+python3 -c "import pybind11, ninja, pytest, numpy, transformers" 2>/dev/null ||
+    python3 -m pip install -q pybind11 ninja pytest numpy transformers
+# --no-build-isolation: this build sees torch, so mfsdp_ext._C is compiled now (ahead of time), not at first import
 python3 -m pip install -q --no-build-isolation --no-deps -e .
 python3 -c "import mfsdp_ext; print('[install] mfsdp_ext', mfsdp_ext.__version__, mfsdp_ext.build_info())"

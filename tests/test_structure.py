@@ -12,7 +12,8 @@ import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mfsdp_ext"
 LAYERS = [
-    ["_C"],
+    ["_C", "_build_config"],
+    ["_jit"],
     ["_native", "layout", "mixed_precision", "device", "states", "marks"],
     ["flat_buffer", "dist_ops", "symmetric.comm", "fp8_tensor"],
     ["collectives", "fp8_linear"],

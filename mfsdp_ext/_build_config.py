@@ -1,0 +1,173 @@
+"""What the native extension ``mfsdp_ext._C`` is compiled from and with: one answer for both builds.
+
+setup.py (ahead of time) imports this file by its path, before the package exists; mfsdp_ext/_jit.py (just in
+time, at first import) imports it as a module. Both call ``extension_spec`` and so compile the same sources with the
+same flags:
+
+  * always: the C++ CPU kernels, the bindings and the symmetric pool's offset allocator (bindings.cpp, pack.cpp,
+    cast.cpp, quantize.cpp, symm_comm.cpp);
+  * CUDA kernels (pack_cuda.cu, cast_cuda.cu, -DMFSDP_WITH_CUDA) when torch has CUDA and nvcc is found (CUDA_HOME);
+  * NCCL code (in symm_comm.cpp, -DMFSDP_WITH_NCCL, linked with -l:libnccl.so.2) when, in addition, nccl.h is
+    found: $NCCL_INCLUDE_DIR, $NCCL_HOME, the ``nvidia.nccl`` Python package, CUDA_HOME, then the system.
+
+Environment:
+  TORCH_CUDA_ARCH_LIST   CUDA architectures (torch's syntax); default: -gencode=arch=compute_90a,code=sm_90a
+  MFSDP_NO_CUDA=1        build the CPU kernels only
+  MFSDP_NO_NCCL=1        leave the NCCL code out
+  MFSDP_PTXAS_VERBOSE=1  print registers / spills of every kernel (-Xptxas -v)
+
+Needs torch importable (it asks torch for CUDA_HOME and its CUDA version); imports nothing of mfsdp_ext.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.cpp_extension import CUDA_HOME
+
+SOURCES = ("bindings.cpp", "pack.cpp", "cast.cpp", "quantize.cpp", "symm_comm.cpp")
+# Not pack.cu / cast.cu: torch names object files by stem, so they would clash with pack.o / cast.o.
+CUDA_SOURCES = ("pack_cuda.cu", "cast_cuda.cu", "quantize_cuda.cu")
+SOURCE_SUFFIXES = (".cpp", ".h", ".cu", ".cuh")  # what csrc/ holds; all of it ships in the wheel and the sdist
+
+
+@dataclass
+class ExtensionSpec:
+    sources: list[str]
+    include_dirs: list[str]
+    cxx_flags: list[str]
+    nvcc_flags: list[str]
+    link_args: list[str]
+    with_cuda: bool
+    notes: list[str] = field(default_factory=list)  # what was found or left out, and why
+
+    @property
+    def summary(self) -> str:
+        """e.g. "CPU + CUDA sm_90a + NCCL" or "CPU only (torch 2.13.0+cpu has no CUDA)"."""
+        parts = ["CPU"]
+        if self.with_cuda:
+            arch = next(f for f in self.cxx_flags if f.startswith("-DMFSDP_CUDA_ARCHS=")).split("=", 1)[1]
+            parts.append("CUDA " + arch.replace("__", ","))
+        if "-DMFSDP_WITH_NCCL" in self.cxx_flags:
+            parts.append("NCCL")
+        why = "" if self.with_cuda else f" ({self.notes[0]})" if self.notes else ""
+        return " + ".join(parts) + (" only" if len(parts) == 1 else "") + why
+
+
+def find_nvcc(notes: list[str]) -> str | None:
+    if os.environ.get("MFSDP_NO_CUDA") == "1":
+        notes.append("MFSDP_NO_CUDA=1")
+        return None
+    if torch.version.cuda is None:
+        notes.append(f"torch {torch.__version__} has no CUDA")
+        return None
+    if CUDA_HOME is None:
+        notes.append("nvcc not found: set CUDA_HOME")
+        return None
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
+    if not os.path.exists(nvcc):
+        notes.append(f"{nvcc} does not exist")
+        return None
+    return nvcc
+
+
+def _nccl_candidates():
+    if os.environ.get("NCCL_INCLUDE_DIR"):
+        yield os.environ["NCCL_INCLUDE_DIR"], os.environ.get("NCCL_LIB_DIR")
+    if os.environ.get("NCCL_HOME"):
+        yield os.path.join(os.environ["NCCL_HOME"], "include"), os.path.join(os.environ["NCCL_HOME"], "lib")
+    try:
+        spec = importlib.util.find_spec("nvidia.nccl")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None:
+        for loc in spec.submodule_search_locations or []:
+            yield os.path.join(loc, "include"), os.path.join(loc, "lib")
+    if CUDA_HOME:
+        yield os.path.join(CUDA_HOME, "include"), os.path.join(CUDA_HOME, "lib64")
+    yield "/usr/include", "/usr/lib/x86_64-linux-gnu"
+    yield "/usr/local/include", "/usr/local/lib"
+
+
+def find_nccl(notes: list[str]) -> tuple[str, str | None] | None:
+    """(include dir, lib dir) of NCCL, or None."""
+    if os.environ.get("MFSDP_NO_NCCL") == "1":
+        notes.append("MFSDP_NO_NCCL=1: no NCCL code")
+        return None
+    for inc, lib in _nccl_candidates():
+        if inc and os.path.exists(os.path.join(inc, "nccl.h")):
+            if lib and not any(os.path.exists(os.path.join(lib, n)) for n in ("libnccl.so.2", "libnccl.so")):
+                lib = None  # rely on the linker's default paths
+            return inc, lib
+    notes.append("nccl.h not found: no NCCL code")
+    return None
+
+
+def cuda_arch_flags() -> tuple[list[str], str]:
+    """nvcc -gencode flags (empty when TORCH_CUDA_ARCH_LIST is set: torch adds them) and a name list."""
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if archs:
+        names = []
+        for tok in re.split(r"[;\s,]+", archs):
+            m = re.fullmatch(r"(\d+)\.(\d+)([af]?)(\+PTX)?", tok.strip())
+            if m:
+                names.append(f"sm_{m.group(1)}{m.group(2)}{m.group(3)}")
+        return [], "__".join(names) or "unknown"
+    return ["-gencode=arch=compute_90a,code=sm_90a"], "sm_90a"
+
+
+def loaded_libstdcxx() -> str | None:
+    """Path of the libstdc++ this process (Python with torch imported) runs with, on Linux; else None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libstdc++.so"):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def extension_spec(csrc: str) -> ExtensionSpec:
+    """Sources (under ``csrc``, as given: setup.py passes a relative path), flags and libraries of ``_C``."""
+    notes: list[str] = []
+    # Link the process's shared libstdc++ ahead of the compiler's own. A compiler whose directory holds
+    # only libstdc++.a (the GPU machine's /opt/gcc) otherwise copies parts of libstdc++ into _C, and with
+    # -Bsymbolic-functions (Debian/Ubuntu Python's LDSHARED) _C then formats numbers with its private copy,
+    # whose locale tables were never set up: every error message with a number in it crashed.
+    libstdcxx = loaded_libstdcxx()
+    spec = ExtensionSpec(sources=[os.path.join(csrc, f) for f in SOURCES],
+                         include_dirs=[os.path.abspath(csrc)],
+                         cxx_flags=["-O3", "-ffp-contract=off"],
+                         nvcc_flags=["-O3", "-fmad=true"],  # kernels use __fmul_rn / __fmaf_rn where rounding matters
+                         link_args=[libstdcxx] if libstdcxx else [], with_cuda=False, notes=notes)
+    nvcc = find_nvcc(notes)
+    if nvcc is None:
+        return spec
+
+    gencode, arch_names = cuda_arch_flags()
+    defines = ["-DMFSDP_WITH_CUDA", f"-DMFSDP_CUDA_ARCHS={arch_names}"]
+    spec.with_cuda = True
+    spec.sources += [os.path.join(csrc, f) for f in CUDA_SOURCES]
+    spec.nvcc_flags += gencode
+    if os.environ.get("MFSDP_PTXAS_VERBOSE") == "1":
+        spec.nvcc_flags += ["-Xptxas", "-v"]
+    notes.append(f"CUDA kernels for {arch_names} with {nvcc}")
+
+    nccl = find_nccl(notes)
+    if nccl is not None:
+        inc, lib = nccl
+        notes.append(f"NCCL: include {inc}, lib {lib or '(linker default)'}")
+        defines.append("-DMFSDP_WITH_NCCL")
+        spec.include_dirs.append(inc)
+        if lib:
+            spec.link_args += [f"-L{lib}", f"-Wl,-rpath,{lib}"]
+        spec.link_args.append("-l:libnccl.so.2")
+    spec.cxx_flags += defines
+    spec.nvcc_flags += defines
+    return spec

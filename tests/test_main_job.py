@@ -1,0 +1,122 @@
+"""The main job (examples/train_gpt.py under torchrun, 2 gloo ranks) as a user runs it: it exits cleanly every time,
+and a run killed after a checkpoint resumes with exactly the losses of a run that was never interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import checkpointing  # noqa: E402
+import training  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A small model so that process start-up, not training, takes the time.
+TINY = ["--device", "cpu", "--n-layers", "2", "--dim", "64", "--n-heads", "2", "--ffn-dim", "128",
+        "--vocab-size", "128", "--seq-len", "32", "--batch-size", "4"]
+
+
+def _command(script: str, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, *args]
+
+
+def _env() -> dict:
+    # this checkout's mfsdp_ext, whatever is installed; one thread per rank: threads at exit then count gloo's
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+            "OMP_NUM_THREADS": "1"}
+
+
+def _losses(path) -> dict[int, float]:
+    with open(path) as f:
+        return {row["step"]: row["loss"] for row in map(json.loads, f)}
+
+
+def test_main_job_exit_path(tmp_path):
+    """Three runs (training, a checkpoint each step, summary, teardown): exit code 0, and each rank is down to its
+    main thread when the interpreter starts to shut down. Gloo threads still alive then are what aborted rank 0 in
+    about one run in ten (``terminate called without an active exception``); their count shows it every run."""
+    probe = os.path.join(ROOT, "tests", "main_job_probe.py")
+    for run in range(3):
+        args = [*TINY, "--steps", "2", "--ckpt-dir", str(tmp_path / f"ckpt{run}"), "--ckpt-every", "1"]
+        out = subprocess.run(_command(probe, args), env=_env(), capture_output=True, text=True, timeout=300)
+        log = out.stdout + out.stderr
+        assert out.returncode == 0, log[-4000:]
+        assert "summary impl=ours world=2" in log, log[-4000:]
+        threads = dict(re.findall(r"rank (\d) threads at exit: (\d+)", log))
+        assert threads == {"0": "1", "1": "1"}, f"run {run}: threads left at exit {threads}\n{log[-2000:]}"
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL torchrun's workers (it starts each in its own session) and torchrun: a crash, no clean-up."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        children.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    for child in children:
+        os.kill(child, signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
+    """Checkpoints every 3 steps; the run is killed (SIGKILL) once step 4 is logged; ``--resume`` continues from the
+    latest complete checkpoint, and its losses from there on equal the uninterrupted run's bit for bit (fp32, CPU).
+    A checkpoint folder without DCP's .metadata (an interrupted save) is passed over."""
+    steps, ckpt = 8, str(tmp_path / "ckpt")
+    script = os.path.join(ROOT, "examples", "train_gpt.py")
+    run = [*TINY, "--steps", str(steps)]
+    full = subprocess.run(_command(script, [*run, "--metrics-file", str(tmp_path / "full.jsonl")]), env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert full.returncode == 0, (full.stdout + full.stderr)[-4000:]
+    want = _losses(tmp_path / "full.jsonl")
+    assert sorted(want) == list(range(1, steps + 1))
+
+    killed = subprocess.Popen(_command(script, [*run, "--ckpt-dir", ckpt, "--ckpt-every", "3",
+                                                "--metrics-file", str(tmp_path / "killed.jsonl")]),
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in killed.stdout:
+        seen.append(line)
+        if line.startswith("step    4 |"):
+            _kill_tree(killed.pid)
+            break
+    killed.wait(timeout=60)
+    killed.stdout.close()
+    assert killed.returncode != 0 and any(line.startswith("step    4 |") for line in seen), "".join(seen)[-4000:]
+    before = _losses(tmp_path / "killed.jsonl")
+    assert all(before[s] == want[s] for s in before), (before, want)  # the same run up to the kill
+
+    found = checkpointing.latest(ckpt)
+    assert found is not None and 3 <= found[0] < steps, found
+    os.makedirs(checkpointing.step_dir(ckpt, steps - 1))  # an interrupted save: no .metadata
+    resumed = subprocess.run(_command(script, [*run, "--ckpt-dir", ckpt, "--resume",
+                                               "--metrics-file", str(tmp_path / "resumed.jsonl")]),
+                             env=_env(), capture_output=True, text=True, timeout=300)
+    log = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, log[-4000:]
+    assert f"resumed from {found[1]} at step {found[0]}" in log, log[-4000:]
+    got = _losses(tmp_path / "resumed.jsonl")
+    assert sorted(got) == list(range(found[0] + 1, steps + 1))
+    assert all(got[s] == want[s] for s in got), {s: (got[s], want[s]) for s in got}
+
+
+@pytest.mark.parametrize("bad,message", [(["--resume"], "need --ckpt-dir"),
+                                         (["--ckpt-every", "-1"], "--ckpt-every must be >= 0"),
+                                         (["--steps", "0"], "--steps must be >= 1")])
+def test_bad_flags_are_reported(bad, message, capsys):
+    p = argparse.ArgumentParser()
+    training.add_args(p)
+    with pytest.raises(SystemExit) as exit_info:
+        training.check_args(p, p.parse_args(bad))
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

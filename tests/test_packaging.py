@@ -1,0 +1,121 @@
+"""Packaging: a build that cannot import torch installs pure Python plus the C++/CUDA sources, and the installed
+package compiles mfsdp_ext._C at first import (mfsdp_ext/_jit.py), caches it, and says what it loaded.
+
+test_sdist_wheel_just_in_time compiles the extension once (a minute or more on 2 cores): the chain a user without
+``--no-build-isolation`` goes through, sdist -> wheel -> install -> import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+
+import pytest
+
+from mfsdp_ext import _jit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SETUP_WITHOUT_TORCH = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = ['setup.py', '--version']; "
+                       "runpy.run_path('setup.py', run_name='__main__')")
+
+
+def _source_copy(dst: str) -> str:
+    """The checkout's files as a fresh clone has them (no build outputs, no in-place _C)."""
+    ignore = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", "*.so", ".pytest_cache")
+    shutil.copytree(ROOT, dst, ignore=ignore)
+    return dst
+
+
+@pytest.mark.parametrize("mode,ok,message", [
+    ("", True, "torch is not importable in this build environment"),
+    ("0", True, "MFSDP_BUILD_EXT=0: mfsdp_ext._C will be compiled at first import"),
+    ("1", False, "MFSDP_BUILD_EXT=1, but torch cannot be imported"),
+    ("yes", False, "MFSDP_BUILD_EXT='yes': use 1"),
+])
+def test_setup_without_torch(mode, ok, message):
+    """pip's isolated build has no torch: setup.py must still produce the package, unless told to insist."""
+    env = {**os.environ, "MFSDP_BUILD_EXT": mode}
+    out = subprocess.run([sys.executable, "-c", SETUP_WITHOUT_TORCH], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert (out.returncode == 0) == ok and message in out.stdout + out.stderr, out.stdout + out.stderr
+    if ok:
+        assert out.stdout.strip().endswith("0.1.0")
+
+
+def test_missing_toolchain_is_named(monkeypatch):
+    spec = _jit._build_config.extension_spec(_jit.source_dir())
+    monkeypatch.setenv("CXX", "no-such-compiler-mfsdp")
+    monkeypatch.setitem(sys.modules, "ninja", None)  # pip's ninja package absent
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(ImportError) as err:
+        _jit.check_toolchain(spec)
+    assert "ninja (pip install ninja)" in str(err.value)
+    assert "'no-such-compiler-mfsdp' is not on PATH" in str(err.value)
+    assert "--no-build-isolation" in str(err.value)
+
+
+# in a fresh interpreter: which build loads, and one kernel against torch's own rounding
+_IMPORT = """
+import json, sys, time
+t0 = time.perf_counter()
+import mfsdp_ext, torch
+from mfsdp_ext import _native
+seconds = time.perf_counter() - t0
+src = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+dst = torch.empty(1000, dtype=torch.bfloat16)
+_native.cast(src, dst)
+print(json.dumps({"info": mfsdp_ext.build_info(), "file": mfsdp_ext.__file__, "seconds": seconds,
+                  "cast_ok": bool(torch.equal(dst, src.to(torch.bfloat16)))}))
+"""
+
+
+def _import(site: str, cache: str, cwd: str) -> tuple[dict, str]:
+    env = {**os.environ, "PYTHONPATH": site, "TORCH_EXTENSIONS_DIR": cache}
+    env.pop("LOCAL_RANK", None)
+    out = subprocess.run([sys.executable, "-c", _IMPORT], cwd=cwd, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+def test_sdist_wheel_just_in_time(tmp_path):
+    src = _source_copy(str(tmp_path / "src"))
+    dist, site, cache = (str(tmp_path / d) for d in ("dist", "site", "cache"))
+    env = {**os.environ, "MFSDP_BUILD_EXT": "0"}  # what pip's isolated build does (it cannot import torch)
+    subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", dist], cwd=src, env=env, check=True,
+                   capture_output=True, timeout=300)
+    (sdist,) = [os.path.join(dist, f) for f in os.listdir(dist)]
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    assert {"csrc/bindings.cpp", "csrc/pack_cuda.cu", "csrc/kernel_utils.cuh", "mfsdp_ext/_build_config.py",
+            "mfsdp_ext/_jit.py", "setup.py", "MANIFEST.in"} <= names, sorted(names)
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "-w", dist,
+                    sdist], env=env, check=True, capture_output=True, timeout=600)
+    (wheel,) = [os.path.join(dist, f) for f in os.listdir(dist) if f.endswith(".whl")]
+    assert wheel.endswith("-py3-none-any.whl"), wheel  # pure Python: no _C inside
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+    assert {"mfsdp_ext/csrc/bindings.cpp", "mfsdp_ext/csrc/cast_cuda.cu", "mfsdp_ext/csrc/fp8_math.h"} <= names
+    assert not any(n.endswith(".so") for n in names), sorted(names)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", site, wheel],
+                   check=True, capture_output=True, timeout=300)
+
+    first, log = _import(site, cache, str(tmp_path))
+    assert first["file"].startswith(site), first  # the installed package, not this checkout
+    info = first["info"]
+    assert info["build"] == "just-in-time" and info["path"].startswith(os.path.join(cache, "mfsdp_ext")), info
+    assert info["native"] and info["cpu"] and first["cast_ok"], first
+    assert log.count("mfsdp_ext: compiling the native extension") == 1, log
+
+    t0 = time.perf_counter()
+    again, log = _import(site, cache, str(tmp_path))
+    assert again["info"]["path"] == info["path"] and "compiling" not in log, (again, log)  # the cached build
+    print({"first_import_s": round(first["seconds"], 1), "cached_import_s": round(again["seconds"], 1),
+           "second_process_s": round(time.perf_counter() - t0, 1), "path": info["path"]})
