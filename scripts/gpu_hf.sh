@@ -28,6 +28,8 @@ print(f"fp32 ours vs FSDP2, {len(ours)} steps: max relative loss difference {err
 print("ours :", ours, "\nfsdp2:", fsdp2)
 sys.exit(0 if len(ours) == len(fsdp2) == 10 and err <= 1e-5 else 1)
 PY
+[ "${HF_QUICK:-0}" = 1 ] && { run_hf bf16_ours_ac_compile --impl ours --steps 15 --activation-checkpointing --compile
+                              exit $status; }  # HF_QUICK=1: the fp32 parity and one compiled run only
 run_hf bf16_ours --impl ours --steps 30
 run_hf bf16_fsdp2 --impl fsdp2 --steps 30
 run_hf bf16_ours_ac_compile --impl ours --steps 15 --activation-checkpointing --compile

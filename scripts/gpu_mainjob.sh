@@ -10,7 +10,7 @@ D="$OUT/mainjob"; mkdir -p "$D"
 T=$(mktemp -d /tmp/gpu_mainjob.XXXX)
 ARGS=(--model "${MODEL:-small}" --steps 12 --ckpt-every 6)  # MODEL=tiny: a CPU dry run
 status=0
-for i in 1 2 3; do
+for i in $(seq "${RUNS:-3}"); do  # RUNS=1: a shorter check
     timeout -k 10 "${RUN_TIMEOUT:-150}" bash scripts/train.sh "${ARGS[@]}" --ckpt-dir "$T/ckpt$i" \
         --metrics-file "$D/run$i.jsonl" > "$D/run$i.log" 2>&1
     rc=$?; echo "main job run $i: exit $rc"; grep -E "^summary|terminate|Abort" "$D/run$i.log"
