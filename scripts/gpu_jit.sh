@@ -11,6 +11,11 @@ unset PYTHONPATH  # gpu_env.sh puts the checkout there: here the installed packa
 T=$(mktemp -d /tmp/gpu_jit.XXXX)
 tar -C "$ROOT" --exclude=./.git --exclude=./build --exclude='*.egg-info' --exclude='*.so' -cf - . | (mkdir "$T/src" && tar -C "$T/src" -xf -)
 python3 -m venv --system-site-packages "$T/venv" || exit 1
+# torch may live outside the system site-packages (a user site or a PYTHONPATH entry, as on the GPU machine),
+# which a venv does not see: point the venv at the directory torch imports from
+TORCH_SITE=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))') || exit 1
+"$T/venv/bin/python" -c 'import torch' 2>/dev/null ||
+    echo "$TORCH_SITE" > "$("$T/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/system_torch.pth"
 MFSDP_BUILD_EXT=0 "$T/venv/bin/pip" install -q --no-build-isolation --no-deps "$T/src" || exit 1
 cd "$T"
 status=0
