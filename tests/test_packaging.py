@@ -104,6 +104,10 @@ def test_sdist_wheel_just_in_time(tmp_path):
         names = set(z.namelist())
     assert {"mfsdp_ext/csrc/bindings.cpp", "mfsdp_ext/csrc/cast_cuda.cu", "mfsdp_ext/csrc/fp8_math.h"} <= names
     assert not any(n.endswith(".so") for n in names), sorted(names)
+    package = os.path.join(src, "mfsdp_ext")
+    modules = {os.path.relpath(os.path.join(d, f), src).replace(os.sep, "/")
+               for d, _, files in os.walk(package) for f in files if f.endswith(".py")}
+    assert modules <= names, f"missing from the wheel (list subpackages in pyproject.toml): {sorted(modules - names)}"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", site, wheel],
                    check=True, capture_output=True, timeout=300)
 
