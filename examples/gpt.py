@@ -352,6 +352,20 @@ def teardown_distributed(*meshes) -> None:
         dist.destroy_process_group()
 
 
+def run_distributed(train: Callable, args) -> None:
+    """Set up the process group, run ``train(args, device, mesh)`` and tear the group down even when it raises
+    (once train() has returned, its model and optimizer are gone, so the group can really go)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = setup_distributed(args.device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    try:
+        train(args, device, mesh)
+    finally:
+        teardown_distributed(mesh)
+
+
 def forward_backward(model: nn.Module, impl: str, microbatches, loss_fn: Optional[Callable] = None) -> torch.Tensor:
     """Forward + backward of every (inputs, targets) microbatch, each loss divided by their number, gradients
     reduced on the last one. ``loss_fn(model, inputs, targets)`` gives a microbatch's mean loss (default:

@@ -22,9 +22,7 @@ import sys
 import warnings
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt  # noqa: E402  (examples/gpt.py: process group set-up and the FSDP glue)
@@ -153,13 +151,7 @@ def train(args, device: torch.device, mesh) -> list[float]:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    device = gpt.setup_distributed(args.device)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    try:
-        train(args, device, mesh)
-    finally:  # the model and optimizer are gone once train() returns: the process group can really go
-        gpt.teardown_distributed(mesh)
+    gpt.run_distributed(train, parse_args(argv))
 
 
 if __name__ == "__main__":
