@@ -3,6 +3,7 @@
 // Per-segment data (segment bounds, amax, scales) is read from small device tables.
 #include <cuda_runtime.h>
 
+#include "fp8_scaling.h"
 #include "kernel_utils.cuh"
 #include "launch.h"
 

@@ -10,7 +10,8 @@
 #include <string>
 #include <type_traits>
 
-#include "fp8_math.h"
+#include "float_formats.h"
+#include "fp8_scaling.h"
 #include "segment_walk.h"
 
 #ifdef MFSDP_WITH_CUDA

@@ -1,12 +1,12 @@
 // Launchers of the CUDA kernels (defined in pack_cuda.cu / cast_cuda.cu). Plain C++ signatures: raw pointers,
 // sizes, dtype codes and the stream as void* (a cudaStream_t), so the torch glue (.cpp) and the CUDA
-// sources (.cu) share no headers but this one and fp8_math.h. Each returns a cudaError_t as int
+// sources (.cu) share no headers but this one and dtype.h. Each returns a cudaError_t as int
 // (0 = success): the launch error checked right after the launch.
 #pragma once
 
 #include <cstdint>
 
-#include "fp8_math.h"
+#include "dtype.h"
 
 namespace mfsdp {
 namespace cuda {
