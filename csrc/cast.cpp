@@ -15,9 +15,7 @@ int64_t check_src_segments(const at::Tensor& src, const at::Tensor& segments, co
   check_flat(src, fn, "src");
   check_device_supported(src, fn);
   TORCH_CHECK_VALUE(segments.defined(), "mfsdp_ext.", fn, ": segments is undefined");
-  const int64_t n = check_segment_table(segments, src, fn);
-  if (segments.is_cpu() && !src.is_meta()) validate_segments_cpu(segments.data_ptr<int64_t>(), n, src.numel(), fn);
-  return n;
+  return check_segment_table(segments, src.numel(), fn, &src);
 }
 
 void check_per_segment(const at::Tensor& t, const at::Tensor& src, int64_t n, const char* fn, const char* what) {
@@ -59,11 +57,8 @@ void cpu_scaled_segment_copy(const at::Tensor& src, const at::Tensor& segments, 
 }  // namespace
 
 void check_segments(const at::Tensor& segments, int64_t total) {
-  const char* fn = "check_segments";
   TORCH_CHECK_VALUE(segments.defined() && segments.is_cpu(), "mfsdp_ext.check_segments: segments must be a CPU tensor");
-  check_segment_shape(segments, fn);
-  const at::Tensor s = segments.contiguous();
-  validate_segments_cpu(s.data_ptr<int64_t>(), s.size(0), total, fn);
+  check_segment_table(segments.contiguous(), total, "check_segments");
 }
 
 void cast(const at::Tensor& src, const at::Tensor& dst) {

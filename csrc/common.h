@@ -89,24 +89,23 @@ inline void check_no_overlap(const at::Tensor& a, const at::Tensor& b, const cha
               "mfsdp_ext.", fn, ": ", what_a, " and ", what_b, " must not overlap in memory");
 }
 
-// segments: int64 (n, 2)
-inline void check_segment_shape(const at::Tensor& seg, const char* fn) {
-  TORCH_CHECK_TYPE(seg.scalar_type() == at::kLong, "mfsdp_ext.", fn, ": segments must be int64, got ", seg.scalar_type());
-  TORCH_CHECK_VALUE(seg.dim() == 2 && seg.size(1) == 2, "mfsdp_ext.", fn,
-              ": segments must have shape (n, 2) of [start, end) rows, got ", seg.sizes());
-}
-
-// segments: int64 (n, 2), contiguous, on `like`'s device.
-inline int64_t check_segment_table(const at::Tensor& seg, const at::Tensor& like, const char* fn) {
-  check_segment_shape(seg, fn);
-  check_contiguous(seg, fn, "segments");
-  check_same_device(seg, like, fn, "segments", "src");
-  return seg.size(0);
-}
-
-// Segment rows must lie in [0, total), be sorted and not overlap: 0 <= start_i <= end_i <= total and
-// end_{i-1} <= start_i (an empty row (e, e) fits in order). CPU table only.
-inline void validate_segments_cpu(const int64_t* s, int64_t n, int64_t total, const char* fn) {
+// The one check of a segment table, used by every kernel that takes one and by check_segments: an int64
+// (n, 2) contiguous tensor of [start, end) rows, on src's device when src is given; the rows of a CPU table
+// must lie in [0, total), be sorted and not overlap: 0 <= start_i <= end_i <= total and end_{i-1} <= start_i
+// (an empty row (e, e) fits in order). A CUDA table's rows are not read here (that would cost a device-to-host
+// copy per call): _native.py checks a CPU copy once per table version through check_segments.
+// Returns n.
+inline int64_t check_segment_table(const at::Tensor& segments, int64_t total, const char* fn,
+                                   const at::Tensor* src = nullptr) {
+  TORCH_CHECK_TYPE(segments.scalar_type() == at::kLong, "mfsdp_ext.", fn, ": segments must be int64, got ",
+                   segments.scalar_type());
+  TORCH_CHECK_VALUE(segments.dim() == 2 && segments.size(1) == 2, "mfsdp_ext.", fn,
+              ": segments must have shape (n, 2) of [start, end) rows, got ", segments.sizes());
+  check_contiguous(segments, fn, "segments");
+  if (src != nullptr) check_same_device(segments, *src, fn, "segments", "src");
+  const int64_t n = segments.size(0);
+  if (!segments.is_cpu()) return n;
+  const int64_t* s = segments.data_ptr<int64_t>();
   int64_t prev_end = 0;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t a = s[2 * i], b = s[2 * i + 1];
@@ -117,6 +116,7 @@ inline void validate_segments_cpu(const int64_t* s, int64_t n, int64_t total, co
                 " (write an empty segment as (e, e) at its place in order)");
     prev_end = b;
   }
+  return n;
 }
 
 // ---------------------------------------------------------------------------------------------
