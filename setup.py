@@ -124,8 +124,9 @@ class Build(BuildExtension):
 
 def make_extension():
     # symm_comm.cpp always: without NCCL it compiles to nothing
-    sources = [os.path.join(CSRC, f) for f in ("bindings.cpp", "build_info.cpp", "pack.cpp", "cast.cpp",
-                                               "symm_offset_allocator.cpp", "symm_comm.cpp")]
+    sources = [os.path.join(CSRC, f) for f in ("bindings.cpp", "build_info.cpp", "pack.cpp", "pack_cpu.cpp",
+                                               "cast.cpp", "cast_cpu.cpp", "symm_offset_allocator.cpp",
+                                               "symm_comm.cpp")]
     cxx = ["-O3", "-ffp-contract=off"]
     nvcc_flags = ["-O3", "-fmad=true"]  # kernels use explicit __fmul_rn / __fmaf_rn where rounding matters
     include_dirs = [os.path.join(ROOT, CSRC)]

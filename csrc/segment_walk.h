@@ -1,5 +1,5 @@
 // The walk of one range of the flat index space over a segment table, shared by the CPU kernels
-// (common.h) and the CUDA kernels (kernel_utils.cuh); only the search for the first segment differs.
+// (cpu_kernel_utils.h) and the CUDA kernels (kernel_utils.cuh); only the search for the first segment differs.
 #pragma once
 
 #include <cstdint>

@@ -16,7 +16,7 @@
 #include <stdexcept>
 #include <thread>
 
-#include "common.h"  // bytes_overlap
+#include "tensor_checks.h"  // bytes_overlap
 
 namespace mfsdp {
 namespace symm {
