@@ -1,9 +1,13 @@
-// Python bindings of mfsdp_ext._C: registration only. Kernels: pack.cpp / cast.cpp (+ .cu); build description:
-// build_info.cpp; symmetric memory: symm_offset_allocator.cpp and symm_comm.cpp (SymmComm only with NCCL).
+// Python bindings of mfsdp_ext._C: registration only (which file holds what: csrc/README.md).
+// Kernels: cast.cpp / pack.cpp (entry points) over *_cpu.cpp / *_cuda.cu; build description: build_info.cpp;
+// symmetric memory: symm_offset_allocator.cpp and symm_comm.cpp (SymmComm only when built with NCCL).
+// Constants the Python layer needs are defined once in C++ and exported here as module attributes.
 #include <torch/extension.h>
 
 #include "build_info.h"
 #include "cast.h"
+#include "float_formats.h"  // E4M3T / E5M2T::max_value
+#include "launch.h"         // kInlineTableEntries
 #include "pack.h"
 #include "symm_comm.h"
 #include "symm_offset_allocator.h"
@@ -28,6 +32,16 @@ void register_kernels(py::module_& m) {
   m.def("grad_accumulate", &mfsdp::grad_accumulate, release(), py::arg("main_grad"), py::arg("reduced"),
         py::arg("scale"), py::arg("accumulate"));
   m.def("check_segments", &mfsdp::check_segments, release(), py::arg("segments"), py::arg("total"));
+}
+
+void register_constants(py::module_& m) {
+  m.attr("FP8_E4M3_MAX") = static_cast<double>(mfsdp::E4M3T::max_value);
+  m.attr("FP8_E5M2_MAX") = static_cast<double>(mfsdp::E5M2T::max_value);
+  m.attr("PACK_INLINE_TABLE_ENTRIES") = mfsdp::kInlineTableEntries;
+  m.attr("SYMM_ALIGNMENT") = mfsdp::symm::kWindowAlignment;
+  m.attr("SYMM_REGION_GRANULARITY") = mfsdp::symm::kRegionGranularity;
+  m.attr("SYMM_DEFAULT_GROW_BYTES") = mfsdp::symm::kDefaultGrowBytes;
+  m.attr("MIN_NCCL_VERSION") = mfsdp::symm::kMinNcclVersion;
 }
 
 void register_offset_allocator(py::module_& m) {
@@ -125,6 +139,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mfsdp_ext native kernels (see mfsdp_ext/_native.py for the contract)";
   register_kernels(m);
   m.def("build_info", &mfsdp::build_info);
+  register_constants(m);
   m.def("nccl_version", &mfsdp::nccl_version,
         "Version code of the NCCL library loaded at run time (e.g. 22809 for 2.28.9); 0 when built without NCCL.");
   m.def("symm_comm_build_info", &mfsdp::symm_comm_build_info,

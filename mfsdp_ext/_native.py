@@ -64,6 +64,15 @@ except ImportError as exc:  # pragma: no cover - depends on the build
         "`pip install --no-build-isolation --no-deps -e .`), with the same torch that imports it."
     ) from exc
 
+# Constants defined once in C++ (csrc/) and read from the extension.
+SYMM_ALIGNMENT: int = _C.SYMM_ALIGNMENT  # symmetric-pool window offsets are multiples of it (NCCL's rule)
+SYMM_REGION_GRANULARITY: int = _C.SYMM_REGION_GRANULARITY  # pool regions are whole multiples of it
+SYMM_DEFAULT_GROW_BYTES: int = _C.SYMM_DEFAULT_GROW_BYTES  # region added when a pool allocation does not fit
+MIN_NCCL_VERSION: int = _C.MIN_NCCL_VERSION  # runtime NCCL needed by the symmetric collectives (22807 = 2.28.7)
+PACK_INLINE_TABLE_ENTRIES: int = _C.PACK_INLINE_TABLE_ENTRIES  # CUDA pack/unpack: table in the kernel parameters
+FP8_E4M3_MAX: float = _C.FP8_E4M3_MAX  # largest finite float8_e4m3fn (the kernels saturate to it)
+FP8_E5M2_MAX: float = _C.FP8_E5M2_MAX  # largest finite float8_e5m2
+
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 _BUILD_INFO: dict | None = None
