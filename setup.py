@@ -123,7 +123,7 @@ class Build(BuildExtension):
 
 
 def make_extension():
-    # symm_comm.cpp always: without NCCL it compiles to nothing
+    # symm_comm.cpp always: without NCCL it compiles to nothing (csrc/README.md says which file holds what)
     sources = [os.path.join(CSRC, f) for f in ("bindings.cpp", "build_info.cpp", "pack.cpp", "pack_cpu.cpp",
                                                "cast.cpp", "cast_cpu.cpp", "symm_offset_allocator.cpp",
                                                "symm_comm.cpp")]
