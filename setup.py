@@ -4,11 +4,12 @@
     pip install --no-build-isolation --no-deps -e .  # GPU machine
 
 What gets compiled:
-  * always: the C++ CPU kernels, the bindings and the symmetric pool's offset allocator (csrc/bindings.cpp,
-    pack.cpp, cast.cpp, symm_comm.cpp);
-  * CUDA kernels (csrc/*.cu, -DMFSDP_WITH_CUDA) when torch has CUDA and nvcc is found (CUDA_HOME);
-  * NCCL code (in csrc/symm_comm.cpp, -DMFSDP_WITH_NCCL, linked with -l:libnccl.so.2) when, in addition, nccl.h
-    is found: $NCCL_INCLUDE_DIR, $NCCL_HOME, the ``nvidia.nccl`` Python package, CUDA_HOME, then the system.
+  * always: the bindings, the kernels' entry points and CPU kernels and the symmetric pool's offset allocator
+    (csrc/*.cpp: bindings, build_info, {pack,cast,quantize}.cpp and *_cpu.cpp, symm_offset_allocator, symm_comm);
+  * CUDA kernels (csrc/*_cuda.cu, -DMFSDP_WITH_CUDA) when torch has CUDA and nvcc is found (CUDA_HOME);
+  * NCCL code (in csrc/symm_comm.cpp and build_info.cpp, -DMFSDP_WITH_NCCL, linked with -l:libnccl.so.2) when,
+    in addition, nccl.h is found: $NCCL_INCLUDE_DIR, $NCCL_HOME, the ``nvidia.nccl`` Python package, CUDA_HOME,
+    then the system.
 
 Environment:
   TORCH_CUDA_ARCH_LIST   CUDA architectures (torch's syntax); default: -gencode=arch=compute_90a,code=sm_90a
@@ -125,8 +126,8 @@ class Build(BuildExtension):
 def make_extension():
     # symm_comm.cpp always: without NCCL it compiles to nothing (csrc/README.md says which file holds what)
     sources = [os.path.join(CSRC, f) for f in ("bindings.cpp", "build_info.cpp", "pack.cpp", "pack_cpu.cpp",
-                                               "cast.cpp", "cast_cpu.cpp", "symm_offset_allocator.cpp",
-                                               "symm_comm.cpp")]
+                                               "cast.cpp", "cast_cpu.cpp", "quantize.cpp", "quantize_cpu.cpp",
+                                               "symm_offset_allocator.cpp", "symm_comm.cpp")]
     cxx = ["-O3", "-ffp-contract=off"]
     nvcc_flags = ["-O3", "-fmad=true"]  # kernels use explicit __fmul_rn / __fmaf_rn where rounding matters
     include_dirs = [os.path.join(ROOT, CSRC)]
@@ -150,7 +151,7 @@ def make_extension():
     gencode, arch_names = cuda_arch_flags()
     defines = ["-DMFSDP_WITH_CUDA", f"-DMFSDP_CUDA_ARCHS={arch_names}"]
     # Not pack.cu / cast.cu: torch names object files by stem, so they would clash with pack.o / cast.o.
-    sources += [os.path.join(CSRC, f) for f in ("pack_cuda.cu", "cast_cuda.cu")]
+    sources += [os.path.join(CSRC, f) for f in ("pack_cuda.cu", "cast_cuda.cu", "quantize_cuda.cu")]
     nvcc_flags += gencode
     if os.environ.get("MFSDP_PTXAS_VERBOSE") == "1":
         nvcc_flags += ["-Xptxas", "-v"]

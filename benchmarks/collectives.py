@@ -4,7 +4,7 @@
     torchrun --nproc-per-node N benchmarks/collectives.py --out DIR
 
 Methods (bf16, sizes = bytes of the gathered buffer / of the reduce-scatter input):
-  ours       mfsdp_ext.symm_mem.SymmetricComm: buffers from our ncclMemAlloc pool registered as
+  ours       mfsdp_ext.symmetric.SymmetricComm: buffers from our ncclMemAlloc pool registered as
              NCCL_WIN_COLL_SYMMETRIC windows, ncclAllGather / ncclReduceScatter(sum) called from C++.
   plain      torch.distributed all_gather_single / reduce_scatter_single (or *_into_tensor / *_tensor on
              older torch) on ordinary caching-allocator tensors.
@@ -55,7 +55,7 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from mfsdp_ext.comm import _all_gather_flat, _reduce_scatter_flat  # noqa: E402  (torch's flat collectives)
+from mfsdp_ext.dist_ops import _all_gather_flat, _reduce_scatter_flat  # noqa: E402  (torch's flat collectives)
 
 MiB = 1 << 20
 DTYPE = torch.bfloat16
@@ -375,8 +375,8 @@ def unit_shapes() -> dict:
 
 def unit_cases(shapes, group, device, rank, world, symmetric=None) -> dict:
     """{method: run()} for one unit, with its buffers laid out as fully_shard lays them out; ``symmetric``
-    (comm.SymmetricCollectives) adds use_symm_mem's paths."""
-    from mfsdp_ext import _native, comm
+    (SymmetricStages) adds use_symm_mem's paths."""
+    from mfsdp_ext import _native, dist_ops
     from mfsdp_ext.flat_buffer import FlatBuffer
     from mfsdp_ext.layout import FlatLayout
 
@@ -413,7 +413,7 @@ def unit_cases(shapes, group, device, rank, world, symmetric=None) -> dict:
         group.reduce_scatter_tensor_coalesced(grouped_reduced, padded).wait()
 
     cases = {
-        "AG grouped per parameter": lambda: comm.all_gather_into(gather_out, gather_in, group),
+        "AG grouped per parameter": lambda: dist_ops.all_gather_into(gather_out, gather_in, group),
         "AG flat": lambda: _all_gather_flat(rank_major, shard.data, group=group),
         "AG flat + unpack": flat_gather_unpack,
         "RS pack + flat": pack_reduce,
@@ -426,12 +426,12 @@ def unit_cases(shapes, group, device, rank, world, symmetric=None) -> dict:
 
         def symmetric_gather():
             slot.copy_(shard.data)
-            symmetric.all_gather_in_place(stage, slot)
+            symmetric.comm.all_gather_into(stage, slot)
             _native.unpack(stage, unpack_offsets, unpack_outs)
 
         def symmetric_reduce():
             pack_into(s_packed)
-            symmetric.reduce_scatter_into(s_reduced, s_packed)
+            symmetric.comm.reduce_scatter_into(s_reduced, s_packed)
 
         cases.update({"AG symmetric + unpack": symmetric_gather, "RS symmetric pack + flat": symmetric_reduce})
     return layout.unsharded_numel * DTYPE.itemsize / MiB, n_params, cases
@@ -442,17 +442,18 @@ UNIT_METHODS = ("AG grouped per parameter", "AG flat", "AG flat + unpack", "AG s
 
 
 def bench_units(args, group, device, rank, world, local_rank) -> list:
-    from mfsdp_ext import comm, symm_mem
+    from mfsdp_ext import symmetric as symm_mem
     from mfsdp_ext.layout import FlatLayout
+    from mfsdp_ext.symmetric.collectives import SymmetricStages
 
     cycles_per_us = sleep_cycles_per_us(device)
     units = unit_shapes()
     symmetric = None
     if agree(symm_mem.is_available(group)[0], device):
         layouts = [FlatLayout(shapes, world) for shapes in units.values()]
-        symmetric = comm.SymmetricCollectives(
+        symmetric = SymmetricStages(
             group, max(l.rank_major_numel for l in layouts) * DTYPE.itemsize,
-            max(comm.SymmetricCollectives.reduce_scatter_stage_bytes(l.rank_major_numel, world, torch.float32)
+            max(SymmetricStages.reduce_scatter_stage_bytes(l.rank_major_numel, world, torch.float32)
                 for l in layouts))
     rows = []
     for name, shapes in units.items():
@@ -533,7 +534,7 @@ def main() -> int:
         tsymm_alloc = None
         log(f"torchsymm skipped: {skipped['torchsymm']}")
 
-    from mfsdp_ext import symm_mem
+    from mfsdp_ext import symmetric as symm_mem
 
     comm = None
     ok, why = symm_mem.is_available(group)

@@ -1,6 +1,7 @@
 """Kernel bandwidth benchmark (one GPU): mfsdp_ext kernels vs the GPU's copy bandwidth vs the PyTorch way.
 
     python benchmarks/kernels.py [--out DIR] [--sizes 1M,4M,16M,64M,256M,1G] [--reps N]
+    python benchmarks/kernels.py --parts quant,transpose --tag fp8 --out DIR    # the FP8 kernels only
 
 For each size (elements of the fp32 source) it measures, in one run, with CUDA events (warm-up, median of
 many repetitions):
@@ -12,6 +13,12 @@ many repetitions):
             (misaligned) and at 64 B aligned offsets (fully_shard's layout)
             vs  torch._foreach_copy_(views of the flat buffer, tensors)
 and pack of 2000 small tensors (~4K elements each) vs _foreach_copy_ (GPU time and host time per call).
+FP8 (--parts quant,transpose; sizes in elements of a bf16 (rows, 4096) activation, shapes of FP8 matrices):
+  quantize  mfsdp fp8_quantize bf16 -> e4m3, per-tensor current scaling (3 B/elem; 4 B/elem with the transpose
+            written in the same pass), algorithms "two_pass" (2 launches) and "fused" (1 launch)
+            vs  the same in torch ops (amax, scale, clamp, .to(float8) [, .t().contiguous()])
+            `% copy` compares with a copy of the bf16 source (4 B/elem) in the same run
+  transpose mfsdp fp8_transpose (2 B/elem) vs .t().contiguous(), against a copy of the same bytes
 GB/s counts the bytes the operation must move (read + write) over its time; for the PyTorch way the same byte
 count is used, so the GB/s columns compare times. Results: <out>/kernels_<gpu>.md, .json and .png.
 """
@@ -31,12 +38,14 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from mfsdp_ext import _native as N  # noqa: E402
-from mfsdp_ext.layout import ALIGN_ELEMS, _align_up  # noqa: E402
+from mfsdp_ext.layout import ALIGN_ELEMS, align_up  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 DEVICE = "cuda"  # --device cpu: a smoke test of this script on a machine without a GPU (numbers meaningless)
 GOAL = 0.90  # fraction of copy bandwidth at >= 64 MiB
 GOAL_MIN_BYTES = 64 << 20
+QUANT_GOAL = 0.85  # activation quantizer: fraction of the copy bandwidth of its bf16 source at >= 8 MiB
+QUANT_GOAL_MIN_BYTES = 8 << 20
 
 
 def parse_size(s: str) -> int:
@@ -175,7 +184,7 @@ def _bench_pack(n: int, reps: int, t_copy: float, align: int = 1) -> tuple[list[
     tensors = [torch.randn(s, device=DEVICE) for s in sizes]
     offsets, cur = [], 0
     for s in sizes:
-        cur = _align_up(cur, align)
+        cur = align_up(cur, align)
         offsets.append(cur)
         cur += s
     flat = torch.empty(cur, device=DEVICE)
@@ -209,6 +218,73 @@ def bench_size(n: int, reps_base: int) -> list[dict]:
     for r in rows:
         r["check_ok"] = ok
     return rows
+
+
+def _quant_torch(src: torch.Tensor, transpose: bool):
+    """The activation quantizer written in torch ops (what an eager FP8 Linear without native kernels does)."""
+    amax = src.abs().max().float()
+    scale = 448.0 / torch.clamp(amax, min=1e-12)
+    q = (src.float() * scale).clamp(-448.0, 448.0).to(E4M3)
+    return (q, q.t().contiguous() if transpose else None), scale.reciprocal()
+
+
+def bench_quantize(n: int, reps_base: int, cols: int = 4096) -> tuple[list[dict], bool]:
+    """One bf16 activation (n // cols, cols) -> e4m3 with per-tensor current scaling, with and without the
+    transpose, every algorithm, against a copy of the source and against torch ops."""
+    rows_n = max(1, n // cols)
+    n = rows_n * cols
+    src = torch.randn(rows_n, cols, device=DEVICE, dtype=torch.bfloat16)
+    reps = reps_for(4 * n, reps_base)
+    dst = torch.empty_like(src)
+    t_copy = time_gpu(lambda: dst.copy_(src), reps)
+    q = torch.empty(rows_n, cols, dtype=E4M3, device=DEVICE)
+    qt = torch.empty(cols, rows_n, dtype=E4M3, device=DEVICE)
+    sinv = torch.empty((), device=DEVICE)
+    ok = True
+    ref, ref_sinv = _quant_torch(src, transpose=True)
+    rows = []
+    for transpose in (False, True):
+        t_torch = time_gpu(lambda: _quant_torch(src, transpose), max(5, reps // 2))
+        for algo in ("two_pass", "fused") if DEVICE == "cuda" else ("two_pass",):
+            t = time_gpu(lambda: N.fp8_quantize(src, q, sinv, dst_t=qt if transpose else None, algo=algo), reps)
+            # the torch-ops way rounds the same way (x * scale in fp32, RNE, saturation): same bits
+            ok &= torch.equal(q.view(torch.uint8), ref[0].view(torch.uint8)) and float(sinv) == float(ref_sinv)
+            if transpose:
+                ok &= torch.equal(qt.view(torch.uint8), ref[1].view(torch.uint8))
+            name = f"quantize bf16->e4m3{' +transpose' if transpose else ''} ({algo})"
+            bpe = 4 if transpose else 3
+            r = {"kernel": name, "elements": n, "src_bytes": 2 * n, "bytes_moved": bpe * n, "ours_s": t,
+                 "ours_gbps": bpe * n / t / 1e9, "copy_s": t_copy, "copy_gbps": 4 * n / t_copy / 1e9,
+                 "torch_s": t_torch, "torch_gbps": bpe * n / t_torch / 1e9, "speedup": t_torch / t,
+                 "torch_way": "abs().max(); (x.float()*s).clamp().to(e4m3)"
+                              + ("; .t().contiguous()" if transpose else "")}
+            r["frac_of_copy"] = r["ours_gbps"] / r["copy_gbps"]
+            rows.append(r)
+    return rows, ok
+
+
+def parse_shape(s: str) -> tuple[int, int]:
+    a, b = s.lower().split("x")
+    return int(a), int(b)
+
+
+def bench_transpose(shape: tuple[int, int], reps_base: int) -> tuple[list[dict], bool]:
+    """FP8 (rows, cols) -> (cols, rows): ours vs .t().contiguous(), against a copy of the same bytes."""
+    n = shape[0] * shape[1]
+    src = torch.randint(0, 256, shape, device=DEVICE, dtype=torch.uint8).view(E4M3)
+    dst = torch.empty(shape[1], shape[0], dtype=E4M3, device=DEVICE)
+    reps = reps_for(2 * n, reps_base)
+    cp = torch.empty_like(src.view(torch.uint8))
+    t_copy = time_gpu(lambda: cp.copy_(src.view(torch.uint8)), reps)
+    t = time_gpu(lambda: N.fp8_transpose(src, dst), reps)
+    t_torch = time_gpu(lambda: src.view(torch.uint8).t().contiguous(), reps)
+    ok = torch.equal(dst.view(torch.uint8), src.view(torch.uint8).t())
+    r = {"kernel": f"fp8 transpose {shape[0]}x{shape[1]}", "elements": n, "src_bytes": n, "bytes_moved": 2 * n,
+         "ours_s": t, "ours_gbps": 2 * n / t / 1e9, "copy_s": t_copy, "copy_gbps": 2 * n / t_copy / 1e9,
+         "torch_s": t_torch, "torch_gbps": 2 * n / t_torch / 1e9, "speedup": t_torch / t,
+         "torch_way": ".t().contiguous()"}
+    r["frac_of_copy"] = r["ours_gbps"] / r["copy_gbps"]
+    return [r], ok
 
 
 def bench_small_tensors(count: int, reps_base: int) -> list[dict]:
@@ -264,9 +340,12 @@ def write_markdown(path: str, meta: dict, rows: list[dict], goals: list[str]) ->
                   "| case | ours us/call | _foreach_copy_ us/call |", "|---|---:|---:|"]
         for r in small:
             lines.append(f"| {r['kernel']} | {r['ours_host_s'] * 1e6:.1f} | {r['torch_host_s'] * 1e6:.1f} |")
-    lines += ["", "Goals (>= 90% of copy bandwidth at >= 64 MiB of fp32 source):", ""] + [f"- {g}" for g in goals]
+    lines += ["", "Goals:", ""] + [f"- {g}" for g in goals]
     lines += ["", "Legend: fp32->bf16 cast moves 6 B/elem, fp32->e4m3 cast 5 B/elem, amax 4 B/elem, "
-              "amax + cast 9 B/elem, pack fp32 8 B/elem, copy 8 B/elem."]
+              "amax + cast 9 B/elem, pack fp32 8 B/elem, copy 8 B/elem (of the fp32 source). "
+              "quantize bf16->e4m3: 3 B/elem (4 with the transpose), against a copy of the bf16 source "
+              "(4 B/elem); the two-pass kernels read the source twice (5 B/elem of traffic, the second read "
+              "partly from L2). fp8 transpose: 2 B/elem, against a copy of the same bytes."]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -280,7 +359,9 @@ def write_chart(path: str, meta: dict, rows: list[dict]) -> bool:
     except Exception as exc:  # noqa: BLE001
         print(f"matplotlib not importable ({exc}); skipping the chart", file=sys.stderr)
         return False
-    sweep = [r for r in rows if "ours_host_s" not in r]
+    sweep = [r for r in rows if "ours_host_s" not in r and not r["kernel"].startswith(("quantize", "fp8 transpose"))]
+    if not sweep:  # the chart is the fp32 sweep; the FP8 rows are in the table
+        return False
     kernels = []
     for r in sweep:
         if r["kernel"] not in kernels:
@@ -320,7 +401,18 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=100, help="repetitions at small sizes (fewer at large ones)")
     p.add_argument("--small-count", type=int, default=2000, help="tensors in the many-small-tensors pack case")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: smoke-test the script only")
+    p.add_argument("--parts", default="fp32,small,quant,transpose",
+                   help="fp32 (cast / fp8_cast / pack sweep over --sizes), small (2000 small tensors), quant "
+                        "(activation quantizer over --quant-sizes), transpose (over --transpose-shapes)")
+    p.add_argument("--quant-sizes", default="4M,16M,64M,256M",
+                   help="elements of the bf16 activation (rows x 4096); 4M = 8 MiB")
+    p.add_argument("--transpose-shapes", default="4096x4096,4096x11008,11008x4096,16384x8192")
+    p.add_argument("--tag", default="", help="output name kernels_<tag>_<gpu>.* (default kernels_<gpu>.*)")
     args = p.parse_args()
+    parts = {x.strip() for x in args.parts.split(",") if x.strip()}
+    unknown = parts - {"fp32", "small", "quant", "transpose"}
+    if unknown:
+        p.error(f"unknown --parts {sorted(unknown)}")
 
     global DEVICE
     DEVICE = args.device
@@ -338,7 +430,7 @@ def main() -> int:
     print(f"# {name}, torch {torch.__version__}, build {info}", flush=True)
 
     rows: list[dict] = []
-    for n in [parse_size(s) for s in args.sizes.split(",") if s.strip()]:
+    for n in [parse_size(s) for s in args.sizes.split(",") if s.strip()] if "fp32" in parts else []:
         free = torch.cuda.mem_get_info()[0] if DEVICE == "cuda" else 8 << 30
         need = 24 * n + (256 << 20)  # src + copy + bf16 + the PyTorch fp8 temporaries, roughly
         if need > free:
@@ -352,32 +444,58 @@ def main() -> int:
             print(f"{r['kernel']:34s} n={size_name(n):>5s}  ours {r['ours_gbps']:7.0f} GB/s  "
                   f"copy {r['copy_gbps']:7.0f} GB/s  {100 * r['frac_of_copy']:5.1f}%{extra}", flush=True)
         print(f"  ({time.time() - t0:.1f} s)", flush=True)
-    small = bench_small_tensors(args.small_count, args.reps)
-    rows += small
-    for r in small:
-        print(f"{r['kernel']}: ours {r['ours_s'] * 1e6:.1f} us ({r['ours_gbps']:.0f} GB/s), _foreach_copy_ "
-              f"{r['torch_s'] * 1e6:.1f} us, speedup {r['speedup']:.2f}x; host {r['ours_host_s'] * 1e6:.1f} vs "
-              f"{r['torch_host_s'] * 1e6:.1f} us/call", flush=True)
+    if "small" in parts:
+        small = bench_small_tensors(args.small_count, args.reps)
+        rows += small
+        for r in small:
+            print(f"{r['kernel']}: ours {r['ours_s'] * 1e6:.1f} us ({r['ours_gbps']:.0f} GB/s), _foreach_copy_ "
+                  f"{r['torch_s'] * 1e6:.1f} us, speedup {r['speedup']:.2f}x; host {r['ours_host_s'] * 1e6:.1f} vs "
+                  f"{r['torch_host_s'] * 1e6:.1f} us/call", flush=True)
+    fp8_jobs = [("quant", bench_quantize, parse_size(x)) for x in args.quant_sizes.split(",") if x.strip()]
+    fp8_jobs += [("transpose", bench_transpose, parse_shape(x)) for x in args.transpose_shapes.split(",") if x.strip()]
+    for part, fn, arg in fp8_jobs:
+        if part not in parts:
+            continue
+        new, ok = fn(arg, args.reps)
+        if not ok:
+            print(f"WARNING: a result check failed in {part} {arg}", file=sys.stderr)
+        for r in new:
+            r["check_ok"] = ok
+            print(f"{r['kernel']:44s} {r['src_bytes'] / 2**20:7.1f} MiB  ours {r['ours_gbps']:7.0f} GB/s "
+                  f"{r['ours_s'] * 1e6:8.1f} us  copy {r['copy_gbps']:7.0f} GB/s  {100 * r['frac_of_copy']:5.1f}%  "
+                  f"torch {r['torch_s'] * 1e6:8.1f} us  speedup {r['speedup']:.2f}x", flush=True)
+        rows += new
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
 
     goals = []
-    all_met = True
     for k, label in (("cast fp32->bf16", "bf16 cast"), ("fp8_cast fp32->e4m3", "FP8 cast"),
                      ("pack 16 tensors fp32", "pack"),
                      (f"pack 16 tensors fp32, {4 * ALIGN_ELEMS} B aligned",
                       f"pack at fully_shard's {4 * ALIGN_ELEMS} B alignment")):
+        if "fp32" not in parts:
+            break
         big = [r for r in rows if r["kernel"] == k and r["src_bytes"] >= GOAL_MIN_BYTES]
         if not big:
-            goals.append(f"{label}: no size >= 64 MiB measured")
+            goals.append(f"{label} (>= 90% of copy at >= 64 MiB): no size >= 64 MiB measured")
             continue
         worst = min(big, key=lambda r: r["frac_of_copy"])
         met = worst["frac_of_copy"] >= GOAL
-        all_met &= met
-        goals.append(f"{label}: {'MET' if met else 'NOT MET'} (worst {100 * worst['frac_of_copy']:.1f}% of copy at "
-                     f"{size_name(worst['elements'])} elements)")
+        goals.append(f"{label} (>= 90% of copy at >= 64 MiB): {'MET' if met else 'NOT MET'} (worst "
+                     f"{100 * worst['frac_of_copy']:.1f}% of copy at {size_name(worst['elements'])} elements)")
+    quant_kernels = sorted({r["kernel"] for r in rows if r["kernel"].startswith("quantize")})
+    for k in quant_kernels:
+        big = [r for r in rows if r["kernel"] == k and r["src_bytes"] >= QUANT_GOAL_MIN_BYTES]
+        if not big:
+            continue
+        worst = min(big, key=lambda r: r["frac_of_copy"])
+        met = worst["frac_of_copy"] >= QUANT_GOAL
+        sizes = ", ".join(f"{100 * r['frac_of_copy']:.0f}% at {r['src_bytes'] / 2**20:.0f} MiB" for r in big)
+        goals.append(f"{k} (>= {100 * QUANT_GOAL:.0f}% of copy at >= 8 MiB): {'MET' if met else 'NOT MET'} ({sizes})")
     for g in goals:
         print("goal:", g, flush=True)
 
-    tag = gpu_tag(name)
+    tag = (args.tag + "_" if args.tag else "") + gpu_tag(name)
     md = os.path.join(args.out, f"kernels_{tag}.md")
     js = os.path.join(args.out, f"kernels_{tag}.json")
     png = os.path.join(args.out, f"kernels_{tag}.png")

@@ -117,6 +117,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="meta: build on meta, shard, init the shards; full: init the full model on every rank "
                         "(same seed) and shard it, so every variant starts from identical weights")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--profile-dir", default=None,
+                   help="after timing, profile one more step of each variant (CPU + CUDA) and write rank 0's "
+                        "op tables to DIR/profile_<config>_<variant>.txt")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--timeout-s", type=int, default=600, help="process-group timeout")
     return p.parse_args(argv)
@@ -282,6 +285,8 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
     gpt.synchronize(device)
     dist.barrier()
     times = time_fn(step, args.steps, 0, device)
+    if args.profile_dir:
+        profile_step(step, device, os.path.join(args.profile_dir, f"profile_L{bc.n_layers}_d{bc.dim}_{bc.batch}x{bc.seq}_{v.name}.txt"))
 
     # A step takes as long as its slowest rank.
     t = torch.tensor(times, dtype=torch.float64, device=device)
@@ -308,6 +313,28 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
                 peak_gib=mem[0].item() / 2**30, resting_gib=mem[1].item() / 2**30, build_s=build_s,
                 loss_first=loss_first, loss_last=loss_last,
                 tokens_per_s=dist.get_world_size() * k * bc.batch * bc.seq / (statistics.median(times) / 1e3))
+
+
+def profile_step(step, device: torch.device, path: str) -> None:
+    """One step under the profiler; rank 0 writes the ops by self CPU time (host cost) and by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    gpt.synchronize(device)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        gpt.synchronize(device)
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    if dist.get_rank() != 0:
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    averages = prof.key_averages()
+    device_key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    with open(path, "w") as f:
+        f.write(f"one profiled step: {wall_ms:.1f} ms wall (profiler overhead included)\n\n")
+        f.write(averages.table(sort_by="self_cpu_time_total", row_limit=30) + "\n\n")
+        f.write(averages.table(sort_by=device_key, row_limit=20) + "\n")
 
 
 # ------------------------------------------------------------------------------------------- report

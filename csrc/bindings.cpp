@@ -1,14 +1,15 @@
 // Python bindings of mfsdp_ext._C: registration only (which file holds what: csrc/README.md).
-// Kernels: cast.cpp / pack.cpp (entry points) over *_cpu.cpp / *_cuda.cu; build description: build_info.cpp;
-// symmetric memory: symm_offset_allocator.cpp and symm_comm.cpp (SymmComm only when built with NCCL).
-// Constants the Python layer needs are defined once in C++ and exported here as module attributes.
+// Kernels: cast.cpp / pack.cpp / quantize.cpp (entry points) over *_cpu.cpp / *_cuda.cu; build description:
+// build_info.cpp; symmetric memory: symm_offset_allocator.cpp and symm_comm.cpp (SymmComm only when built with
+// NCCL). Constants the Python layer needs are defined once in C++ and exported here as module attributes.
 #include <torch/extension.h>
 
 #include "build_info.h"
 #include "cast.h"
 #include "float_formats.h"  // E4M3T / E5M2T::max_value
-#include "launch.h"         // kInlineTableEntries
+#include "launch.h"         // kInlineTableEntries, QuantizeAlgo
 #include "pack.h"
+#include "quantize.h"
 #include "symm_comm.h"
 #include "symm_offset_allocator.h"
 
@@ -31,6 +32,10 @@ void register_kernels(py::module_& m) {
         py::arg("scale_inv"), py::arg("dst"));
   m.def("grad_accumulate", &mfsdp::grad_accumulate, release(), py::arg("main_grad"), py::arg("reduced"),
         py::arg("scale"), py::arg("accumulate"));
+  m.def("fp8_quantize", &mfsdp::fp8_quantize, release(), py::arg("src"), py::arg("dst"), py::arg("scale_inv"),
+        py::arg("amax") = py::none(), py::arg("dst_t") = py::none(), py::arg("eps") = 1e-12,
+        py::arg("algo") = static_cast<int64_t>(mfsdp::kQuantizeAuto));
+  m.def("fp8_transpose", &mfsdp::fp8_transpose, release(), py::arg("src"), py::arg("dst"));
   m.def("check_segments", &mfsdp::check_segments, release(), py::arg("segments"), py::arg("total"));
 }
 
@@ -38,6 +43,11 @@ void register_constants(py::module_& m) {
   m.attr("FP8_E4M3_MAX") = static_cast<double>(mfsdp::E4M3T::max_value);
   m.attr("FP8_E5M2_MAX") = static_cast<double>(mfsdp::E5M2T::max_value);
   m.attr("PACK_INLINE_TABLE_ENTRIES") = mfsdp::kInlineTableEntries;
+  py::dict algos;  // fp8_quantize's algo argument
+  algos["auto"] = static_cast<int>(mfsdp::kQuantizeAuto);
+  algos["two_pass"] = static_cast<int>(mfsdp::kQuantizeTwoPass);
+  algos["fused"] = static_cast<int>(mfsdp::kQuantizeFused);
+  m.attr("QUANTIZE_ALGOS") = algos;
   m.attr("SYMM_ALIGNMENT") = mfsdp::symm::kWindowAlignment;
   m.attr("SYMM_REGION_GRANULARITY") = mfsdp::symm::kRegionGranularity;
   m.attr("SYMM_DEFAULT_GROW_BYTES") = mfsdp::symm::kDefaultGrowBytes;

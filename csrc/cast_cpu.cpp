@@ -13,17 +13,6 @@ namespace mfsdp {
 namespace cpu {
 namespace {
 
-// max |x| over n elements as fp32 bits (|x| >= 0 orders like its bit pattern; NaN bits are above inf)
-template <class In>
-uint32_t amax_bits(const typename In::raw* src, int64_t n) {
-  uint32_t m = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    const uint32_t a = f2u(In::load(src[j])) & 0x7FFFFFFFu;
-    m = a > m ? a : m;
-  }
-  return m;
-}
-
 // dst = src * scale[i] in segment i, 0 in the gaps (FP8 cast and dequantize)
 template <class In, class Out>
 void scaled_segment_copy(const void* src, int64_t numel, const int64_t* segments, int64_t nseg, void* dst,

@@ -1,5 +1,6 @@
-// Building blocks of the CPU kernels (cast_cpu.cpp, pack_cpu.cpp), mirroring kernel_utils.cuh: the split of a
-// flat index space over the CPU threads, the segment walk, and the copy / zero loops of one range.
+// Building blocks of the CPU kernels (cast_cpu.cpp, pack_cpu.cpp, quantize_cpu.cpp), mirroring kernel_utils.cuh:
+// the split of a flat index space over the CPU threads, the segment walk, and the amax / copy / zero loops of
+// one range.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -31,6 +32,18 @@ void walk_segments(const int64_t* seg, int64_t nseg, int64_t total, OnSeg&& on_s
     }
     walk_segments_from(seg, nseg, lo, b0, b1, on_seg, on_gap);
   });
+}
+
+// max |x| over n elements as fp32 bits (|x| >= 0 orders like its bit pattern; NaN bits are above inf, so a
+// NaN wins, as on the GPU)
+template <class In>
+inline uint32_t amax_bits(const typename In::raw* src, int64_t n) {
+  uint32_t m = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t a = f2u(In::load(src[j])) & 0x7FFFFFFFu;
+    m = a > m ? a : m;
+  }
+  return m;
 }
 
 // dst[j] = Out(In(src[j]) * scale) for j < n (raw copy when the types match and no scale)

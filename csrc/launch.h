@@ -2,9 +2,9 @@
 // (mfsdp::cuda, *_cuda.cu) with one signature, `int launch(const XParams& p, void* stream)`: the params struct
 // names the kernel, `stream` is a cudaStream_t (ignored on the CPU). The result is a cudaError_t as int (the
 // launch error read right after the launch; 0 = success; the CPU kernels always return 0). The host glue
-// (cast.cpp, pack.cpp) checks the tensors, fills the params and calls run_kernel (device_launch.h), which picks
-// the implementation from the tensors' device. Plain C++ here: raw pointers, sizes and dtype codes, so the
-// glue and the .cu files share no torch or CUDA header.
+// (cast.cpp, pack.cpp, quantize.cpp) checks the tensors, fills the params and calls run_kernel
+// (device_launch.h), which picks the implementation from the tensors' device. Plain C++ here: raw pointers,
+// sizes and dtype codes, so the glue and the .cu files share no torch or CUDA header.
 //
 // Segment tables (segments, num_segments): int64 rows [start, end) in the source's memory space, sorted,
 // non-overlapping, within [0, numel) (the glue checks CPU tables; _native.py checks CUDA tables once).
@@ -95,6 +95,39 @@ struct CopyTableParams {
   bool use_scale;  // false: no multiplication (a plain copy when the dtypes agree)
 };
 
+// FP8 quantizer of one tensor with per-tensor current scaling: amax = max |src| over all numel elements,
+// scale = fp8_scale(amax, eps), dst[i] = saturate(src[i] * scale); scale_inv[0] = 1 / scale, amax[0] = amax
+// (amax may be null). dst_t (may be null): the (cols, rows) transpose of dst seen as (numel / cols, cols).
+// src_dtype: a float code, dst_dtype: an fp8 code. numel may be 0 (scale 1).
+// algo: how the CUDA kernel gets the amax before the cast (quantize_cuda.cu; the CPU has one way):
+//   kQuantizeTwoPass: two launches, reading workspace (fp8_quantize_workspace_words() uint32 words on the
+//     device, from the caller); kQuantizeFused: one launch, with counters of its own per (device, stream), so
+//     never under CUDA graph capture (quantize.cpp asks for two-pass there); kQuantizeAuto: two-pass for now.
+enum QuantizeAlgo : int { kQuantizeAuto = 0, kQuantizeTwoPass = 1, kQuantizeFused = 2 };
+
+struct Fp8QuantizeParams {
+  const void* src;
+  DType src_dtype;
+  int64_t numel;
+  int64_t cols;  // the last dimension of src (what the transpose sees as a row)
+  void* dst;
+  void* dst_t;
+  DType dst_dtype;
+  float* scale_inv;
+  float* amax;
+  float eps;
+  QuantizeAlgo algo;
+  uint32_t* workspace;  // CUDA two-pass only
+};
+
+// dst (cols, rows) = src (rows, cols), one-byte elements
+struct Fp8TransposeParams {
+  const void* src;
+  int64_t rows;
+  int64_t cols;
+  void* dst;
+};
+
 namespace cpu {
 int launch(const CastParams& p, void* stream);
 int launch(const SegmentAmaxParams& p, void* stream);
@@ -102,6 +135,8 @@ int launch(const Fp8CastParams& p, void* stream);
 int launch(const Fp8DequantizeParams& p, void* stream);
 int launch(const GradAccumulateParams& p, void* stream);
 int launch(const CopyTableParams& p, void* stream);
+int launch(const Fp8QuantizeParams& p, void* stream);
+int launch(const Fp8TransposeParams& p, void* stream);
 }  // namespace cpu
 
 namespace cuda {
@@ -111,6 +146,10 @@ int launch(const Fp8CastParams& p, void* stream);
 int launch(const Fp8DequantizeParams& p, void* stream);
 int launch(const GradAccumulateParams& p, void* stream);
 int launch(const CopyTableParams& p, void* stream);
+int launch(const Fp8QuantizeParams& p, void* stream);
+int launch(const Fp8TransposeParams& p, void* stream);
+// words of Fp8QuantizeParams::workspace for the two-pass quantizer on the current device
+int64_t fp8_quantize_workspace_words();
 }  // namespace cuda
 
 }  // namespace mfsdp

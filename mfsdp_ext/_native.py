@@ -37,6 +37,21 @@ grad_accumulate(main_grad, reduced, scale, accumulate)
     main_grad[:] = (main_grad if accumulate else 0) + scale * reduced.float()  (fp32 arithmetic; when
     accumulating, one fused multiply-add, i.e. a single rounding). main_grad and reduced must not overlap.
 
+fp8_quantize(src, dst, scale_inv, amax=None, dst_t=None, eps=1e-12, algo="auto")
+    Per-tensor current scaling of one tensor (activations, gradients): amax = max |src| over the whole tensor,
+    scale = fp8_max / max(amax, eps) (1 where amax is 0, inf or NaN), dst = saturate(src * scale) as for
+    fp8_cast, scale_inv[0] = 1 / scale, amax[0] = amax (when given). src: any shape; dst: same number of
+    elements, float8_e4m3fn or float8_e5m2; scale_inv / amax: one float32 element each. dst_t (optional,
+    dst's dtype): the transpose of the FP8 result with src seen as (rows, cols), cols = src's last dimension,
+    shape (cols, rows), written in the same pass (what Hopper FP8 GEMMs want as a column-major operand).
+    CUDA ``algo``: "two_pass" (two launches: per-block amax, then the cast, which re-reads the input from the
+    end so that the part still in L2 comes first), "fused" (one launch: tiles taken by an atomic ticket, each
+    block's first tile kept in registers while the amax is completed, the rest re-read; no grid barrier, so
+    nothing waits for SMs that other kernels hold; two-pass under CUDA graph capture), "auto" (two-pass for
+    now; benchmarks/kernels.py compares them). CPU: one way, the same bits.
+fp8_transpose(src, dst)
+    dst = src.t() for a 2-D FP8 tensor: dst (cols, rows) contiguous, the same dtype.
+
 Segment tables: rows sorted and non-overlapping, ``0 <= start_i <= end_i <= src.numel()`` and
 ``end_{i-1} <= start_i``; an empty row is written ``(e, e)`` at its place in order (e.g. clipping each
 parameter's range to the local shard keeps this). CPU tables are checked on every call; a CUDA table is
@@ -151,6 +166,20 @@ def fp8_cast(src, segments, amax, dst, scale_inv, eps: float = 1e-12) -> None:
 def fp8_dequantize(src, segments, scale_inv, dst) -> None:
     _check_cuda_segments(segments, src.numel())
     _C.fp8_dequantize(src, segments, scale_inv, dst)
+
+
+QUANTIZE_ALGOS = {"auto": 0, "two_pass": 1, "fused": 2}
+
+
+def fp8_quantize(src: torch.Tensor, dst: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor | None = None,
+                 dst_t: torch.Tensor | None = None, eps: float = 1e-12, algo: str = "auto") -> None:
+    if algo not in QUANTIZE_ALGOS:
+        raise ValueError(f"mfsdp_ext.fp8_quantize: algo must be one of {sorted(QUANTIZE_ALGOS)}, got {algo!r}")
+    _C.fp8_quantize(src, dst, scale_inv, amax, dst_t, float(eps), QUANTIZE_ALGOS[algo])
+
+
+def fp8_transpose(src: torch.Tensor, dst: torch.Tensor) -> None:
+    _C.fp8_transpose(src, dst)
 
 
 def grad_accumulate(main_grad: torch.Tensor, reduced: torch.Tensor, scale: float, accumulate: bool) -> None:

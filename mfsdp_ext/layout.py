@@ -24,7 +24,7 @@ import torch
 ALIGN_ELEMS = 16
 
 
-def _align_up(x: int, a: int) -> int:
+def align_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
@@ -70,13 +70,13 @@ class FlatLayout:
                 raise ValueError("FlatLayout cannot place a 0-d (scalar) parameter; reshape it to (1,)")
             row_numel = shape[1:].numel()
             chunk_rows = -(-shape[0] // world_size)
-            slot = ParamSlot(shape, row_numel, chunk_rows, _align_up(shard_cursor, align),
-                             _align_up(unsharded_cursor, align))
+            slot = ParamSlot(shape, row_numel, chunk_rows, align_up(shard_cursor, align),
+                             align_up(unsharded_cursor, align))
             self.slots.append(slot)
             shard_cursor = slot.shard_offset + slot.chunk_numel
             unsharded_cursor = slot.unsharded_offset + world_size * slot.chunk_numel
-        self.shard_numel = _align_up(shard_cursor, align)
-        self.unsharded_numel = _align_up(unsharded_cursor, align)
+        self.shard_numel = align_up(shard_cursor, align)
+        self.unsharded_numel = align_up(unsharded_cursor, align)
         self.validate()
 
     @property

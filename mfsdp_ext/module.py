@@ -1,11 +1,14 @@
 """FsdpUnit (the per-module state machine and its hooks) and FsdpModule (the class users' modules become).
 
-Lifecycle of a unit in one iteration (ZeRO-3):
-  pre-forward     make the model weights current, all-gather (or wait for the prefetch), prefetch the next unit
+Lifecycle of a unit in one iteration (ZeRO-3), with the training state each hook enters:
+  pre-forward     FORWARD: make the model weights current, all-gather (or wait for the prefetch), prefetch the
+                  next unit
   post-forward    swap back to sharded parameters and free the gathered storage (not the root)
-  pre-backward    gather again, prefetch the next unit in backward order
-  post-backward   pack grads, reduce-scatter into main_grad on the reduce-scatter stream, free gathered storage
-  final callback  (root) finish units that had no post-backward, wait for the reduce stream, reset
+  pre-backward    PRE_BACKWARD: gather again, prefetch the next unit in backward order
+  post-backward   POST_BACKWARD: pack grads, reduce-scatter into main_grad on the reduce-scatter stream, free the
+                  gathered storage
+  final callback  (root) finish units that had no post-backward, wait for the reduce stream, all back to IDLE
+A forward while the context is in backward is an activation-checkpoint recompute: gather, nothing else.
 """
 
 from __future__ import annotations
@@ -16,12 +19,16 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import comm
+from .collectives import PLAIN_ALL_GATHER, PLAIN_REDUCE_SCATTER
+from . import summary
 from .context import FsdpContext
 from .mixed_precision import MixedPrecisionPolicy
 from .param_group import ParamGroup
+from .states import ShardedState, TrainingState
+from .symmetric.choose import choose_symmetric
 
 
 class Strategy(str, Enum):
@@ -39,8 +46,9 @@ class Strategy(str, Enum):
         return self in (Strategy.OPTIM_GRADS, Strategy.OPTIM_GRADS_PARAMS)
 
 
-def _in_backward() -> bool:
-    """True while autograd executes a backward pass: a forward then is an activation-checkpoint recompute."""
+def _autograd_is_running() -> bool:
+    """Whether a backward is executing now. Asked only when the root's forward starts while the context is still
+    in backward, to tell a recompute of the whole root (inside the backward) from a backward that raised."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -59,9 +67,16 @@ class _PostBackward(torch.autograd.Function):
 
 
 class FsdpUnit:
+    """One ``fully_shard``ed module: its parameter groups, its states and its hooks.
+
+    ``sharded_state`` changes in unshard() / reshard() only; ``training_state`` in the hooks, and back to IDLE
+    when the root ends the iteration (in its final backward callback, or at the next forward after an
+    evaluation). The root also builds the context at its first forward (lazy_init).
+    """
+
     def __init__(self, module: nn.Module, name: str, groups: list[ParamGroup], strategy: Strategy,
                  reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy, device: torch.device,
-                 use_symm_mem: bool | str = False):
+                 use_symm_mem: bool | str = False, verbose: bool = False):
         self.module = module
         self.name = name or module.__class__.__name__
         self.groups = groups
@@ -70,18 +85,14 @@ class FsdpUnit:
         self.mp_policy = mp_policy
         self.device = device
         self.use_symm_mem = use_symm_mem  # False, True or "auto" (resolved at lazy init)
+        self.verbose = verbose  # the root prints the unit summary at its first forward
         self.context: Optional[FsdpContext] = None
         self.requires_gradient_sync = True
-        self.is_unsharded = False
-        self.unshard_event = None
+        self.training_state = TrainingState.IDLE
+        self.sharded_state = ShardedState.SHARDED
+        self.post_backward_hooked = False  # _PostBackward applied to this iteration's inputs
+        self.unshard_event = None  # the all-gather stream's event after this unit's gather
         self.gathered_versions: list[Optional[int]] = [None] * len(groups)
-        self.reset_iteration()
-
-    def reset_iteration(self) -> None:
-        self.pre_backward_done = False
-        self.post_backward_done = False
-        self.post_backward_registered = False
-        self.ran_forward = False
 
     @property
     def is_root(self) -> bool:
@@ -101,100 +112,105 @@ class FsdpUnit:
         ctx = FsdpContext(self, units, self.device)
         for unit in units:
             unit.context = ctx
-        symmetric_units = [u for u in units if u.use_symm_mem and u.groups]
-        if symmetric_units:
-            from .symm_path import setup_symmetric
-
-            ctx.symmetric = setup_symmetric(symmetric_units)
+        ctx.symmetric = choose_symmetric(units)
+        if summary.wanted(self.verbose):
+            summary.print_summary(self.module, units)
         return ctx
 
     # ------------------------------------------------------------------ unshard / reshard
     def _gathered_is_current(self) -> bool:
-        return self.is_unsharded and all(
+        return self.sharded_state is ShardedState.UNSHARDED and all(
             v == g.weights_version() for v, g in zip(self.gathered_versions, self.groups))
 
     def unshard(self) -> None:
         """Issue the all-gather of every group on the all-gather stream (does not wait for it)."""
         ctx = self.context
-        if self._gathered_is_current() or (self.is_unsharded and not ctx.weight_sync_allowed()):
+        gathered = self.sharded_state is ShardedState.UNSHARDED
+        if self._gathered_is_current() or (gathered and not ctx.weight_sync_allowed()):
             return
-        with ctx.nvtx(f"mfsdp.unshard {self.name}"):
-            if ctx.is_cuda:
-                ctx.ag_stream.wait_stream(ctx.compute_stream())
-            with ctx.on_stream(ctx.ag_stream):
-                for i, g in enumerate(self.groups):
-                    if ctx.weight_sync_allowed() or g._synced_version is None:
-                        with ctx.nvtx(f"mfsdp.weight_sync {self.name}"):
-                            g.sync_model_weight()
-                    g.all_gather(ctx.symmetric if g.use_symm_all_gather else None)
-                    self.gathered_versions[i] = g.weights_version()
-                if ctx.is_cuda:
-                    self.unshard_event = ctx.ag_stream.record_event()
-        self.is_unsharded = True
+        with ctx.device.label(f"mfsdp.unshard {self.name}"), ctx.device.use_stream(ctx.ag_stream):
+            for i, g in enumerate(self.groups):
+                if g.replicated and self.gathered_versions[i] == g.weights_version():
+                    continue  # replicated groups stay gathered: refreshed only when their weights change
+                if ctx.weight_sync_allowed() or g._synced_version is None:
+                    g.sync_model_weight()
+                g.all_gather()
+                self.gathered_versions[i] = g.weights_version()
+            self.unshard_event = ctx.device.record_event(ctx.ag_stream)
+        self.sharded_state = ShardedState.UNSHARDED
 
     def wait_unshard(self) -> None:
         """Make compute wait for this unit's all-gather only, then compute on the gathered parameters."""
-        if self.unshard_event is not None:
-            self.context.compute_stream().wait_event(self.unshard_event)
-            self.unshard_event = None
+        self.context.device.wait_event(self.unshard_event)
+        self.unshard_event = None
         for g in self.groups:
             g.use_unsharded_params()
 
     def reshard(self) -> None:
-        """Back to sharded parameters; the gathered storage is freed in stream order (see FsdpContext)."""
-        with self.context.nvtx(f"mfsdp.reshard {self.name}"):
+        """Back to sharded parameters and free the gathered storage. Freed in stream order: the next all-gather,
+        which may reuse it, first waits for the compute stream (DeviceHandle.use_stream)."""
+        with self.context.device.label(f"mfsdp.reshard {self.name}"):
             for g in self.groups:
                 g.use_sharded_params()
                 g.free_unsharded()
-        self.is_unsharded = False
+        self.sharded_state = ShardedState.SHARDED
         self.unshard_event = None
 
-    def rest_params(self) -> None:
-        """Sharded parameters visible to the user; gathered storage kept only where the strategy keeps it."""
+    def show_sharded_params(self) -> None:
+        """The user sees the sharded parameters; the gathered storage is kept only where the strategy keeps it."""
         if self.strategy.keeps_weights_gathered:
             for g in self.groups:
                 g.use_sharded_params()
-        elif self.is_unsharded:
+        elif self.sharded_state is ShardedState.UNSHARDED:
             self.reshard()
 
     # ------------------------------------------------------------------ forward hooks
     def pre_forward(self, module, args, kwargs):
         ctx = self.lazy_init()
-        if _in_backward():  # activation-checkpoint recompute: gather if needed, no prefetch, no reshard
+        if self.is_root and ctx.in_backward and not _autograd_is_running():
+            self._abandon_iteration()  # the last backward raised: its final callback never ran
+        if ctx.in_backward:  # activation-checkpoint recompute: gather if needed, no prefetch, no reshard
             self.unshard()
             self.wait_unshard()
-            args, kwargs = self._register_post_backward(args, kwargs)
-            return args, kwargs
-        if self.is_root and ctx.forward_order and not ctx.callback_queued:
-            ctx.end_iteration()  # the previous forward had no backward (evaluation)
+            return self._hook_post_backward(args, kwargs)
+        if self.is_root and ctx.forward_order:
+            self._abandon_iteration()  # the last forward had no backward (evaluation) or raised
+        if self.is_root and ctx.explicit_microbatch and ctx.is_first_microbatch:
+            for unit in ctx.units:  # a new accumulation: nothing kept from a sequence that failed midway
+                for g in unit.groups:
+                    g.drop_unsharded_grads()
         ctx.record_forward(self)
-        self.ran_forward = True
+        self.training_state = TrainingState.FORWARD
         self.unshard()
         self.wait_unshard()
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        args, kwargs = self._hook_post_backward(args, kwargs)
+        # Prefetch last, right before this unit computes: the next gather then overlaps this unit's kernels
+        # rather than the host's work in this hook.
         nxt = ctx.next_in_forward(self)
         if nxt is not None and nxt is not self:
             nxt.unshard()
-        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
-        return self._register_post_backward(args, kwargs)
+        return args, kwargs
 
     def post_forward(self, module, args, output):
-        if _in_backward():
+        ctx = self.context
+        if ctx.in_backward:
             return output
         if not torch.is_grad_enabled():
-            self.rest_params()  # evaluation: nothing will need the gathered weights
+            self.show_sharded_params()  # evaluation: nothing will need the gathered weights
         else:
-            ctx = self.context
             ctx.record_forward_end(self)
             if self.reshard_after_forward and not self.is_root and not ctx.needed_first_in_backward(self):
                 self.reshard()
-            self._register_pre_backward(output)
+            self._hook_pre_backward(output)
         if self.mp_policy.output_dtype is not None:
             output = _cast_floating(output, self.mp_policy.output_dtype)
         return output
 
-    def _register_post_backward(self, args, kwargs):
-        if not torch.is_grad_enabled() or self.post_backward_registered:
+    def _hook_post_backward(self, args, kwargs):
+        """Route the inputs that need grads through _PostBackward, once per iteration."""
+        if not torch.is_grad_enabled() or self.post_backward_hooked:
             return args, kwargs
         flat, spec = tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
@@ -203,86 +219,92 @@ class FsdpUnit:
         outs = _PostBackward.apply(self, *[flat[i] for i in idx])
         for i, t in zip(idx, outs):
             flat[i] = t
-        self.post_backward_registered = True
+        self.post_backward_hooked = True
         return tree_unflatten(flat, spec)
 
-    def _register_pre_backward(self, output) -> None:
+    def _hook_pre_backward(self, output) -> None:
         flat, _ = tree_flatten(output)
         for t in flat:
             if torch.is_tensor(t) and t.requires_grad:
-                t.register_hook(self._pre_backward_hook)
+                t.register_hook(self._pre_backward)
 
     # ------------------------------------------------------------------ backward hooks
-    def _pre_backward_hook(self, grad):
-        if self.pre_backward_done:
+    def _pre_backward(self, grad):
+        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
             return grad
-        self.pre_backward_done = True
+        self.training_state = TrainingState.PRE_BACKWARD
         ctx = self.context
-        ctx.queue_final_callback()
+        if not ctx.in_backward:
+            ctx.in_backward = True
+            Variable._execution_engine.queue_callback(ctx.root._final_callback)
         self.unshard()
         self.wait_unshard()
         prev = ctx.next_in_backward(self)
-        if prev is not None and prev.ran_forward and not prev.post_backward_done:
+        if prev is not None and prev.training_state in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD):
             prev.unshard()
         return grad
 
     def post_backward(self) -> None:
-        if self.post_backward_done:
+        if self.training_state is TrainingState.POST_BACKWARD:
             return
-        self.post_backward_done = True
-        ctx = self.context
-        with ctx.nvtx(f"mfsdp.reduce {self.name}"):
+        self.training_state = TrainingState.POST_BACKWARD
+        with self.context.device.label(f"mfsdp.reduce {self.name}"):
             for g in self.groups:
-                if g.requires_grad and g.has_unsharded_grads():
+                if g.has_unsharded_grads():
                     self._reduce(g)
-        self.rest_params()
-
-    def finish_backward(self) -> None:
-        """Called from the root's final callback for every unit."""
-        if not self.post_backward_done and (self.ran_forward or any(g.has_unsharded_grads() for g in self.groups)):
-            self.post_backward()
-        else:
-            self.rest_params()
+        self.show_sharded_params()
 
     def _reduce(self, g: ParamGroup) -> None:
+        """Reduce-scatter the group's gradients into main_grad on the reduce-scatter stream, or keep them
+        accumulating locally where the strategy defers the reduction to the last microbatch."""
         ctx = self.context
-        sync = self.requires_gradient_sync
-        last = sync and ctx.is_last_microbatch
-        if not (sync if self.strategy.reduces_every_microbatch else last):
-            return  # keep accumulating the unsharded grads locally
+        last = self.requires_gradient_sync and ctx.is_last_microbatch
+        every_microbatch = self.strategy.reduces_every_microbatch and not g.replicated
+        if not (self.requires_gradient_sync if every_microbatch else last):
+            return
         replicas = dist.get_world_size(g.replicate_group) if g.replicate_group is not None else 1
-        if ctx.is_cuda:
-            ctx.rs_stream.wait_stream(ctx.compute_stream())
-        with ctx.on_stream(ctx.rs_stream):
-            symmetric = ctx.symmetric if g.use_symm_reduce_scatter else None
-            if symmetric is not None:  # pack straight into the symmetric-memory stage
-                packed, reduced = symmetric.reduce_scatter_buffers(g.layout.rank_major_numel, g.reduce_dtype)
-            else:
-                packed = torch.empty(g.layout.rank_major_numel, dtype=g.reduce_dtype, device=g.device)
-            g.pack_grads(packed, scale=1.0 / (g.world * replicas))  # pre-divide: no overflow in low precision
+        with ctx.device.use_stream(ctx.rs_stream):
+            reduced = g.reduce_scatter(scale=1.0 / (g.world * replicas))  # pre-divide: no overflow in low precision
             for grad in g.drop_unsharded_grads():
-                if ctx.is_cuda:
-                    grad.record_stream(ctx.rs_stream)  # autograd allocated it on the compute stream
-            if symmetric is not None:
-                symmetric.reduce_scatter_into(reduced, packed)
-            elif g.world > 1:
-                reduced = torch.empty(g.layout.shard_numel, dtype=g.reduce_dtype, device=g.device)
-                comm.reduce_scatter_into(reduced, packed, g.shard_group)
+                ctx.device.record_stream(grad, ctx.rs_stream)  # autograd allocated it on the compute stream
+            defer_replicas = g.replicate_group is not None and every_microbatch
+            g.accumulate_reduced(reduced, defer_replicas, last)
+
+    # ------------------------------------------------------------------ the root ends the iteration
+    def _final_callback(self) -> None:
+        """After the whole backward: finish every unit's reduction, wait for the streams, bring units to rest."""
+        ctx = self.context
+        for unit in ctx.units_in_finish_order():
+            state = unit.training_state
+            unreduced = state is not TrainingState.POST_BACKWARD and (
+                state is not TrainingState.IDLE or any(g.has_unsharded_grads() for g in unit.groups))
+            if unreduced:  # e.g. no input needed grads, so no _PostBackward ran; or grads from outside a forward
+                unit.post_backward()
             else:
-                reduced = packed
-            defer_replicas = g.replicate_group is not None and self.strategy.reduces_every_microbatch
-            if g.replicate_group is not None and not defer_replicas:
-                comm.all_reduce(reduced, g.replicate_group)
-            if defer_replicas and g.main_grad_replica_summed and g.grads_attached():
-                # Gradients kept from the last step are already summed over replicas: the coming all-reduce
-                # would count them `replicas` times, so take 1/replicas of them now.
-                g.main_grad.data.div_(replicas)
-            g.accumulate_main_grad(reduced)
-            g.main_grad_replica_summed = False
-            if defer_replicas and last:
-                comm.all_reduce(g.main_grad.data, g.replicate_group)  # HSDP: once per step, on the last microbatch
-                g.main_grad_replica_summed = True
-            g.stats.reduces += 1
+                unit.show_sharded_params()
+        ctx.device.wait_stream(ctx.rs_stream)
+        self._end_iteration()
+
+    def _abandon_iteration(self) -> None:
+        """End an iteration whose backward did not complete (evaluation, or a forward or backward that raised):
+        gradients not yet reduced are dropped (the training loop zeroes the rest, as after any failed step) and
+        every unit is brought to rest, so the next iteration starts as if this one had not happened."""
+        ctx = self.context
+        for unit in ctx.units:
+            if unit.training_state is TrainingState.PRE_BACKWARD:
+                for g in unit.groups:
+                    g.drop_unsharded_grads()
+            unit.show_sharded_params()
+            unit.unshard_event = None
+        ctx.device.wait_stream(ctx.rs_stream)  # reductions the failed backward started
+        self._end_iteration()
+
+    def _end_iteration(self) -> None:
+        ctx = self.context
+        ctx.start_next_iteration()
+        for unit in ctx.units:
+            unit.training_state = TrainingState.IDLE
+            unit.post_backward_hooked = False
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
@@ -340,7 +362,7 @@ class FsdpModule:
             return
         for u in ctx.units:
             for g in u.groups:
-                g.use_symm_all_gather = g.use_symm_reduce_scatter = False
+                g.all_gather_op, g.reduce_scatter_op = PLAIN_ALL_GATHER, PLAIN_REDUCE_SCATTER
         symmetric, ctx.symmetric = ctx.symmetric, None
         symmetric.close()  # waits for the device, so no collective still uses the stages
 

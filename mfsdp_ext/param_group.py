@@ -18,23 +18,29 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import _native, comm
+from . import _native, dist_ops
+from .collectives import PLAIN_ALL_GATHER, PLAIN_REDUCE_SCATTER, AllGather, ReduceScatter
 from .flat_buffer import FlatBuffer
 from .layout import FlatLayout
 
 
-# Optimizer steps update the main weights through DTensor ops, which do not bump the local tensor's version
-# counter; a global step hook counts steps of every torch.optim optimizer instead. Writes to the local tensor
-# itself (our init, load) do bump the version counter, so a group's weights are identified by both.
-_optimizer_steps = 0
+class _OptimizerSteps:
+    """Optimizer steps update the main weights through DTensor ops, which do not bump the local tensor's version
+    counter; a step hook counts the steps of every torch.optim optimizer instead (registered by the first group).
+    Writes to the local tensor itself (our init, load) do bump the version counter: a group's weights are
+    identified by both."""
 
+    count = 0
+    _handle = None
 
-def _count_optimizer_step(optimizer, args, kwargs) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
+    @classmethod
+    def watch(cls) -> None:
+        if cls._handle is None:
+            cls._handle = register_optimizer_step_post_hook(cls._count)
 
-
-register_optimizer_step_post_hook(_count_optimizer_step)
+    @classmethod
+    def _count(cls, optimizer, args, kwargs) -> None:
+        cls.count += 1
 
 
 @dataclass
@@ -76,6 +82,7 @@ class ParamGroup:
         self.mesh = mesh
         self.shard_group = shard_group
         self.replicate_group = replicate_group
+        self.replicated = shard_group is None  # no_shard: every rank holds every row; gathered once, kept
         self.world = dist.get_world_size(shard_group) if shard_group is not None else 1
         self.rank = dist.get_rank(shard_group) if shard_group is not None else 0
         self.device = device
@@ -96,18 +103,26 @@ class ParamGroup:
         self.cast_in_slot = needs_cast and not cache_model_weight  # cast at every gather, no cached copy
         self.model_weight = (FlatBuffer(self.layout, compute_dtype, storage_device, rank=self.rank)
                              if needs_cast and cache_model_weight else None)
-        self.unsharded = FlatBuffer(self.layout, compute_dtype, storage_device)
+        self.unsharded = self._make_unsharded(storage_device)
         self.main_grad = None  # allocated at the first reduction
         self.main_grad_replica_summed = False  # HSDP: main_grad holds a finished all-reduce over replicas
         self._synced_version = None  # weights_version() the model weight was cast from
         self._external_writes = 0
         self._aliases: list[tuple[weakref.ref, int]] = []  # (tensor sharing main_weight's storage, its version)
-        self.use_symm_all_gather = False  # set at lazy init when use_symm_mem picks the native path
-        self.use_symm_reduce_scatter = False
+        _OptimizerSteps.watch()
+        # The collectives (see collectives.py); lazy init may swap in the symmetric-memory ones.
+        self.all_gather_op: AllGather = PLAIN_ALL_GATHER
+        self.reduce_scatter_op: ReduceScatter = PLAIN_REDUCE_SCATTER
         self._make_params()
-        self.unsharded.free()
+        self.free_unsharded()
 
     # ------------------------------------------------------------------ setup
+    def _make_unsharded(self, device: torch.device) -> FlatBuffer:
+        """The buffer the module computes with; a replicated group with no cast computes on its main weight."""
+        if self.replicated and self.compute_dtype == self.dtype:
+            return self.main_weight
+        return FlatBuffer(self.layout, self.compute_dtype, device)
+
     def _plan_copies(self) -> None:
         """Index lists the collectives reuse on every call (they depend on the layout and the rank only)."""
         layout = self.layout
@@ -115,14 +130,16 @@ class ParamGroup:
         self._shard_offsets = [layout.slots[i].shard_offset for i in self._gathered]
         self._pieces = layout.rank_major_pieces()
         self._grad_pieces = torch.tensor(self._pieces, dtype=torch.int64).reshape(-1, 4)  # pack_pieces' table
-        self._rank_major_offsets = [offset for _, _, _, offset in self._pieces]
+        self.rank_major_offsets = [offset for _, _, _, offset in self._pieces]
 
     def _plan_views(self) -> None:
-        """Views of the buffers that the collectives read and write (valid across free/alloc of the storage)."""
-        self._gather_inputs = [self.gather_source().chunk_slot(i) for i in self._gathered]
-        self._gather_outputs = [self.unsharded.padded_param(i) for i in self._gathered]
-        self._my_unsharded_slots = [self.unsharded.chunk_slot(i, self.rank) for i in self._gathered]
-        self._unsharded_pieces = [self.unsharded.padded_param(i)[first : first + n] for i, first, n, _ in self._pieces]
+        """Views of the buffers that the collectives read and write (valid across free/alloc of the storage):
+        per gathered parameter its chunk slot in the shard and its padded place in the unsharded buffer, this
+        rank's slots there, and the unsharded pieces of a rank-major buffer."""
+        self.gather_inputs = [self.gather_source().chunk_slot(i) for i in self._gathered]
+        self.gather_outputs = [self.unsharded.padded_param(i) for i in self._gathered]
+        self.own_unsharded_slots = [self.unsharded.chunk_slot(i, self.rank) for i in self._gathered]
+        self.unsharded_pieces = [self.unsharded.padded_param(i)[first : first + n] for i, first, n, _ in self._pieces]
 
     def local_rows(self, i: int, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of parameter i (torch.chunk's split), out of its full tensor (a view, detached)."""
@@ -167,11 +184,11 @@ class ParamGroup:
         self.main_weight.data.zero_()
         if self.model_weight is not None:
             self.model_weight = FlatBuffer(self.layout, self.compute_dtype, device, rank=self.rank)
-        self.unsharded = FlatBuffer(self.layout, self.compute_dtype, device)
+        self.unsharded = self._make_unsharded(device)
         self.on_meta = False
         self._synced_version = None
         self._make_params()
-        self.unsharded.free()
+        self.free_unsharded()
 
     # ------------------------------------------------------------------ parameter swapping
     def use_sharded_params(self) -> None:
@@ -181,17 +198,26 @@ class ParamGroup:
 
     def use_unsharded_params(self) -> None:
         for info in self.infos:
+            if info.unsharded.requires_grad != info.sharded.requires_grad:
+                info.unsharded.requires_grad_(info.sharded.requires_grad)  # frozen (or unfrozen) after fully_shard
             for place in info.places:
                 place.module._parameters[place.name] = info.unsharded
 
+    def trainable(self) -> list[int]:
+        """Indices of the parameters that require grad now (the user may freeze some after fully_shard)."""
+        return [i for i, info in enumerate(self.infos) if info.sharded.requires_grad]
+
     # ------------------------------------------------------------------ weights
-    def weights_version(self) -> tuple[int, int, int]:
-        """Changes whenever the main weights may have changed: optimizer step, direct write, load. Frozen
-        groups get no gradients, so no optimizer step changes them: they are not re-cast and re-gathered."""
+    def weights_version(self) -> tuple[int, int, int, int]:
+        """Changes whenever the main weights may have changed: an optimizer step (its foreach kernels bump no
+        version counter, hence the step count), an in-place op on a parameter (a hand-written update, copy_:
+        the DTensor's own version counter), a write to the flat buffer (init, load), a load. Frozen groups get no
+        gradients, so no optimizer step changes them: they are not re-cast and re-gathered."""
         if self._aliases:
             self._count_alias_writes()
-        steps = _optimizer_steps if self.requires_grad else 0
-        return (steps, self.main_weight.data._version, self._external_writes)
+        steps = _OptimizerSteps.count if self.trainable() else 0
+        params = sum(info.sharded._version for info in self.infos)
+        return (steps, params, self.main_weight.data._version, self._external_writes)
 
     def mark_main_weight_changed(self) -> None:
         self._external_writes += 1
@@ -227,37 +253,26 @@ class ParamGroup:
         """The shard the all-gather sends: the compute-dtype copy, or the main weight when no cast is needed."""
         return self.model_weight if self.model_weight is not None else self.main_weight
 
-    def all_gather(self, symmetric: "comm.SymmetricCollectives | None" = None) -> None:
-        """Gather every rank's model-weight shard into the param-major unsharded buffer: one all-gather per
-        parameter, issued as one group, each landing at the parameter's place (no copy-in, no copy-out).
-
-        ``symmetric`` (passed by the caller where use_symm_mem chose it for this group): gather the flat shard
-        through the NCCL symmetric-memory stage instead (NCCL runs its symmetric kernels for one collective per
-        group only) and unpack the rank-major result into place with one native copy."""
+    def all_gather(self, op: AllGather | None = None) -> None:
+        """Gather every rank's compute-dtype shard into the param-major unsharded buffer, with this group's
+        all-gather (or ``op``), on the current stream."""
         self.unsharded.alloc()
         with torch.autograd._unsafe_preserve_version_counter(self.unsharded.data):
-            if self.world == 1:  # one rank: the shard layout is the unsharded layout
-                self._write_shard(self.unsharded.data)
-            elif symmetric is not None:
-                stage, slot = symmetric.all_gather_buffers(self.layout.shard_numel, self.compute_dtype)
-                self._write_shard(slot)
-                symmetric.all_gather_in_place(stage, slot)
-                _native.unpack(stage, self._rank_major_offsets, self._unsharded_pieces)
-            elif self.cast_in_slot:  # cast into this rank's chunk slots, then gather in place
-                _native.unpack(self.main_weight.data, self._shard_offsets, self._my_unsharded_slots)
-                self.stats.weight_syncs += 1
-                comm.all_gather_into(self._gather_outputs, self._my_unsharded_slots, self.shard_group)
-            else:
-                comm.all_gather_into(self._gather_outputs, self._gather_inputs, self.shard_group)
+            (op or self.all_gather_op)(self)
         self.stats.all_gathers += 1
 
-    def _write_shard(self, out: torch.Tensor) -> None:
+    def write_shard(self, out: torch.Tensor) -> None:
         """This rank's compute-dtype shard into ``out``, a flat buffer in the shard layout."""
         if self.cast_in_slot:
             _native.cast(self.main_weight.data, out)
             self.stats.weight_syncs += 1
         else:
             out.copy_(self.gather_source().data)
+
+    def cast_into_own_slots(self) -> None:
+        """This rank's compute-dtype chunks straight into its slots of the unsharded buffer (one native cast)."""
+        _native.unpack(self.main_weight.data, self._shard_offsets, self.own_unsharded_slots)
+        self.stats.weight_syncs += 1
 
     def gather_full(self, shard: FlatBuffer) -> FlatBuffer:
         """A new param-major buffer assembled from every rank's ``shard`` (a collective over the shard group);
@@ -266,12 +281,13 @@ class ParamGroup:
         if self.world == 1:
             full.data.copy_(shard.data)
         else:
-            comm.all_gather_into([full.padded_param(i) for i in self._gathered],
+            dist_ops.all_gather_into([full.padded_param(i) for i in self._gathered],
                                  [shard.chunk_slot(i) for i in self._gathered], self.shard_group)
         return full
 
     def free_unsharded(self) -> None:
-        self.unsharded.free()
+        if not self.replicated:  # a replicated group keeps its gathered weights (its main weight, maybe)
+            self.unsharded.free()
 
     # ------------------------------------------------------------------ gradients
     def has_unsharded_grads(self) -> bool:
@@ -293,8 +309,32 @@ class ParamGroup:
 
     def grads_attached(self) -> bool:
         """True when the optimizer-visible grads still hold the last accumulation (not zeroed to None)."""
+        infos = [self.infos[i] for i in self.trainable()]
         return self.main_grad is not None and all(
-            i.sharded_grad is not None and i.sharded.grad is i.sharded_grad for i in self.infos)
+            i.sharded_grad is not None and i.sharded.grad is i.sharded_grad for i in infos)
+
+    def reduce_scatter(self, scale: float) -> torch.Tensor:
+        """Pack the unsharded grads (times ``scale``) and reduce-scatter them over the shard group, with this
+        group's reduce-scatter, on the current stream; returns this rank's reduced shard (reduce dtype)."""
+        reduced = self.reduce_scatter_op(self, scale)
+        self.stats.reduces += 1
+        return reduced
+
+    def accumulate_reduced(self, reduced: torch.Tensor, defer_replicas: bool, last_microbatch: bool) -> None:
+        """Add a reduce-scattered shard into main_grad, finishing HSDP's all-reduce over replicas: at once, or
+        (``defer_replicas``) once per step, on the last microbatch."""
+        replicated = self.replicate_group is not None
+        if replicated and not defer_replicas:
+            dist_ops.all_reduce(reduced, self.replicate_group)
+        if defer_replicas and self.main_grad_replica_summed and self.grads_attached():
+            # Gradients kept from the last step are already summed over replicas: the coming all-reduce
+            # would count them `replicas` times, so take 1/replicas of them now.
+            self.main_grad.data.div_(dist.get_world_size(self.replicate_group))
+        self.accumulate_main_grad(reduced)
+        self.main_grad_replica_summed = False
+        if defer_replicas and last_microbatch:
+            dist_ops.all_reduce(self.main_grad.data, self.replicate_group)
+            self.main_grad_replica_summed = True
 
     def accumulate_main_grad(self, reduced: torch.Tensor, scale: float = 1.0) -> None:
         """main_grad (+)= scale * reduced, then make sure the sharded params' .grad point at main_grad."""
@@ -305,7 +345,9 @@ class ParamGroup:
         self.attach_grads()
 
     def attach_grads(self) -> None:
-        for i, info in enumerate(self.infos):
+        """The trainable parameters' .grad become views of main_grad (frozen ones get none)."""
+        for i in self.trainable():
+            info = self.infos[i]
             if info.sharded_grad is None:
                 info.sharded_grad = self.as_dtensor(i, self.main_grad.param_view(i))
             if info.sharded.grad is not info.sharded_grad:

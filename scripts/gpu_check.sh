@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check, in stages so one device call fits its 10-minute limit:
-#   scripts/gpu_check.sh build tests kernels symm units step      (default: all of them)
+#   scripts/gpu_check.sh build tests kernels symm units step fp8      (default: all of them)
+#   scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
 # Logs and result tables go to $OUT (the device runner's output folder; /tmp/out elsewhere).
 set -uo pipefail
 # The device runner returns at most 8 files: work in a scratch folder, pack it into $OUT/gpu_check.tgz at exit.
@@ -9,7 +10,7 @@ export OUT=$(mktemp -d /tmp/gpu_check.XXXX)
 trap 'tar czf "$FINAL_OUT/gpu_check.tgz" -C "$OUT" . && echo "logs: $FINAL_OUT/gpu_check.tgz"' EXIT
 trap 'exit 143' TERM INT   # a `timeout` around this script still packs the logs
 source "$(dirname "$0")/gpu_env.sh"   # NVLink multicast off, repository root, PYTHONPATH
-stages=${*:-build tests kernels symm units step}
+stages=${*:-build tests kernels symm units step fp8}
 status=0
 run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures, keep going
     local name=$1; shift
@@ -34,6 +35,12 @@ for stage in $stages; do
                 --nproc-per-node $n benchmarks/collectives.py --units --out "$OUT"
         done ;;
     step) run step bash scripts/gpu_step.sh ;;
+    noshard)  # what no_shard saves: a frozen 24-layer tower sharded vs marked (2 GPUs)
+        run noshard timeout -k 10 150 torchrun --standalone --nproc-per-node 2 benchmarks/no_shard.py --out "$OUT" ;;
+    fp8)  # FP8 activation quantizer, FP8 transpose and FP8 Linear: GPU tests, kernel bandwidths, Linear benchmark
+        run fp8_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/test_fp8_kernels.py tests/test_fp8_linear.py
+        run fp8_kernels timeout -k 10 150 python3 benchmarks/kernels.py --parts quant,transpose --tag fp8 --out "$OUT"
+        run fp8_linear timeout -k 10 150 python3 benchmarks/fp8_linear.py --out "$OUT" ;;
     *) echo "unknown stage $stage"; status=1 ;;
     esac
 done

@@ -301,7 +301,7 @@ def _case_errors():
                                     lambda: fully_shard(nn.Linear(4, 4), use_symm_mem=True))
         import warnings
 
-        check_available = __import__("mfsdp_ext.symm_path").symm_path.check_available
+        from mfsdp_ext.symmetric.choose import check_available
         check_available.__dict__.pop("_warned", None)  # an earlier test in this rank may have warned already
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

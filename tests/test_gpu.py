@@ -15,6 +15,8 @@ from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 from mfsdp_ext.checkpoint import full_state_dict
 
 from . import test_checkpoint as ck
+from . import test_no_shard as ns
+from . import test_robustness as rb
 from . import test_fully_shard as fs
 from . import test_strategies as st
 from .conftest import get_pool
@@ -195,7 +197,8 @@ def _case_symm_auto():
     a = train(plain, 3, 24, sharded=True)
     b = train(auto, 3, 24, sharded=True)
     ctx = auto._mfsdp_unit.context
-    chosen = [(g.use_symm_all_gather, g.use_symm_reduce_scatter) for u in ctx.units for g in u.groups]
+    chosen = [(g.all_gather_op.name == "symmetric", g.reduce_scatter_op.name == "symmetric")
+              for u in ctx.units for g in u.groups]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, chosen)
     assert all(c == chosen for c in everyone), everyone
@@ -295,3 +298,17 @@ def test_hf_llama_resume(gpu_pool, tmp_path):
     """The issue's repro: a HuggingFace LlamaForCausalLM checkpointed the torchtitan way resumes bit-exactly."""
     pytest.importorskip("transformers")
     print(gpu_pool.run(ck._case_hf_llama_resume, str(tmp_path))[0])
+
+
+# ----------------------------------------------------------------------------------------------- robustness, no_shard
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_failed_step_recovery(where):
+    print(get_pool(2, "nccl").run(rb._case_failed_step, where, 3, "optim_grads_params")[0])
+
+
+def test_resting_memory_flat():
+    print(get_pool(2, "nccl").run(rb._case_resting_memory_flat)[0])
+
+
+def test_no_shard_parity():
+    print(get_pool(2, "nccl").run(ns._case_no_shard_parity, 3)[0])

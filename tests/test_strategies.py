@@ -1,7 +1,7 @@
 """Sharding strategies, microbatches, activation checkpointing and HSDP on gloo ranks.
 
 Parity is against a single-process model on the same global batches; collective counts are read by wrapping
-mfsdp_ext.comm (the only place the library issues collectives from).
+mfsdp_ext.dist_ops (the only place the plain path issues collectives from).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
-import mfsdp_ext.comm as comm
+import mfsdp_ext.dist_ops as comm
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 from mfsdp_ext.checkpoint import full_state_dict
 
@@ -210,6 +211,71 @@ def _case_recompute_no_extra_gathers():
     return counts
 
 
+class _CheckpointedUnits(TinyLM):
+    """The root checkpoints each block unit from outside: the units' own hooks run in the recompute."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for b in self.blocks:
+            h = checkpoint(b, h, use_reentrant=self.reentrant)
+        return self.head(self.norm(h)), self.aux(h)
+
+
+def _case_units_inside_checkpoint():
+    """A unit called inside a checkpointed region: its forward runs again during the backward (a recompute),
+    which must gather without prefetching, resharding or registering twice; parity with one process."""
+    results = {}
+    for reentrant in (False, True):
+        torch.manual_seed(16)
+        model = _CheckpointedUnits(reentrant)
+        ref = copy.deepcopy(model).to(rank_device())
+        ref_losses = train(ref, STEPS, GLOBAL_BATCH, sharded=False)
+        shard_tiny_lm(model, fully_shard)
+        with count_collectives() as counts:
+            losses = train(model, STEPS, GLOBAL_BATCH, sharded=True)
+        _assert_at_rest(model, "optim_grads_params")
+        loss_err = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
+        param_err = _compare_params(model, ref)
+        assert loss_err <= 1e-5 and param_err <= 1e-5, (reentrant, loss_err, param_err)
+        units = 4  # one reduction each per step; a gather in forward and one for backward but the root's
+        # (non-reentrant: the last block stays gathered for the backward from the second step on, as without
+        # checkpointing; reentrant: the forward ran without grad, so every block is gathered in the recompute)
+        gathers = STEPS * (2 * units - 1) - (0 if reentrant else STEPS - 1)
+        assert counts["reduce_scatter_into"] == STEPS * units and counts["all_gather_into"] == gathers, counts
+        results["reentrant" if reentrant else "non_reentrant"] = (loss_err, param_err, dict(counts))
+    return results
+
+
+def _case_unit_summary():
+    """fully_shard(root, verbose=True): one line per unit, named by module path, saying what it holds."""
+    import io
+    from contextlib import redirect_stdout
+
+    lines = {}
+    for strategy in ("optim_grads_params", "no_shard"):
+        model = TinyLM()
+        for blk in model.blocks:
+            fully_shard(blk, sharding_strategy=strategy)
+        fully_shard(model, sharding_strategy=strategy, verbose=True)
+        out = io.StringIO()
+        with redirect_stdout(out):
+            lm_loss(model, *batch(0, 4))
+        printed = out.getvalue().splitlines()
+        lines[strategy] = printed
+        if dist.get_rank() != 0:
+            assert printed == [], printed  # rank 0 prints
+            continue
+        assert len(printed) == 4 and printed[0].startswith("mfsdp_ext unit <root> (TinyLM)"), printed
+        assert any(line.startswith("mfsdp_ext unit blocks.2 (Block)") for line in printed), printed
+        held = f"over {dist.get_world_size()} ranks" if strategy != "no_shard" else "replicated"
+        assert all(held in line and strategy in line for line in printed), printed
+    return lines
+
+
 def _case_no_sync_accumulation():
     """FSDP2's idiom: set_requires_gradient_sync(False) until the last microbatch; one reduce per step."""
 
@@ -272,6 +338,14 @@ def test_microbatch_flags_restored(cpu_pool):
 
 def test_recompute_no_extra_gathers(cpu_pool):
     print(cpu_pool.run(_case_recompute_no_extra_gathers)[0])
+
+
+def test_units_inside_checkpoint(cpu_pool):
+    print(cpu_pool.run(_case_units_inside_checkpoint)[0])
+
+
+def test_unit_summary(cpu_pool):
+    print(cpu_pool.run(_case_unit_summary)[0])
 
 
 def test_no_sync_accumulation(cpu_pool):

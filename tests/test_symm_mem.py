@@ -1,4 +1,4 @@
-"""NCCL symmetric-memory collectives (mfsdp_ext.symm_mem / mfsdp_ext._C.SymmComm).
+"""NCCL symmetric-memory collectives (mfsdp_ext.symmetric.comm / mfsdp_ext._C.SymmComm).
 
 CPU tests (always): the module imports without CUDA, is_available() says why not, the environment checks,
 and the deterministic offset allocator behind the pool (when _C is built).
@@ -18,8 +18,9 @@ import importlib
 import pytest
 import torch
 
-from mfsdp_ext import symm_mem
-from mfsdp_ext.comm import _all_gather_flat, _reduce_scatter_flat
+from mfsdp_ext import _C
+from mfsdp_ext.dist_ops import _all_gather_flat, _reduce_scatter_flat
+from mfsdp_ext.symmetric import comm as symm_mem
 
 from .models import run_profiled
 
@@ -31,7 +32,7 @@ MiB = 1 << 20
 # ----------------------------------------------------------------------------------------------
 def test_module_reloads_and_api_present():
     mod = importlib.reload(symm_mem)
-    for name in ("SymmetricComm", "SymmetricPool", "is_available", "nccl_version", "MIN_NCCL_VERSION"):
+    for name in ("SymmetricComm", "is_available", "nccl_version", "MIN_NCCL_VERSION"):
         assert hasattr(mod, name), name
     assert mod.MIN_NCCL_VERSION == 22807
     assert mod.format_nccl_version(22809) == "2.28.9"
@@ -74,11 +75,10 @@ def test_symmetric_comm_refuses_without_group():
 
 
 def _native_or_skip():
-    mod, why = symm_mem._load_native()
-    if mod is None or not hasattr(mod, "SymmOffsetAllocator"):
-        pytest.skip(why or "mfsdp_ext._C has no SymmOffsetAllocator: csrc/symm_comm.cpp is not compiled into this "
+    if not hasattr(_C, "SymmOffsetAllocator"):
+        pytest.skip("mfsdp_ext._C has no SymmOffsetAllocator: csrc/symm_comm.cpp is not compiled into this "
                     "build (setup.py compiles it only when CUDA and nccl.h are found)")
-    return mod
+    return _C
 
 
 def test_native_build_info_is_consistent():

@@ -1,4 +1,4 @@
-"""Choosing the NCCL symmetric-memory path for the units of a context (use_symm_mem=True / "auto").
+"""Choosing each group's collectives at lazy init: plain, or NCCL symmetric memory (use_symm_mem=True / "auto").
 
 NCCL never checks that its symmetric kernel is faster: on H200 we saw the symmetric all-gather win at every
 size and the symmetric reduce-scatter lose from about 8 MiB up. "auto" therefore times both paths once, at
@@ -14,8 +14,10 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from . import comm
-from .param_group import ParamGroup
+from .. import dist_ops
+from ..collectives import PLAIN_ALL_GATHER
+from .collectives import SymmetricAllGather, SymmetricReduceScatter, SymmetricStages
+from .comm import is_available
 
 AUTO_MARGIN = 0.95  # the symmetric path must be at least 5% faster to be chosen (never slower beyond noise)
 
@@ -24,8 +26,6 @@ def check_available(use_symm_mem, group) -> bool | str:
     """Resolve the user's setting at fully_shard time: an error for True, one warning for "auto"."""
     if not use_symm_mem:
         return False
-    from .symm_mem import is_available
-
     ok, why = (False, "no_shard has no all-gather or reduce-scatter") if group is None else is_available(group)
     if ok:
         return use_symm_mem
@@ -38,59 +38,82 @@ def check_available(use_symm_mem, group) -> bool | str:
     return False
 
 
-def setup_symmetric(units) -> comm.SymmetricCollectives | None:
-    groups = [(u, g) for u in units for g in u.groups if g.world > 1]
+def choose_symmetric(units) -> SymmetricStages | None:
+    """Give the groups of units with use_symm_mem the symmetric collectives where chosen; return the stages
+    they share (None when no group uses them). Collective over the shard group: every rank calls it alike."""
+    groups = [(u, g) for u in units if u.use_symm_mem for g in u.groups if g.world > 1]
     if not groups:
         return None
     shard_group = groups[0][1].shard_group
     if any(g.shard_group is not shard_group for _, g in groups):
         raise ValueError("use_symm_mem: all units under one root must shard over the same group")
-    stages = _stage_bytes([g for _, g in groups], [g for _, g in groups if g.requires_grad])
-    symmetric = comm.SymmetricCollectives(shard_group, *stages)
+    stages_bytes = _stage_bytes([g for _, g in groups], [g for _, g in groups if g.requires_grad])
+    stages = SymmetricStages(shard_group, *stages_bytes)
     decisions: dict = {}  # groups of the same size and dtypes decide once
+    chosen = []
     for unit, g in groups:
         if unit.use_symm_mem is True:
-            g.use_symm_all_gather, g.use_symm_reduce_scatter = True, g.requires_grad
+            use = (True, g.requires_grad)
         else:
             key = (tuple(s.shape for s in g.layout.slots), g.compute_dtype, g.reduce_dtype, g.requires_grad)
             if key not in decisions:
-                decisions[key] = _measure(symmetric, g)
-            g.use_symm_all_gather, g.use_symm_reduce_scatter = decisions[key]
+                decisions[key] = _measure(stages, g)
+            use = decisions[key]
+        chosen.append((g, use))
     # "auto" may have kept the plain path for one collective or both: hold only the stages that are used
     # (the pool cannot shrink in place, so make it again; every rank decided alike, so all of them do)
-    used = _stage_bytes([g for _, g in groups if g.use_symm_all_gather],
-                        [g for _, g in groups if g.use_symm_reduce_scatter])
-    if used != stages:
-        symmetric.close()
-        symmetric = comm.SymmetricCollectives(shard_group, *used) if any(used) else None
-    return symmetric
+    used = _stage_bytes([g for g, (ag, _) in chosen if ag], [g for g, (_, rs) in chosen if rs])
+    if used != stages_bytes:
+        stages.close()
+        stages = SymmetricStages(shard_group, *used) if any(used) else None
+    for g, (ag, rs) in chosen:
+        if ag:
+            g.all_gather_op = SymmetricAllGather(stages)
+        if rs:
+            g.reduce_scatter_op = SymmetricReduceScatter(stages)
+    return stages
 
 
-def _stage_bytes(gathered: list[ParamGroup], reduced: list[ParamGroup]) -> tuple[int, int]:
+def _stage_bytes(gathered, reduced) -> tuple[int, int]:
     """Bytes of the all-gather and reduce-scatter stages: the largest of the groups that use each."""
     ag = max((g.layout.rank_major_numel * g.compute_dtype.itemsize for g in gathered), default=0)
-    rs = max((comm.SymmetricCollectives.reduce_scatter_stage_bytes(g.layout.rank_major_numel, g.world,
-                                                                    g.reduce_dtype) for g in reduced), default=0)
+    rs = max((SymmetricStages.reduce_scatter_stage_bytes(g.layout.rank_major_numel, g.world, g.reduce_dtype)
+              for g in reduced), default=0)
     return ag, rs
 
 
-def _measure(symmetric: comm.SymmetricCollectives, g: ParamGroup) -> tuple[bool, bool]:
+def _measure(stages: SymmetricStages, g) -> tuple[bool, bool]:
     """Time the group's own all-gather both ways (the symmetric one with its copy into the stage and its unpack
     into place) and, if it has gradients, the reduce-scatter of its packed gradients both ways."""
-
     stats = dataclasses.replace(g.stats)  # timing runs are not the model's gathers
-    times = [comm.time_collective(lambda: g.all_gather(None)), comm.time_collective(lambda: g.all_gather(symmetric))]
+    times = [median_ms(lambda: g.all_gather(PLAIN_ALL_GATHER)),
+             median_ms(lambda: g.all_gather(SymmetricAllGather(stages)))]
     g.stats = stats
     g.free_unsharded()
     if g.requires_grad:
         rank_major, shard = g.layout.rank_major_numel, g.layout.shard_numel
         packed = torch.randn(rank_major, device=g.device).to(g.reduce_dtype)
         reduced = torch.empty(shard, dtype=g.reduce_dtype, device=g.device)
-        s_packed, s_reduced = symmetric.reduce_scatter_buffers(rank_major, g.reduce_dtype)
+        s_packed, s_reduced = stages.reduce_scatter_buffers(rank_major, g.reduce_dtype)
         s_packed.copy_(packed)
-        times += [comm.time_collective(lambda: comm.reduce_scatter_into(reduced, packed, g.shard_group)),
-                  comm.time_collective(lambda: symmetric.reduce_scatter_into(s_reduced, s_packed))]
+        times += [median_ms(lambda: dist_ops.reduce_scatter_into(reduced, packed, g.shard_group)),
+                  median_ms(lambda: stages.comm.reduce_scatter_into(s_reduced, s_packed))]
     t = torch.tensor(times, dtype=torch.float64, device=g.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g.shard_group)  # slowest rank: every rank decides alike
     t = t.tolist()
     return t[1] < AUTO_MARGIN * t[0], len(t) == 4 and t[3] < AUTO_MARGIN * t[2]
+
+
+def median_ms(fn, iters: int = 10) -> float:
+    """Median milliseconds of ``fn()`` on the current CUDA stream (after two warm-up calls)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]

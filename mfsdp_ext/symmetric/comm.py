@@ -1,9 +1,8 @@
 """NCCL symmetric-memory collectives: a communicator, a symmetric pool, all-gather and reduce-scatter.
 
 The native side is ``mfsdp_ext._C.SymmComm`` (csrc/symm_comm.cpp). This module builds it from a torch
-``ProcessGroup`` and says clearly why it cannot when it cannot. It imports on every build (the package
-loads ``_C`` for its kernels, but this module needs no NCCL or CUDA part of it until a communicator is made),
-and ``is_available()`` says what is missing.
+``ProcessGroup`` and says clearly why it cannot when it cannot. It imports on every build (no NCCL or CUDA part
+of the extension is needed until a communicator is made), and ``is_available()`` says what is missing.
 
 How it works
     * The communicator is borrowed from ``ProcessGroupNCCL`` (``pg._get_backend(dev)._comm_ptr()``; init the
@@ -16,7 +15,7 @@ How it works
       are collective.
     * ``all_gather_into`` / ``reduce_scatter_into`` run ``ncclAllGather`` / ``ncclReduceScatter`` on the
       current torch CUDA stream. Both tensors must come from this pool; anything else belongs to the plain
-      ``torch.distributed`` path (``mfsdp_ext.comm``). NCCL picks its symmetric kernels
+      ``torch.distributed`` path (``mfsdp_ext.collectives``). NCCL picks its symmetric kernels
       (``ncclSymkDevKernel_*``) only on one node with direct NVLink; NCCL never checks that they are faster,
       so choose per collective and size from measurement (benchmarks/collectives.py).
     * Averaging: NCCL < 2.30.3 has no symmetric ``ncclAvg`` (nor PreMulSum), so ``average=True`` reduces
@@ -25,9 +24,9 @@ How it works
 Example::
 
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    ok, why = symm_mem.is_available(dist.group.WORLD)
+    ok, why = symmetric.is_available(dist.group.WORLD)
     if ok:
-        comm = symm_mem.SymmetricComm(dist.group.WORLD, pool_bytes=512 << 20)
+        comm = symmetric.SymmetricComm(dist.group.WORLD, pool_bytes=512 << 20)
         full = comm.alloc_tensor(world * n, torch.bfloat16)
         shard = full[rank * n:(rank + 1) * n]          # in place: the all-gather input is our slot
         comm.all_gather_into(full, shard)
@@ -40,41 +39,18 @@ from __future__ import annotations
 import os
 import socket
 import warnings
-from typing import Any, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
-__all__ = [
-    "MIN_NCCL_VERSION",
-    "ALIGNMENT",
-    "SymmetricComm",
-    "SymmetricPool",
-    "is_available",
-    "nccl_version",
-    "format_nccl_version",
-]
+from .. import _native as _native_module
 
 MIN_NCCL_VERSION = 22807  # NCCL 2.28.7
 ALIGNMENT = 4096  # window offset granularity of every pool allocation
 
 
-# ----------------------------------------------------------------------------------------------
-# lazy access to the native extension
-# ----------------------------------------------------------------------------------------------
-def _load_native() -> Tuple[Any, Optional[str]]:
-    """(module, None) or (None, reason). Never raises."""
-    try:
-        from mfsdp_ext import _C  # noqa: PLC0415  (lazy on purpose: CPU-only builds import this module)
-    except Exception as exc:  # ImportError, OSError (missing libnccl.so.2), undefined symbols, ...
-        return None, f"the native extension mfsdp_ext._C could not be imported ({type(exc).__name__}: {exc})"
-    return _C, None
-
-
 def _native():
-    mod, why = _load_native()
-    if mod is None:
-        raise RuntimeError(why)
-    return mod
+    return _native_module._C
 
 
 def format_nccl_version(code: Optional[int]) -> str:
@@ -87,11 +63,8 @@ def format_nccl_version(code: Optional[int]) -> str:
 
 def nccl_version() -> Optional[int]:
     """Version code of the NCCL library the extension loaded (e.g. 22809), or None if unknown."""
-    mod, _ = _load_native()
-    if mod is None:
-        return None
     try:
-        return int(mod.nccl_version()) or None
+        return int(_native().nccl_version()) or None
     except Exception:
         return None
 
@@ -115,9 +88,7 @@ def _env_reason(allow_nvls: bool = False) -> Optional[str]:
 
 
 def _native_reason() -> Optional[str]:
-    mod, why = _load_native()
-    if mod is None:
-        return why
+    mod = _native()
     info = mod.symm_comm_build_info()
     if not info.get("built", False) or not hasattr(mod, "SymmComm"):
         return str(info.get("reason", "SymmComm was not compiled in"))
@@ -402,9 +373,3 @@ class SymmetricComm:
             f"SymmetricComm(rank={s.rank}, world_size={s.world_size}, device=cuda:{s.device}, "
             f"borrowed={self.borrowed}, capacity={s.capacity}, in_use={s.bytes_in_use}, closed={s.closed})"
         )
-
-
-# The communicator and its pool are one object (the windows belong to the communicator); this name is kept
-# for readers who look for "the pool".
-SymmetricPool = SymmetricComm
-

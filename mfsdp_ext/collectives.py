@@ -1,0 +1,68 @@
+"""How a group's weights are gathered and its gradients reduced: one protocol, interchangeable implementations.
+
+  AllGather(g)               fill ``g.unsharded`` (allocated by the caller) from every rank's compute-dtype shard
+  ReduceScatter(g, scale)    pack ``g``'s unsharded grads (times ``scale``, in the reduce dtype) and reduce-scatter
+                             them; returns this rank's reduced shard (shard layout, reduce dtype)
+
+Both run on the current stream. The plain implementations here use torch.distributed (any backend); the NCCL
+symmetric-memory ones are in ``mfsdp_ext.symmetric``. A group gets its pair once, at lazy init (plain by default).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from . import dist_ops
+
+if TYPE_CHECKING:
+    from .param_group import ParamGroup
+
+
+class AllGather(Protocol):
+    name: str
+
+    def __call__(self, g: "ParamGroup") -> None: ...
+
+
+class ReduceScatter(Protocol):
+    name: str
+
+    def __call__(self, g: "ParamGroup", scale: float) -> torch.Tensor: ...
+
+
+class PlainAllGather:
+    """One all-gather per parameter, issued as one group, each landing in place (no copy-in, no copy-out)."""
+
+    name = "plain"
+
+    def __call__(self, g: "ParamGroup") -> None:
+        if g.unsharded is g.main_weight:  # replicated, no cast: the module computes on the main weight
+            return
+        if g.world == 1:  # one rank or replicated: the shard layout is the unsharded layout
+            g.write_shard(g.unsharded.data)
+        elif g.cast_in_slot:  # no cached compute-dtype shard: cast into this rank's slots, gather in place
+            g.cast_into_own_slots()
+            dist_ops.all_gather_into(g.gather_outputs, g.own_unsharded_slots, g.shard_group)
+        else:
+            dist_ops.all_gather_into(g.gather_outputs, g.gather_inputs, g.shard_group)
+
+
+class PlainReduceScatter:
+    """Pack rank-major (one native launch), then one flat reduce-scatter whose output is the shard itself."""
+
+    name = "plain"
+
+    def __call__(self, g: "ParamGroup", scale: float) -> torch.Tensor:
+        packed = torch.empty(g.layout.rank_major_numel, dtype=g.reduce_dtype, device=g.device)
+        g.pack_grads(packed, scale)
+        if g.world == 1:
+            return packed
+        reduced = torch.empty(g.layout.shard_numel, dtype=g.reduce_dtype, device=g.device)
+        dist_ops.reduce_scatter_into(reduced, packed, g.shard_group)
+        return reduced
+
+
+PLAIN_ALL_GATHER = PlainAllGather()
+PLAIN_REDUCE_SCATTER = PlainReduceScatter()

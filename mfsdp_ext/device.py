@@ -1,0 +1,59 @@
+"""DeviceHandle: streams, events and profiler labels for one device, the same calls on CPU and CUDA.
+
+On CUDA the all-gather and reduce-scatter run on side streams ordered by events; on CPU every call here is a
+no-op (there is one program order), so the callers have no device branches. Labels are ``record_function``
+ranges, made only while a profiler records: they show in the PyTorch profiler on both devices (and in Nsight
+under ``emit_nvtx``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+from torch.profiler import record_function
+
+_profiler_enabled = torch._C._autograd._profiler_enabled  # also true under emit_nvtx (Nsight)
+
+
+class DeviceHandle:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.has_streams = device.type == "cuda"
+
+    def new_stream(self) -> Optional[torch.cuda.Stream]:
+        return torch.cuda.Stream(self.device) if self.has_streams else None
+
+    def current_stream(self) -> Optional[torch.cuda.Stream]:
+        return torch.cuda.current_stream(self.device) if self.has_streams else None
+
+    def use_stream(self, stream: Optional[torch.cuda.Stream]) -> contextlib.AbstractContextManager:
+        """Make ``stream`` current inside the block, after it waited for the work issued so far on the current one."""
+        if stream is None:
+            return contextlib.nullcontext()
+        stream.wait_stream(self.current_stream())
+        return torch.cuda.stream(stream)
+
+    def record_event(self, stream: Optional[torch.cuda.Stream]) -> Optional[torch.cuda.Event]:
+        return stream.record_event() if stream is not None else None
+
+    def wait_event(self, event: Optional[torch.cuda.Event]) -> None:
+        """The current stream waits for ``event``."""
+        if event is not None:
+            self.current_stream().wait_event(event)
+
+    def wait_stream(self, stream: Optional[torch.cuda.Stream]) -> None:
+        """The current stream waits for everything issued so far on ``stream``."""
+        if stream is not None:
+            self.current_stream().wait_stream(stream)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Optional[torch.cuda.Stream]) -> None:
+        """``tensor`` (allocated on the current stream) is used on ``stream``: keep its memory until that use ends."""
+        if stream is not None:
+            tensor.record_stream(stream)
+
+    @staticmethod
+    def label(name: str) -> contextlib.AbstractContextManager:
+        """A named range while a profiler records (a few microseconds each, so none otherwise)."""
+        return record_function(name) if _profiler_enabled() else contextlib.nullcontext()

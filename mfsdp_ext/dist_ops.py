@@ -1,0 +1,71 @@
+"""The torch.distributed collectives the flat buffers use, with fallbacks where gloo lacks one.
+
+All-gathers are grouped: one call gathers every parameter of a group, each into its own place in the param-major
+buffer (one NCCL group, as ``ncclGroupStart/End``), so nothing is copied out afterwards. Reduce-scatters are flat:
+one rank-major input whose output is the shard itself.
+
+torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``*_single``; use what exists.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_into(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """outputs[i] (world * n_i) <- every rank's inputs[i] (n_i) in rank order, for all i as one grouped collective,
+    on the current stream. An input may be this rank's slot of its output (in place)."""
+    if len(inputs) == 1:
+        _all_gather_flat(outputs[0], inputs[0], group=group)
+    elif _gloo_lacks(_probe_grouped_all_gather, group):
+        for output, input in zip(outputs, inputs):
+            _all_gather_flat(output, input, group=group)
+    else:
+        group.allgather_into_tensor_coalesced(outputs, inputs).wait()
+
+
+def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """output (n) <- SUM over ranks of this rank's n-element slice of input (world * n)."""
+    if _gloo_lacks(_probe_reduce_scatter, group):
+        dist.all_reduce(input, group=group)
+        rank = dist.get_rank(group)
+        output.copy_(input[rank * output.numel() : (rank + 1) * output.numel()])
+        return
+    _reduce_scatter_flat(output, input, group=group)
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM) -> None:
+    dist.all_reduce(tensor, op=op, group=group)
+
+
+def _probe_grouped_all_gather(group: dist.ProcessGroup) -> None:
+    world = dist.get_world_size(group)
+    group.allgather_into_tensor_coalesced([torch.zeros(world), torch.zeros(world)],
+                                          [torch.zeros(1), torch.zeros(1)]).wait()
+
+
+def _probe_reduce_scatter(group: dist.ProcessGroup) -> None:
+    _reduce_scatter_flat(torch.zeros(1), torch.zeros(dist.get_world_size(group)), group=group)
+
+
+_GLOO_SUPPORT: dict[tuple, bool] = {}  # (probe, id(group)) -> whether gloo ran it
+
+
+def _gloo_lacks(probe, group: dist.ProcessGroup) -> bool:
+    """Some gloo builds lack a grouped all-gather or a flat reduce-scatter (NCCL has both): run the small probe
+    collective once per group (every rank does, in the same order), then take the fallback where it failed."""
+    key = (probe, id(group))
+    if key not in _GLOO_SUPPORT:
+        supported = True
+        if dist.get_backend(group) == "gloo":
+            try:
+                probe(group)
+            except (RuntimeError, NotImplementedError, AttributeError):
+                supported = False
+        _GLOO_SUPPORT[key] = supported
+    return not _GLOO_SUPPORT[key]

@@ -1,0 +1,299 @@
+"""FP8 Linear: the forward GEMM and the input gradient (dgrad) in FP8, the weight gradient (wgrad) in FP8 or in
+the compute dtype, on tensors quantized by the native per-tensor current-scaling quantizer
+(``fp8_tensor.quantize``), multiplied by ``torch._scaled_mm``.
+
+    y  = x @ W.T + b      _scaled_mm(x8 (M, K), W8.T)          x8, W8: e4m3
+    dx = dy @ W           _scaled_mm(dy8 (M, N), W8t.T)        dy8: config.grad_dtype; W8t = W8's transpose (K, N)
+    dW = dy.T @ x         _scaled_mm(dy8t (N, M), x8t.T)       wgrad="fp8": the transposes come from the same
+                          or dy.T @ x in x's dtype              quantizer passes; wgrad="bf16": x kept as given
+
+Hopper's FP8 GEMMs take the second operand column-major (the contraction dimension contiguous in both), so
+every FP8 operand is passed as a row-major (rows, K) tensor, and the second as ``.t()`` of one.
+
+The weight's FP8 form is an input: ``fp8_linear(..., fp8_weight=Fp8Tensor)`` (FP8 data (N, K), scale_inv and
+optionally its transpose, e.g. gathered in FP8 by fully_shard) or, by default, the weight quantized on every
+call with the same kernel. With ``fp8_weight`` the weight tensor's values are not read: it only receives the
+gradient.
+
+GEMM shapes torch._scaled_mm cannot take (M, K or N not a multiple of 16), GPUs without FP8 GEMMs (below
+sm_89) and unsupported dtypes fall back, in ``Fp8Linear``, to ``F.linear`` with one warning per module naming
+it. On CPU, torch._scaled_mm runs where the torch build has it (torch 2.13's CPU build does); otherwise
+``emulated_scaled_mm`` (dequantize to fp32 and matmul) stands in, so the logic runs and is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ._native import QUANTIZE_ALGOS
+from .fp8_tensor import E4M3, E5M2, Fp8Tensor, quantize
+
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+WGRAD_MODES = ("fp8", "bf16")
+
+
+@dataclass(frozen=True)
+class Fp8LinearConfig:
+    """grad_dtype: FP8 dtype of the output gradient for dgrad (and FP8 wgrad). e5m2 (default, 2 mantissa bits,
+        range 2^-16 .. 57344) or e4m3 (3 bits, range 2^-9 .. 448). Measured on CPU (dgrad of a 512x384 gradient
+        against a 384x256 weight, normwise / worst-row relative error): Gaussian rows e4m3 0.037 / 0.047, e5m2
+        0.059 / 0.072; rows scaled by exp(3 N(0,1)) (a per-tensor range of ~1e4) or one row 1e5x the rest:
+        e4m3's small rows fall below its range (worst row 1.05 / 0.44), e5m2 stays at 0.059 / 0.073. The GEMMs
+        cost the same, so the default is the one that degrades gracefully.
+    wgrad: "fp8" (dy and x quantized, their transposes written by the same quantizer passes) or "bf16"
+        (dy.T @ x in the input's dtype; keeps x for backward as nn.Linear does). Speed: benchmarks/fp8_linear.py.
+    fast_accum: the forward GEMM's fast accumulation (as torchao; dgrad and wgrad always accumulate exactly).
+    eps: amax floor of the scale, ``scale = fp8_max / max(amax, eps)``.
+    quantize_algo: the native quantizer's CUDA algorithm ("auto", "two_pass", "fused"; same bits).
+    """
+
+    grad_dtype: torch.dtype = E5M2
+    wgrad: str = "fp8"
+    fast_accum: bool = True
+    eps: float = 1e-12
+    quantize_algo: str = "auto"
+
+    def __post_init__(self):
+        if self.grad_dtype not in (E4M3, E5M2):
+            raise ValueError(f"Fp8LinearConfig.grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
+                             f"got {self.grad_dtype}")
+        if self.wgrad not in WGRAD_MODES:
+            raise ValueError(f"Fp8LinearConfig.wgrad must be one of {WGRAD_MODES}, got {self.wgrad!r}")
+        if not self.eps > 0:
+            raise ValueError(f"Fp8LinearConfig.eps must be positive, got {self.eps}")
+        if self.quantize_algo not in QUANTIZE_ALGOS:
+            raise ValueError(f"Fp8LinearConfig.quantize_algo must be one of {sorted(QUANTIZE_ALGOS)}, "
+                             f"got {self.quantize_algo!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# GEMM: torch._scaled_mm, or its emulation where a CPU torch build lacks it
+# ----------------------------------------------------------------------------------------------
+def emulated_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                       out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """EMULATION of torch._scaled_mm for CPU torch builds without it: the FP8 operands are dequantized to fp32
+    and multiplied by an fp32 matmul. Same operands and scales, not the same kernel: for tests only."""
+    out = torch.mm(a.float(), b.float()) * (scale_a.float() * scale_b.float())
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_scaled_mm() -> bool:
+    """Whether this torch build runs torch._scaled_mm on CPU (e4m3 x e4m3 and e5m2 x e4m3)."""
+    one = torch.ones((), dtype=torch.float32)
+    a = torch.zeros(16, 16, dtype=E4M3)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        torch._scaled_mm(a.to(E5M2), a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+    return True
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None, fast_accum: bool = False) -> torch.Tensor:
+    """a (M, K) row-major FP8 @ b (K, N) column-major FP8, dequantized by the scales, + bias, in out_dtype."""
+    if a.device.type == "cpu" and not cpu_has_scaled_mm():
+        return emulated_scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)
+    # the GEMM epilogue adds a bias of the output's half dtype; otherwise it is added afterwards
+    fuse_bias = bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32
+    out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias if fuse_bias else None,
+                           out_dtype=out_dtype, use_fast_accum=fast_accum)
+    if bias is not None and not fuse_bias:
+        out = out + bias.to(out_dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# eligibility
+# ----------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
+def fp8_unsupported_reason(x: torch.Tensor, weight: torch.Tensor) -> Optional[str]:
+    """Why ``fp8_linear(x, weight)`` cannot run as FP8 GEMMs, or None when it can."""
+    if x.device.type == "cuda":
+        cap = _cuda_capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
+        if cap < (8, 9):
+            return f"the GPU is sm_{cap[0]}{cap[1]}; FP8 GEMMs need sm_89 or newer"
+    elif x.device.type != "cpu":
+        return f"device type {x.device.type!r} is not supported (CUDA or CPU)"
+    if x.dtype not in COMPUTE_DTYPES or weight.dtype not in COMPUTE_DTYPES:
+        return (f"input dtype {x.dtype} / weight dtype {weight.dtype}: FP8 quantization takes float32, bfloat16 "
+                "or float16")
+    if weight.dim() != 2 or x.dim() == 0:
+        return f"input {tuple(x.shape)} / weight {tuple(weight.shape)} is not a linear layer's shape"
+    k, n = x.shape[-1], weight.shape[0]
+    m = x.numel() // k if k else 0
+    if m % 16 or k % 16 or n % 16:
+        return f"GEMM shape M={m}, K={k}, N={n}: torch._scaled_mm needs each to be a multiple of 16"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# autograd
+# ----------------------------------------------------------------------------------------------
+class _Fp8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, fp8_weight: Optional[Fp8Tensor], cfg: Fp8LinearConfig, need_dx: bool,
+                need_dw: bool):
+        x2 = x.reshape(-1, x.shape[-1])
+        fp8_wgrad = need_dw and cfg.wgrad == "fp8"
+        algo = cfg.quantize_algo
+        xq = quantize(x2, E4M3, transpose=fp8_wgrad, eps=cfg.eps, algo=algo)  # x8t only for FP8 wgrad
+        w = fp8_weight if fp8_weight is not None else quantize(weight, E4M3, transpose=need_dx, eps=cfg.eps,
+                                                                algo=algo)
+        y = scaled_mm(xq.data, w.data.t(), xq.scale_inv, w.scale_inv, x.dtype, bias=bias, fast_accum=cfg.fast_accum)
+        ctx.cfg, ctx.fp8_wgrad = cfg, fp8_wgrad
+        ctx.need = (need_dx, need_dw, bias is not None and bias.requires_grad)
+        ctx.w = w if need_dx else None  # kept as an object: with fp8_weight, its transpose may be made in backward
+        ctx.x_dtype, ctx.x_shape, ctx.w_dtype = x.dtype, x.shape, weight.dtype
+        ctx.b_dtype = bias.dtype if bias is not None else None
+        if fp8_wgrad:
+            ctx.save_for_backward(xq.data_t, xq.scale_inv)
+        elif need_dw:
+            ctx.save_for_backward(x2)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        need_dx, need_dw, need_db = ctx.need
+        cfg = ctx.cfg
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        if not dy2.is_contiguous():
+            dy2 = dy2.contiguous()
+        dx = dw = db = None
+        if need_dx or ctx.fp8_wgrad:
+            dyq = quantize(dy2, cfg.grad_dtype, transpose=ctx.fp8_wgrad, eps=cfg.eps, algo=cfg.quantize_algo)
+        if need_dx:
+            w = ctx.w
+            dx = scaled_mm(dyq.data, w.transposed().t(), dyq.scale_inv, w.scale_inv, ctx.x_dtype)
+            if dx.shape != ctx.x_shape:
+                dx = dx.view(ctx.x_shape)  # a 2-D input gets the GEMM's output itself (autograd can keep it)
+        if need_dw:
+            if ctx.fp8_wgrad:
+                x8t, x_scale_inv = ctx.saved_tensors
+                dw = scaled_mm(dyq.data_t, x8t.t(), dyq.scale_inv, x_scale_inv, ctx.w_dtype)
+            else:
+                (x2,) = ctx.saved_tensors
+                dw = torch.mm(dy2.t(), x2.to(dy2.dtype)).to(ctx.w_dtype)
+        if need_db:
+            db = dy2.sum(0).to(ctx.b_dtype)
+        return dx, dw, db, None, None, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+               fp8_weight: Optional[Fp8Tensor] = None, config: Optional[Fp8LinearConfig] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with FP8 GEMMs (see the module docstring). The caller checks
+    ``fp8_unsupported_reason`` first; this function does not fall back. The output has x's dtype.
+
+    fp8_weight: the weight's FP8 form (data (N, K) e4m3 contiguous, scale_inv, optional data_t (K, N)) supplied
+    from outside; default: ``weight`` quantized here, on every call."""
+    cfg = config or Fp8LinearConfig()
+    if fp8_weight is not None:
+        if (fp8_weight.dtype != E4M3 or tuple(fp8_weight.shape) != tuple(weight.shape)
+                or not fp8_weight.data.is_contiguous()):
+            raise ValueError(f"mfsdp_ext.fp8_linear: fp8_weight must be contiguous float8_e4m3fn of the weight's "
+                             f"shape {tuple(weight.shape)}, got {fp8_weight.dtype} {tuple(fp8_weight.shape)} "
+                             f"with strides {fp8_weight.data.stride()}")
+    elif not weight.is_contiguous():
+        weight = weight.contiguous()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    grad = torch.is_grad_enabled()
+    need_dx = grad and x.requires_grad
+    need_dw = grad and weight.requires_grad
+    return _Fp8LinearFn.apply(x, weight, bias, fp8_weight, cfg, need_dx, need_dw)
+
+
+# ----------------------------------------------------------------------------------------------
+# modules
+# ----------------------------------------------------------------------------------------------
+class Fp8LinearMixin:
+    """The FP8 forward of an ``nn.Linear`` (mixed in before it; see ``to_fp8_linear``)."""
+
+    fp8_config: Fp8LinearConfig
+    _fp8_name: Optional[str] = None
+    _fp8_warned: bool = False
+    _fp8_weight: Optional[Fp8Tensor] = None
+
+    def set_fp8_weight(self, fp8_weight: Optional[Fp8Tensor]) -> None:
+        """Use this FP8 form of the weight (e.g. gathered in FP8) instead of quantizing the weight on every call;
+        None: back to quantizing per call. Its transpose is made (once) when a backward needs it."""
+        self._fp8_weight = fp8_weight
+
+    def _fp8_fallback_warning(self, reason: str) -> None:
+        if self._fp8_warned:
+            return
+        self._fp8_warned = True
+        name = self._fp8_name or (f"{type(self).__name__}(in_features={self.in_features}, "
+                                  f"out_features={self.out_features})")
+        warnings.warn(f"mfsdp_ext Fp8Linear {name!r}: {reason}; this layer computes with F.linear in the input's "
+                      "dtype instead of FP8 (warned once per module)", stacklevel=3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:
+            return F.linear(x, self.weight, self.bias)
+        reason = fp8_unsupported_reason(x, self.weight)
+        if reason is not None:
+            self._fp8_fallback_warning(reason)
+            return F.linear(x, self.weight, self.bias)
+        return fp8_linear(x, self.weight, self.bias, fp8_weight=self._fp8_weight, config=self.fp8_config)
+
+    def extra_repr(self) -> str:
+        c = self.fp8_config
+        return (super().extra_repr() + f", fp8(grad={str(c.grad_dtype).replace('torch.', '')}, wgrad={c.wgrad})")
+
+
+class Fp8Linear(Fp8LinearMixin, nn.Linear):
+    """``nn.Linear`` computing in FP8 (same parameters, state dict and initialisation)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
+                 config: Optional[Fp8LinearConfig] = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.fp8_config = config or Fp8LinearConfig()
+
+
+_FP8_CLASSES: dict = {nn.Linear: Fp8Linear}
+
+
+def _fp8_class(cls: type) -> type:
+    if cls not in _FP8_CLASSES:
+        _FP8_CLASSES[cls] = type(f"Fp8{cls.__name__}", (Fp8LinearMixin, cls), {"__module__": cls.__module__})
+    return _FP8_CLASSES[cls]
+
+
+def default_fp8_filter(fqn: str, module: nn.Module) -> bool:
+    """Linear layers whose feature dims fit FP8 GEMMs (multiples of 16)."""
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def to_fp8_linear(module: nn.Module, filter_fn: Optional[Callable[[str, nn.Module], bool]] = None,
+                  config: Optional[Fp8LinearConfig] = None) -> nn.Module:
+    """Make the chosen ``nn.Linear`` layers of ``module`` (itself included) compute in FP8, in place: each one's
+    class becomes an FP8 subclass of its own class, so parameters, state dict, hooks and ``reset_parameters``
+    stay as they are. ``filter_fn(fqn, linear) -> bool`` chooses (default: in and out features multiples of 16;
+    the output head usually stays out: pass a filter). Layers with their own ``forward`` (not nn.Linear's) are
+    never converted. Returns ``module``."""
+    cfg = config or Fp8LinearConfig()
+    chosen = filter_fn or default_fp8_filter
+    for fqn, m in module.named_modules():
+        if not isinstance(m, nn.Linear) or isinstance(m, Fp8LinearMixin) or type(m).forward is not nn.Linear.forward:
+            continue
+        if not chosen(fqn, m):
+            continue
+        m._fp8_name = fqn or type(m).__name__  # the root itself: its class name
+        m.__class__ = _fp8_class(type(m))
+        m.fp8_config = cfg
+    return module

@@ -1,0 +1,165 @@
+"""What fully_shard does before it builds a unit: resolve the mesh, find the parameters it owns, check them
+on every rank, and group them into flat-buffer groups."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .marks import is_marked
+from .mixed_precision import MixedPrecisionPolicy
+from .module import FsdpModule, Strategy
+from .param_group import ParamGroup, ParamPlace
+
+_DEFAULT_MESH: dict[str, DeviceMesh] = {}
+# Parameters fully_shard has taken (the user's originals and our DTensor shards) -> the owning module's class
+# name: a later fully_shard that meets one outside its owner reports the tie instead of sharding it twice.
+_OWNER_NAMES = WeakIdKeyDictionary()
+
+
+def resolve_mesh(mesh: Optional[DeviceMesh], strategy: Strategy) -> tuple[DeviceMesh, torch.device, Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
+    """(mesh, device, shard group, replicate group) for the strategy: 1-D shard, 2-D (replicate, shard) HSDP,
+    or no_shard's replicate-only group."""
+    mesh = mesh if mesh is not None else _default_mesh()
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard supports a 1-D mesh (shard) or a 2-D mesh (replicate, shard); got {mesh.ndim}-D")
+    if mesh.ndim == 2 and strategy is Strategy.NO_SHARD:
+        raise ValueError("no_shard takes a 1-D mesh (the data-parallel group)")
+    if mesh.ndim == 2:
+        return mesh, _mesh_device(mesh), mesh.get_group(1), mesh.get_group(0)
+    if strategy is Strategy.NO_SHARD:
+        return mesh, _mesh_device(mesh), None, mesh.get_group(0)
+    return mesh, _mesh_device(mesh), mesh.get_group(0), None
+
+
+def make_groups(module: nn.Module, params, mesh: DeviceMesh, device: torch.device, shard_group, replicate_group,
+                mp_policy: MixedPrecisionPolicy, strategy: Strategy) -> list[ParamGroup]:
+    """One ParamGroup per (dtype, requires_grad, marked no_shard) of the parameters, which become the groups'
+    DTensor shards (a marked group: replicated over the mesh, as the no_shard strategy holds everything)."""
+    groups = []
+    for (dtype, requires_grad, marked), members in _group_by_kind(params).items():
+        replicated = marked and shard_group is not None
+        if replicated and mesh.ndim != 1:
+            raise ValueError(f"no_shard-marked parameters ({members[0][0]}, ...) on a 2-D (HSDP) mesh are not "
+                             "supported yet; leave them unmarked there")
+        groups.append(ParamGroup(
+            members, mesh, compute_dtype=mp_policy.compute_dtype(dtype),
+            reduce_dtype=mp_policy.reduction_dtype(dtype), main_grad_dtype=mp_policy.main_grad_dtype
+            if dtype == torch.float32 else dtype, device=device,
+            shard_group=None if replicated else shard_group,
+            replicate_group=mesh.get_group(0) if replicated else replicate_group,
+            cache_model_weight=mp_policy.cache_model_weight and not (strategy.keeps_weights_gathered or marked)))
+    owner = type(module).__name__
+    for _, p, _ in params:
+        _OWNER_NAMES[p] = owner  # the original Parameter: a use of it outside this unit is caught later
+    for g in groups:
+        for info in g.infos:
+            _OWNER_NAMES[info.sharded] = owner
+        g.use_sharded_params()
+    return groups
+
+
+def _default_mesh() -> DeviceMesh:
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    if device_type not in _DEFAULT_MESH:
+        _DEFAULT_MESH[device_type] = init_device_mesh(device_type, (dist.get_world_size(),))
+    return _DEFAULT_MESH[device_type]
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    raise ValueError(f"fully_shard supports cpu and cuda meshes, got {mesh.device_type}")
+
+
+def owned_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[ParamPlace]]]:
+    """Unique parameters of ``module``'s subtree not owned by an inner unit, with every place they appear."""
+    found: dict[int, tuple[str, nn.Parameter, list[ParamPlace]]] = {}
+    stack = [("", module)]
+    while stack:
+        prefix, m = stack.pop(0)
+        if _is_fsdp2_module(m):
+            raise ValueError(f"fully_shard: '{prefix[:-1] or type(m).__name__}' was sharded by PyTorch FSDP2's "
+                             "fully_shard; one model takes one of the two: apply mfsdp_ext.fully_shard to every unit")
+        for name, p in m._parameters.items():
+            if p is None:
+                continue
+            fqn = f"{prefix}{name}"
+            _check_param(fqn, p, m)
+            if id(p) in found:
+                found[id(p)][2].append(ParamPlace(m, name, fqn))
+            else:
+                found[id(p)] = (fqn, p, [ParamPlace(m, name, fqn)])
+        for child_name, child in m._modules.items():
+            if child is not None and not isinstance(child, FsdpModule):
+                stack.append((f"{prefix}{child_name}.", child))
+    return list(found.values())
+
+
+def _check_param(fqn: str, p: nn.Parameter, holder: nn.Module) -> None:
+    owner = _OWNER_NAMES.get(p)
+    if owner is not None:
+        raise ValueError(
+            f"fully_shard: parameter '{fqn}' is shared with a module of an inner fully_shard unit "
+            f"({owner}); tied parameters must belong to one unit: shard the module that "
+            "contains every use of it, not the inner one")
+    if isinstance(p, DTensor):
+        raise ValueError(f"fully_shard: parameter '{fqn}' is already a DTensor (sharded by another API)")
+    if p.dim() == 0:
+        raise ValueError(f"fully_shard: parameter '{fqn}' is a 0-d scalar; rows cannot be sharded. "
+                         "Store it with shape (1,) instead")
+    if not p.is_floating_point():
+        raise ValueError(f"fully_shard: parameter '{fqn}' has non-floating dtype {p.dtype}; only floating "
+                         "parameters can be sharded (make it a buffer)")
+    if getattr(holder, "sparse", False) and isinstance(holder, (nn.Embedding, nn.EmbeddingBag)):
+        raise ValueError(f"fully_shard: parameter '{fqn}' belongs to an embedding with sparse=True; sparse "
+                         "gradients cannot be reduce-scattered into flat shards: build it with sparse=False")
+
+
+def _is_fsdp2_module(m: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return False
+    return isinstance(m, FSDPModule)
+
+
+def move_buffers(module: nn.Module, device: torch.device) -> None:
+    """Buffers (e.g. rotary tables) of the unit's own modules follow the parameters to the mesh device."""
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        for name, b in m._buffers.items():
+            if b is not None and b.device.type != "meta" and b.device != device:
+                m._buffers[name] = b.to(device)
+        stack.extend(c for c in m.children() if not isinstance(c, FsdpModule))
+
+
+def _group_by_kind(params):
+    kinds: dict[tuple[torch.dtype, bool], list] = {}
+    for item in params:
+        p = item[1]
+        kinds.setdefault((p.dtype, p.requires_grad, is_marked(p)), []).append(item)
+    return kinds
+
+
+def check_same_on_all_ranks(module: nn.Module, params, mesh: DeviceMesh, device: torch.device) -> None:
+    """One small all-reduce: every rank must shard the same parameters (names, shapes, dtypes) here."""
+    desc = repr([(fqn, tuple(p.shape), str(p.dtype), p.requires_grad) for fqn, p, _ in params])
+    h = zlib.crc32(desc.encode()) & 0x7FFFFFFF
+    sig = torch.tensor([h, -h], dtype=torch.int64, device=device)
+    for dim in range(mesh.ndim):
+        dist.all_reduce(sig, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    if sig[0].item() != h or sig[1].item() != -h:
+        raise RuntimeError(
+            f"fully_shard({type(module).__name__}): the parameters differ across ranks (names, shapes or dtypes). "
+            f"This rank has: {desc[:2000]}. Build the same model on every rank before sharding.")

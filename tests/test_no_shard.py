@@ -1,0 +1,88 @@
+"""mfsdp_ext.no_shard: marked parameters stay replicated (gloo ranks), against a single-process model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from mfsdp_ext import FsdpModule, fully_shard, microbatch, no_shard, reset_parameters
+
+from .models import TinyLM, rank_device, train
+from .test_fully_shard import GLOBAL_BATCH, STEPS, _compare_params
+from .test_strategies import count_collectives
+
+
+def _marked_model(seed: int) -> TinyLM:
+    """TinyLM whose first block is marked (and frozen) and whose second block's fc2 is marked (trainable)."""
+    torch.manual_seed(seed)
+    model = TinyLM(tie=False)
+    model.blocks[0].requires_grad_(False)
+    return model
+
+
+def _shard(model: TinyLM) -> TinyLM:
+    no_shard(model.blocks[0])  # a frozen tower: no unit, no hooks, never communicated
+    no_shard(model.blocks[1].fc2)  # trainable and replicated: all-reduced once per step
+    for b in model.blocks:
+        fully_shard(b)
+    return fully_shard(model)
+
+
+def _case_no_shard_parity(microbatches: int):
+    model = _marked_model(40)
+    ref = copy.deepcopy(model).to(rank_device())
+    ref_losses = train(ref, STEPS, GLOBAL_BATCH, sharded=False)
+    _shard(model)
+    frozen_before = {n: p.full_tensor().clone() for n, p in model.blocks[0].named_parameters()}
+    with count_collectives() as counts:
+        losses = train(model, STEPS, GLOBAL_BATCH, sharded=True, microbatches=microbatches, microbatch_ctx=microbatch)
+    loss_err = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
+    param_err = _compare_params(model, ref)
+    assert loss_err <= 1e-5 and param_err <= 1e-5, (loss_err, param_err)
+    # the marked block made no unit and has no hooks; its parameters are replicated DTensors of the root
+    assert not isinstance(model.blocks[0], FsdpModule) and not model.blocks[0]._forward_pre_hooks
+    for n, p in model.blocks[0].named_parameters():
+        assert isinstance(p, DTensor) and p.placements == (Replicate(),), n
+        assert torch.equal(p.full_tensor(), frozen_before[n]) and p.grad is None, n
+    assert model.blocks[1].fc2.weight.placements == (Replicate(),)
+    # sharded units: gathered in forward and (but the root) in backward, one reduce-scatter per microbatch;
+    # replicated parameters: gathered never, the trainable ones all-reduced once per step (the frozen ones never)
+    sharded_units, iterations = 3, STEPS * microbatches  # the root, blocks 1 and 2 (block 0 made no unit)
+    assert counts["all_gather_into"] == iterations * (2 * sharded_units - 1) - (iterations - 1), counts
+    assert counts["reduce_scatter_into"] == iterations * sharded_units, counts
+    assert counts["all_reduce"] == STEPS, counts  # block 1's replicated group
+    return {"loss_err": loss_err, "param_err": param_err, "counts": dict(counts)}
+
+
+def _case_no_shard_meta_init():
+    """The mark survives meta-device init: reset_parameters fills the replicated parameters like the rest."""
+    torch.manual_seed(41)
+    with torch.device("meta"):
+        model = TinyLM(tie=False)
+    _shard(model)
+    model.to_empty(device=rank_device())
+    torch.manual_seed(42)
+    reset_parameters(model)
+    torch.manual_seed(42)
+    ref = TinyLM(tie=False).to(rank_device())  # constructed = initialised in the same module order
+    assert model.blocks[0].norm.weight.placements == (Replicate(),)
+    err = _compare_params(model, ref)
+    assert err == 0.0, err
+    return {"param_err": err}
+
+
+def test_no_shard_rejects_sharded_and_other_types():
+    with pytest.raises(TypeError, match="nn.Module or an nn.Parameter"):
+        no_shard(torch.zeros(3))
+
+
+@pytest.mark.parametrize("microbatches", [1, 3])
+def test_no_shard_parity_and_collectives(cpu_pool, microbatches):
+    print(cpu_pool.run(_case_no_shard_parity, microbatches)[0])
+
+
+def test_no_shard_meta_init(cpu_pool):
+    print(cpu_pool.run(_case_no_shard_meta_init)[0])
