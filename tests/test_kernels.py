@@ -66,7 +66,7 @@ def assert_bits_equal(got: torch.Tensor, ref: torch.Tensor, what: str = "") -> N
 def assert_identical(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     """Exactly the same bits, NaN payloads included (CPU vs CUDA)."""
     assert a.dtype == b.dtype and a.shape == b.shape
-    ba, bb = bits(a.cpu()), bits(b.cpu())
+    ba, bb = bits(a.cpu()).reshape(-1), bits(b.cpu()).reshape(-1)  # flat: the index below is a flat index
     if not torch.equal(ba, bb):
         d = (ba != bb).nonzero()
         raise AssertionError(f"{what}: {len(d)} elements differ, first at {int(d[0])}")
