@@ -45,9 +45,8 @@ import torch
 
 from .. import _native as _native_module
 
-# defined once in C++ (csrc/symm_comm.h, symm_offset_allocator.h), read from the extension
-MIN_NCCL_VERSION: int = _native_module.MIN_NCCL_VERSION  # NCCL 2.28.7
-ALIGNMENT: int = _native_module.SYMM_ALIGNMENT  # window offset granularity of every pool allocation
+MIN_NCCL_VERSION = 22807  # NCCL 2.28.7
+ALIGNMENT = 4096  # window offset granularity of every pool allocation
 
 
 def _native():
@@ -237,7 +236,7 @@ class SymmetricComm:
         *,
         device: Optional[torch.device | int] = None,
         pool_bytes: int = 0,
-        grow_bytes: int = _native_module.SYMM_DEFAULT_GROW_BYTES,
+        grow_bytes: int = 256 << 20,
         borrow: bool = True,
         allow_nvls: bool = False,
     ) -> None:
