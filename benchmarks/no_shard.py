@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 from collections import Counter
 
 import torch
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 
 import mfsdp_ext.dist_ops as dist_ops
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, no_shard
+from mfsdp_ext.device import cuda_median_ms
 
 
 class Block(nn.Module):
@@ -97,15 +97,8 @@ def run_variant(marked: bool, args, device) -> dict:
     torch.cuda.reset_peak_memory_stats()
     with count_collectives() as counts:
         step()
-    times = []
-    for _ in range(args.steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    t = torch.tensor([statistics.median(times), torch.cuda.max_memory_allocated() / 2**30], device=device)
+    step_ms = cuda_median_ms(step, args.steps, warmup=0)
+    t = torch.tensor([step_ms, torch.cuda.max_memory_allocated() / 2**30], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return {"step_ms": t[0].item(), "peak_gib": t[1].item(), "collectives_per_step": dict(counts)}
 

@@ -37,6 +37,7 @@ class FsdpContext:
         self.is_last_microbatch = True
         self.explicit_microbatch = False
         self.in_backward = False  # from the first pre-backward hook to the final callback
+        self.grads_kept = False  # a deferred reduction kept unsharded grads (reduced on the last microbatch)
         self.symmetric: Optional["SymmetricStages"] = None  # when some unit uses NCCL symmetric memory
 
     def weight_sync_allowed(self) -> bool:
@@ -75,7 +76,8 @@ class FsdpContext:
     def units_in_finish_order(self) -> list["FsdpUnit"]:
         """Every unit, those that ran in reverse forward order first (the order their backward ran in)."""
         ran = list(reversed(self.forward_order or self.units))
-        return ran + [u for u in self.units if u not in ran]
+        ran_ids = {id(u) for u in ran}
+        return ran + [u for u in self.units if id(u) not in ran_ids]
 
     def start_next_iteration(self) -> None:
         """This iteration's order becomes the one the next iteration prefetches by."""

@@ -57,3 +57,18 @@ class DeviceHandle:
     def label(name: str) -> contextlib.AbstractContextManager:
         """A named range while a profiler records (a few microseconds each, so none otherwise)."""
         return record_function(name) if _profiler_enabled() else contextlib.nullcontext()
+
+
+def cuda_median_ms(fn, iters: int = 10, warmup: int = 2) -> float:
+    """Median milliseconds of ``fn()`` on the current CUDA stream, timed by events, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]

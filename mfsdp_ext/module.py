@@ -92,7 +92,7 @@ class FsdpUnit:
         self.sharded_state = ShardedState.SHARDED
         self.post_backward_hooked = False  # _PostBackward applied to this iteration's inputs
         self.unshard_event = None  # the all-gather stream's event after this unit's gather
-        self.gathered_versions: list[Optional[int]] = [None] * len(groups)
+        self.gathered_versions: list[Optional[tuple]] = [None] * len(groups)  # weights_version() gathered
 
     @property
     def is_root(self) -> bool:
@@ -118,24 +118,24 @@ class FsdpUnit:
         return ctx
 
     # ------------------------------------------------------------------ unshard / reshard
-    def _gathered_is_current(self) -> bool:
-        return self.sharded_state is ShardedState.UNSHARDED and all(
-            v == g.weights_version() for v, g in zip(self.gathered_versions, self.groups))
-
     def unshard(self) -> None:
-        """Issue the all-gather of every group on the all-gather stream (does not wait for it)."""
+        """Issue the all-gather of every group on the all-gather stream (does not wait for it); nothing when the
+        gathered weights are those of the current main weights."""
         ctx = self.context
         gathered = self.sharded_state is ShardedState.UNSHARDED
-        if self._gathered_is_current() or (gathered and not ctx.weight_sync_allowed()):
+        if gathered and not ctx.weight_sync_allowed():
+            return
+        versions = [g.weights_version() for g in self.groups]  # once per call: each walks the group's parameters
+        if gathered and versions == self.gathered_versions:
             return
         with ctx.device.label(f"mfsdp.unshard {self.name}"), ctx.device.use_stream(ctx.ag_stream):
             for i, g in enumerate(self.groups):
-                if g.replicated and self.gathered_versions[i] == g.weights_version():
+                if g.replicated and self.gathered_versions[i] == versions[i]:
                     continue  # replicated groups stay gathered: refreshed only when their weights change
                 if ctx.weight_sync_allowed() or g._synced_version is None:
-                    g.sync_model_weight()
+                    g.sync_model_weight(versions[i])
                 g.all_gather()
-                self.gathered_versions[i] = g.weights_version()
+                self.gathered_versions[i] = versions[i]
             self.unshard_event = ctx.device.record_event(ctx.ag_stream)
         self.sharded_state = ShardedState.UNSHARDED
 
@@ -175,10 +175,11 @@ class FsdpUnit:
             return self._hook_post_backward(args, kwargs)
         if self.is_root and ctx.forward_order:
             self._abandon_iteration()  # the last forward had no backward (evaluation) or raised
-        if self.is_root and ctx.explicit_microbatch and ctx.is_first_microbatch:
+        if self.is_root and ctx.explicit_microbatch and ctx.is_first_microbatch and ctx.grads_kept:
             for unit in ctx.units:  # a new accumulation: nothing kept from a sequence that failed midway
                 for g in unit.groups:
                     g.drop_unsharded_grads()
+            ctx.grads_kept = False
         ctx.record_forward(self)
         self.training_state = TrainingState.FORWARD
         self.unshard()
@@ -261,6 +262,7 @@ class FsdpUnit:
         last = self.requires_gradient_sync and ctx.is_last_microbatch
         every_microbatch = self.strategy.reduces_every_microbatch and not g.replicated
         if not (self.requires_gradient_sync if every_microbatch else last):
+            ctx.grads_kept = True
             return
         replicas = dist.get_world_size(g.replicate_group) if g.replicate_group is not None else 1
         with ctx.device.use_stream(ctx.rs_stream):

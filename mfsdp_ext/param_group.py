@@ -215,8 +215,11 @@ class ParamGroup:
         gradients, so no optimizer step changes them: they are not re-cast and re-gathered."""
         if self._aliases:
             self._count_alias_writes()
-        steps = _OptimizerSteps.count if self.trainable() else 0
-        params = sum(info.sharded._version for info in self.infos)
+        params, trainable = 0, False
+        for info in self.infos:
+            params += info.sharded._version
+            trainable = trainable or info.sharded.requires_grad
+        steps = _OptimizerSteps.count if trainable else 0
         return (steps, params, self.main_weight.data._version, self._external_writes)
 
     def mark_main_weight_changed(self) -> None:
@@ -238,15 +241,12 @@ class ParamGroup:
             live.append((ref, tensor._version))
         self._aliases = live
 
-    def needs_weight_sync(self) -> bool:
-        return self.model_weight is not None and self._synced_version != self.weights_version()
-
-    def sync_model_weight(self) -> None:
-        """Cast main_weight into model_weight (one fused kernel) if the main weights changed since the last cast."""
-        if not self.needs_weight_sync():
+    def sync_model_weight(self, version: tuple) -> None:
+        """Cast main_weight into model_weight (one fused kernel) unless it was cast at this weights_version()."""
+        if self.model_weight is None or self._synced_version == version:
             return
         _native.cast(self.main_weight.data, self.model_weight.data)
-        self._synced_version = self.weights_version()
+        self._synced_version = version
         self.stats.weight_syncs += 1
 
     def gather_source(self) -> FlatBuffer:
@@ -323,8 +323,7 @@ class ParamGroup:
     def accumulate_reduced(self, reduced: torch.Tensor, defer_replicas: bool, last_microbatch: bool) -> None:
         """Add a reduce-scattered shard into main_grad, finishing HSDP's all-reduce over replicas: at once, or
         (``defer_replicas``) once per step, on the last microbatch."""
-        replicated = self.replicate_group is not None
-        if replicated and not defer_replicas:
+        if self.replicate_group is not None and not defer_replicas:
             dist_ops.all_reduce(reduced, self.replicate_group)
         if defer_replicas and self.main_grad_replica_summed and self.grads_attached():
             # Gradients kept from the last step are already summed over replicas: the coming all-reduce

@@ -18,6 +18,11 @@ from .mixed_precision import MixedPrecisionPolicy
 from .module import FsdpModule, Strategy
 from .param_group import ParamGroup, ParamPlace
 
+try:
+    from torch.distributed.fsdp import FSDPModule as _FSDP2Module
+except ImportError:  # a torch without FSDP2
+    _FSDP2Module = None
+
 _DEFAULT_MESH: dict[str, DeviceMesh] = {}
 # Parameters fully_shard has taken (the user's originals and our DTensor shards) -> the owning module's class
 # name: a later fully_shard that meets one outside its owner reports the tie instead of sharding it twice.
@@ -126,11 +131,7 @@ def _check_param(fqn: str, p: nn.Parameter, holder: nn.Module) -> None:
 
 
 def _is_fsdp2_module(m: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2
-        return False
-    return isinstance(m, FSDPModule)
+    return _FSDP2Module is not None and isinstance(m, _FSDP2Module)
 
 
 def move_buffers(module: nn.Module, device: torch.device) -> None:

@@ -35,6 +35,7 @@ def _fail_in(model: TinyLM, where: str):
     last block has reduced its gradients)."""
     if where == "forward":
         return model.blocks[1].register_forward_hook(_raise)
+
     def raise_on_grad(module, args, out) -> None:
         out.register_hook(_raise)
 

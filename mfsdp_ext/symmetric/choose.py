@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import dist_ops
+from ..device import cuda_median_ms
 from ..collectives import PLAIN_ALL_GATHER
 from .collectives import SymmetricAllGather, SymmetricReduceScatter, SymmetricStages
 from .comm import is_available
@@ -86,8 +87,8 @@ def _measure(stages: SymmetricStages, g) -> tuple[bool, bool]:
     """Time the group's own all-gather both ways (the symmetric one with its copy into the stage and its unpack
     into place) and, if it has gradients, the reduce-scatter of its packed gradients both ways."""
     stats = dataclasses.replace(g.stats)  # timing runs are not the model's gathers
-    times = [median_ms(lambda: g.all_gather(PLAIN_ALL_GATHER)),
-             median_ms(lambda: g.all_gather(SymmetricAllGather(stages)))]
+    times = [cuda_median_ms(lambda: g.all_gather(PLAIN_ALL_GATHER)),
+             cuda_median_ms(lambda: g.all_gather(SymmetricAllGather(stages)))]
     g.stats = stats
     g.free_unsharded()
     if g.requires_grad:
@@ -96,24 +97,9 @@ def _measure(stages: SymmetricStages, g) -> tuple[bool, bool]:
         reduced = torch.empty(shard, dtype=g.reduce_dtype, device=g.device)
         s_packed, s_reduced = stages.reduce_scatter_buffers(rank_major, g.reduce_dtype)
         s_packed.copy_(packed)
-        times += [median_ms(lambda: dist_ops.reduce_scatter_into(reduced, packed, g.shard_group)),
-                  median_ms(lambda: stages.comm.reduce_scatter_into(s_reduced, s_packed))]
+        times += [cuda_median_ms(lambda: dist_ops.reduce_scatter_into(reduced, packed, g.shard_group)),
+                  cuda_median_ms(lambda: stages.comm.reduce_scatter_into(s_reduced, s_packed))]
     t = torch.tensor(times, dtype=torch.float64, device=g.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g.shard_group)  # slowest rank: every rank decides alike
     t = t.tolist()
     return t[1] < AUTO_MARGIN * t[0], len(t) == 4 and t[3] < AUTO_MARGIN * t[2]
-
-
-def median_ms(fn, iters: int = 10) -> float:
-    """Median milliseconds of ``fn()`` on the current CUDA stream (after two warm-up calls)."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
