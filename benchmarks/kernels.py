@@ -228,9 +228,36 @@ def _quant_torch(src: torch.Tensor, transpose: bool):
     return (q, q.t().contiguous() if transpose else None), scale.reciprocal()
 
 
+def _quant_reference(src: torch.Tensor, fmax: float = N.FP8_E4M3_MAX):
+    """(q, q transposed, scale_inv) with the kernels' arithmetic in torch ops: scale = fmax / max(amax, eps) as ONE
+    fp32 division. (_quant_torch's ``448.0 / tensor`` is ``tensor.reciprocal() * 448`` in torch: two roundings,
+    an ulp off the kernels' scale for about one bf16 amax in five, and then q and scale_inv differ.)"""
+    amax = src.abs().max().float()
+    scale = torch.full_like(amax, fmax) / torch.clamp(amax, min=1e-12)
+    q = (src.float() * scale).clamp(-fmax, fmax).to(E4M3)
+    return q, q.t().contiguous(), torch.ones_like(scale) / scale
+
+
+def _first_difference(what: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """None when got and want hold the same bytes; else a line: how many differ, the first one (index, and
+    (row, col) for a matrix) and both values with their bits."""
+    a, b = got.detach().reshape(-1).view(torch.uint8), want.detach().reshape(-1).view(torch.uint8)
+    diff = (a != b).nonzero().flatten()
+    if diff.numel() == 0:
+        return None
+    esz = got.element_size()
+    k = int(diff[0]) // esz  # first differing element
+    g, w = got.reshape(-1)[k], want.reshape(-1)[k]
+    gb, wb = (bytes(t.view(torch.uint8).cpu().tolist()[::-1]).hex() for t in (g.reshape(1), w.reshape(1)))
+    where = f"element {k}" + (f" (row {k // got.shape[1]}, col {k % got.shape[1]})" if got.dim() == 2 else "")
+    return (f"{what}: {diff.numel()} of {a.numel()} bytes differ; first at {where}: got 0x{gb} ({float(g)!r}), "
+            f"want 0x{wb} ({float(w)!r})")
+
+
 def bench_quantize(n: int, reps_base: int, cols: int = 4096) -> tuple[list[dict], bool]:
     """One bf16 activation (n // cols, cols) -> e4m3 with per-tensor current scaling, with and without the
-    transpose, every algorithm, against a copy of the source and against torch ops."""
+    transpose, every algorithm, against a copy of the source and against torch ops. The result of the last of the
+    timed back-to-back calls is checked bit for bit; a failed check prints which case and what differs."""
     rows_n = max(1, n // cols)
     n = rows_n * cols
     src = torch.randn(rows_n, cols, device=DEVICE, dtype=torch.bfloat16)
@@ -241,23 +268,31 @@ def bench_quantize(n: int, reps_base: int, cols: int = 4096) -> tuple[list[dict]
     qt = torch.empty(cols, rows_n, dtype=E4M3, device=DEVICE)
     sinv = torch.empty((), device=DEVICE)
     ok = True
-    ref, ref_sinv = _quant_torch(src, transpose=True)
+    ref_q, ref_qt, ref_sinv = _quant_reference(src)
+    amax = float(src.abs().max())
     rows = []
     for transpose in (False, True):
         t_torch = time_gpu(lambda: _quant_torch(src, transpose), max(5, reps // 2))
         for algo in ("two_pass", "fused") if DEVICE == "cuda" else ("two_pass",):
+            q.view(torch.uint8).fill_(0xFF)  # NaN: what the kernel does not write cannot pass the check
+            qt.view(torch.uint8).fill_(0xFF)
+            sinv.fill_(float("nan"))
             t = time_gpu(lambda: N.fp8_quantize(src, q, sinv, dst_t=qt if transpose else None, algo=algo), reps)
-            # the torch-ops way rounds the same way (x * scale in fp32, RNE, saturation): same bits
-            ok &= torch.equal(q.view(torch.uint8), ref[0].view(torch.uint8)) and float(sinv) == float(ref_sinv)
-            if transpose:
-                ok &= torch.equal(qt.view(torch.uint8), ref[1].view(torch.uint8))
+            calls = reps + (4 if DEVICE == "cuda" else 3)  # time_gpu's warm-up (and host timing) calls included
+            case = f"quantize {n} ({rows_n}x{cols}) algo={algo} transpose={transpose}, last of {calls} calls"
+            checks = [("q", q, ref_q), ("scale_inv", sinv, ref_sinv)] + ([("qt", qt, ref_qt)] if transpose else [])
+            failures = [f for f in (_first_difference(f"{case}: {w}", g, r) for w, g, r in checks) if f]
+            if failures:
+                print("\n".join(f"CHECK FAILED {f} [amax {amax!r}]" for f in failures), file=sys.stderr)
+            ok &= not failures
             name = f"quantize bf16->e4m3{' +transpose' if transpose else ''} ({algo})"
             bpe = 4 if transpose else 3
             r = {"kernel": name, "elements": n, "src_bytes": 2 * n, "bytes_moved": bpe * n, "ours_s": t,
                  "ours_gbps": bpe * n / t / 1e9, "copy_s": t_copy, "copy_gbps": 4 * n / t_copy / 1e9,
                  "torch_s": t_torch, "torch_gbps": bpe * n / t_torch / 1e9, "speedup": t_torch / t,
                  "torch_way": "abs().max(); (x.float()*s).clamp().to(e4m3)"
-                              + ("; .t().contiguous()" if transpose else "")}
+                              + ("; .t().contiguous()" if transpose else ""),
+                 "check_ok": not failures, "check_failures": failures}
             r["frac_of_copy"] = r["ours_gbps"] / r["copy_gbps"]
             rows.append(r)
     return rows, ok
@@ -460,7 +495,7 @@ def main() -> int:
         if not ok:
             print(f"WARNING: a result check failed in {part} {arg}", file=sys.stderr)
         for r in new:
-            r["check_ok"] = ok
+            r.setdefault("check_ok", ok)
             print(f"{r['kernel']:44s} {r['src_bytes'] / 2**20:7.1f} MiB  ours {r['ours_gbps']:7.0f} GB/s "
                   f"{r['ours_s'] * 1e6:8.1f} us  copy {r['copy_gbps']:7.0f} GB/s  {100 * r['frac_of_copy']:5.1f}%  "
                   f"torch {r['torch_s'] * 1e6:8.1f} us  speedup {r['speedup']:.2f}x", flush=True)

@@ -1,5 +1,6 @@
-// Fused main->model weight cast (fp32 -> bf16 / fp16 / fp8 with per-segment current scaling), per-segment
-// amax, FP8 dequantize and the fp32 gradient accumulation. Semantics: mfsdp_ext/_native.py docstring.
+// Entry points (torch tensors in, checked) of the fused main->model weight cast (fp32 -> bf16 / fp16 / fp8 with
+// per-segment current scaling), per-segment amax, FP8 dequantize and the fp32 gradient accumulation.
+// Semantics: mfsdp_ext/_native.py docstring.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,8 +15,8 @@ void fp8_dequantize(const at::Tensor& src, const at::Tensor& segments, const at:
                     const at::Tensor& dst);
 void grad_accumulate(const at::Tensor& main_grad, const at::Tensor& reduced, double scale, bool accumulate);
 
-// Validates a CPU segment table against a buffer of `total` elements (sorted, non-overlapping, in range);
-// the Python layer uses it (cached) for CUDA tables, whose rows the kernels do not check.
+// Validates a CPU segment table against a buffer of `total` elements (check_segment_table's rule); the Python
+// layer runs it on a CPU copy of each CUDA table (cached), whose rows the kernels do not check.
 void check_segments(const at::Tensor& segments, int64_t total);
 
 }  // namespace mfsdp

@@ -1,8 +1,10 @@
 // CUDA kernels of the main->model cast: plain cast (fp32 -> bf16 / fp16), per-segment amax, FP8 cast with
 // per-segment current scaling, FP8 dequantize, and the fp32 gradient accumulation.
-// Per-segment data (segment bounds, amax, scales) is read from small device tables.
+// Per-segment data (segment bounds, amax, scales) is read from small device tables. The CPU versions of these
+// kernels are in cast_cpu.cpp; the launchers' contract is in launch.h.
 #include <cuda_runtime.h>
 
+#include "fp8_scaling.h"
 #include "kernel_utils.cuh"
 #include "launch.h"
 
@@ -174,53 +176,50 @@ int launch_grad_acc(void* main_grad, const void* red, int64_t numel, float scale
 
 }  // namespace
 
-int cast(const void* src, DType in, void* dst, DType out, int64_t numel, void* stream) {
-  if (numel == 0) return 0;
+int launch(const CastParams& p, void* stream) {
+  if (p.numel == 0) return 0;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return for_float(in, [&](auto in_tag) {
-    return for_float(out, [&](auto out_tag) {
-      return launch_cast<decltype(in_tag), decltype(out_tag)>(src, dst, numel, s);
+  return for_float(p.src_dtype, [&](auto in_tag) {
+    return for_float(p.dst_dtype, [&](auto out_tag) {
+      return launch_cast<decltype(in_tag), decltype(out_tag)>(p.src, p.dst, p.numel, s);
     });
   });
 }
 
-int segment_amax(const void* src, DType in, int64_t numel, const int64_t* segments, int64_t nseg, float* amax,
-                 void* stream) {
-  if (nseg == 0) return 0;
+int launch(const SegmentAmaxParams& p, void* stream) {
+  if (p.num_segments == 0) return 0;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return for_float(in, [&](auto in_tag) {
-    return launch_amax<decltype(in_tag)>(src, numel, segments, nseg, amax, s);
+  return for_float(p.src_dtype, [&](auto in_tag) {
+    return launch_amax<decltype(in_tag)>(p.src, p.numel, p.segments, p.num_segments, p.amax, s);
   });
 }
 
-int fp8_cast(const void* src, DType in, int64_t numel, const int64_t* segments, int64_t nseg, const float* amax,
-             float eps, void* dst, DType out, float* scale_inv, void* stream) {
+int launch(const Fp8CastParams& p, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return for_float(in, [&](auto in_tag) {
-    return for_fp8(out, [&](auto out_tag) {
-      return launch_fp8_cast<decltype(in_tag), decltype(out_tag)>(src, numel, segments, nseg, amax, eps, dst,
-                                                                    scale_inv, s);
+  return for_float(p.src_dtype, [&](auto in_tag) {
+    return for_fp8(p.dst_dtype, [&](auto out_tag) {
+      return launch_fp8_cast<decltype(in_tag), decltype(out_tag)>(p.src, p.numel, p.segments, p.num_segments, p.amax,
+                                                                    p.eps, p.dst, p.scale_inv, s);
     });
   });
 }
 
-int fp8_dequantize(const void* src, DType in, int64_t numel, const int64_t* segments, int64_t nseg,
-                   const float* scale_inv, void* dst, DType out, void* stream) {
+int launch(const Fp8DequantizeParams& p, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return for_fp8(in, [&](auto in_tag) {
-    return for_float(out, [&](auto out_tag) {
-      return launch_dequant<decltype(in_tag), decltype(out_tag)>(src, numel, segments, nseg, scale_inv, dst, s);
+  return for_fp8(p.src_dtype, [&](auto in_tag) {
+    return for_float(p.dst_dtype, [&](auto out_tag) {
+      return launch_dequant<decltype(in_tag), decltype(out_tag)>(p.src, p.numel, p.segments, p.num_segments,
+                                                                 p.scale_inv, p.dst, s);
     });
   });
 }
 
-int grad_accumulate(void* main_grad, DType main_dtype, const void* reduced, DType red_dtype, int64_t numel,
-                    float scale, bool accumulate, void* stream) {
+int launch(const GradAccumulateParams& p, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return for_float(main_dtype, [&](auto main_tag) {
-    return for_float(red_dtype, [&](auto red_tag) {
-      return launch_grad_acc<decltype(main_tag), decltype(red_tag)>(main_grad, reduced, numel, scale, accumulate,
-                                                                     s);
+  return for_float(p.main_grad_dtype, [&](auto main_tag) {
+    return for_float(p.reduced_dtype, [&](auto red_tag) {
+      return launch_grad_acc<decltype(main_tag), decltype(red_tag)>(p.main_grad, p.reduced, p.numel, p.scale,
+                                                                     p.accumulate, s);
     });
   });
 }

@@ -18,7 +18,7 @@
 #include <type_traits>
 #include <unordered_map>
 
-#include "fp8_math.h"
+#include "float_formats.h"
 #include "segment_walk.h"
 
 namespace mfsdp {
@@ -462,7 +462,7 @@ __device__ __forceinline__ void for_each_chunk_of_segments(const R* src, int64_t
 
 inline int last_error() { return static_cast<int>(cudaGetLastError()); }
 
-// f(tag) for a float / an fp8 dtype code (fp8_math.h's dispatchers); cudaErrorInvalidValue for any other code
+// f(tag) for a float / an fp8 dtype code (float_formats.h's dispatchers); cudaErrorInvalidValue for any other code
 template <class F>
 int for_float(DType d, F&& f) {
   return is_float_dtype(d) ? with_float_tag(d, f) : static_cast<int>(cudaErrorInvalidValue);

@@ -1,65 +1,155 @@
-// Launchers of the CUDA kernels (defined in pack_cuda.cu / cast_cuda.cu). Plain C++ signatures: raw pointers,
-// sizes, dtype codes and the stream as void* (a cudaStream_t), so the torch glue (.cpp) and the CUDA
-// sources (.cu) share no headers but this one and fp8_math.h. Each returns a cudaError_t as int
-// (0 = success): the launch error checked right after the launch.
+// The kernels' launchers. Every kernel has a CPU implementation (mfsdp::cpu, *_cpu.cpp) and a CUDA one
+// (mfsdp::cuda, *_cuda.cu) with one signature, `int launch(const XParams& p, void* stream)`: the params struct
+// names the kernel, `stream` is a cudaStream_t (ignored on the CPU). The result is a cudaError_t as int (the
+// launch error read right after the launch; 0 = success; the CPU kernels always return 0). The host glue
+// (cast.cpp, pack.cpp, quantize.cpp) checks the tensors, fills the params and calls run_kernel
+// (device_launch.h), which picks the implementation from the tensors' device. Plain C++ here: raw pointers,
+// sizes and dtype codes, so the glue and the .cu files share no torch or CUDA header.
+//
+// Segment tables (segments, num_segments): int64 rows [start, end) in the source's memory space, sorted,
+// non-overlapping, within [0, numel) (the glue checks CPU tables; _native.py checks CUDA tables once).
 #pragma once
 
 #include <cstdint>
 
-#include "fp8_math.h"
+#include "dtype.h"
 
 namespace mfsdp {
-namespace cuda {
 
-// Copy table for pack / unpack (int64 words, device memory), n entries:
+// dst[i] = cvt(src[i]) for i < numel (fp32 / bf16 / fp16 in and out)
+struct CastParams {
+  const void* src;
+  DType src_dtype;
+  void* dst;
+  DType dst_dtype;
+  int64_t numel;
+};
+
+// amax[i] = max |src| over segment i (0 for an empty segment; NaN wins)
+struct SegmentAmaxParams {
+  const void* src;
+  DType src_dtype;
+  int64_t numel;
+  const int64_t* segments;
+  int64_t num_segments;
+  float* amax;
+};
+
+// dst = saturate(src * scale_i) in segment i, 0 outside every segment; scale_i = fp8_scale(amax[i], eps),
+// scale_inv[i] = 1 / scale_i. dst_dtype is an fp8 code.
+struct Fp8CastParams {
+  const void* src;
+  DType src_dtype;
+  int64_t numel;
+  const int64_t* segments;
+  int64_t num_segments;
+  const float* amax;
+  float eps;
+  void* dst;
+  DType dst_dtype;
+  float* scale_inv;
+};
+
+// dst = src * scale_inv[i] in segment i, 0 outside every segment. src_dtype is an fp8 code.
+struct Fp8DequantizeParams {
+  const void* src;
+  DType src_dtype;
+  int64_t numel;
+  const int64_t* segments;
+  int64_t num_segments;
+  const float* scale_inv;
+  void* dst;
+  DType dst_dtype;
+};
+
+// main_grad = (accumulate ? main_grad : 0) + scale * reduced, in fp32 (one rounding when accumulating)
+struct GradAccumulateParams {
+  void* main_grad;
+  DType main_grad_dtype;
+  const void* reduced;
+  DType reduced_dtype;
+  int64_t numel;
+  float scale;
+  bool accumulate;
+};
+
+// Copy table of pack / unpack (int64 words), num_entries entries:
 //   [0, n]          vstart: prefix sums of the entry lengths (vstart[0] = 0, vstart[n] = total)
 //   [n+1, 2n+1)     src element pointers (0 = write zeros)
 //   [2n+1, 3n+1)    dst element pointers
 // Entry i maps virtual element v in [vstart[i], vstart[i+1]) to dst_i[v - vstart[i]] = cvt(src_i[...] * scale).
 constexpr int64_t copy_table_words(int64_t n) { return 3 * n + 1; }
 
-int copy_table(const int64_t* table, int64_t n, int64_t total, DType in, DType out, float scale,
-               bool use_scale, void* stream);
-
-// Tables of at most this many entries travel in the kernel's parameters (3.8 KB of the 4 KB limit).
+// Tables of at most this many entries travel in the CUDA kernel's parameters (3.8 KB of the 4 KB limit):
+// no upload, so the launch can be captured in a CUDA graph.
 constexpr int64_t kInlineTableEntries = 160;
-// The same with the table in host memory (n <= kInlineTableEntries): no upload, no pinned buffer.
-int copy_table_inline(const int64_t* host_table, int64_t n, int64_t total, DType in, DType out, float scale,
-                      bool use_scale, void* stream);
 
-// dst[i] = cvt(src[i]) for i < numel (fp32 / bf16 / fp16 / fp8 in and out; fp8 out saturates)
-int cast(const void* src, DType in, void* dst, DType out, int64_t numel, void* stream);
+struct CopyTableParams {
+  const int64_t* host_table;    // the table in host memory
+  const int64_t* device_table;  // CUDA, more than kInlineTableEntries entries: the same words in device memory
+  int64_t num_entries;
+  int64_t total;  // vstart[num_entries]
+  DType src_dtype;
+  DType dst_dtype;
+  float scale;
+  bool use_scale;  // false: no multiplication (a plain copy when the dtypes agree)
+};
 
-// segments: int64 (n, 2) [start, end) on the device, sorted, non-overlapping, within [0, numel).
-int segment_amax(const void* src, DType in, int64_t numel, const int64_t* segments, int64_t nseg,
-                 float* amax, void* stream);
+// FP8 quantizer of one tensor with per-tensor current scaling: amax = max |src| over all numel elements,
+// scale = fp8_scale(amax, eps), dst[i] = saturate(src[i] * scale); scale_inv[0] = 1 / scale, amax[0] = amax
+// (amax may be null). dst_t (may be null): the (cols, rows) transpose of dst seen as (numel / cols, cols).
+// src_dtype: a float code, dst_dtype: an fp8 code. numel may be 0 (scale 1).
+// algo: how the CUDA kernel gets the amax before the cast (quantize_cuda.cu; the CPU has one way):
+//   kQuantizeTwoPass: two launches, reading workspace (fp8_quantize_workspace_words() uint32 words on the
+//     device, from the caller); kQuantizeFused: one launch, with counters of its own per (device, stream), so
+//     never under CUDA graph capture (quantize.cpp asks for two-pass there); kQuantizeAuto: two-pass for now.
+enum QuantizeAlgo : int { kQuantizeAuto = 0, kQuantizeTwoPass = 1, kQuantizeFused = 2 };
 
-int fp8_cast(const void* src, DType in, int64_t numel, const int64_t* segments, int64_t nseg,
-             const float* amax, float eps, void* dst, DType out, float* scale_inv, void* stream);
-
-int fp8_dequantize(const void* src, DType in, int64_t numel, const int64_t* segments, int64_t nseg,
-                   const float* scale_inv, void* dst, DType out, void* stream);
-
-int grad_accumulate(void* main_grad, DType main_dtype, const void* reduced, DType red_dtype,
-                    int64_t numel, float scale, bool accumulate, void* stream);
-
-// FP8 quantizer of one tensor with per-tensor current scaling (quantize_cuda.cu). dst[i] = saturate(src[i] *
-// scale) with scale = fp8_max / max(amax, eps) (1 for amax 0 / inf / NaN); scale_inv[0] = 1 / scale, amax[0] =
-// max |src| (amax may be null). dst_t (may be null): the (cols, rows) transpose of dst seen as
-// (numel / cols, cols). workspace: fp8_quantize_workspace_words() uint32 words on the device (two-pass).
-// algo: kQuantizeTwoPass or kQuantizeFused (two-pass under CUDA graph capture).
-constexpr int kQuantizeTwoPass = 1;
-constexpr int kQuantizeFused = 2;
-int64_t fp8_quantize_workspace_words();
-int fp8_quantize(const void* src, DType in, int64_t numel, int64_t cols, void* dst, void* dst_t, DType out,
-                 float* scale_inv, float* amax, float eps, int algo, uint32_t* workspace, void* stream);
+struct Fp8QuantizeParams {
+  const void* src;
+  DType src_dtype;
+  int64_t numel;
+  int64_t cols;  // the last dimension of src (what the transpose sees as a row)
+  void* dst;
+  void* dst_t;
+  DType dst_dtype;
+  float* scale_inv;
+  float* amax;
+  float eps;
+  QuantizeAlgo algo;
+  uint32_t* workspace;  // CUDA two-pass only
+};
 
 // dst (cols, rows) = src (rows, cols), one-byte elements
-int fp8_transpose(const void* src, int64_t rows, int64_t cols, void* dst, void* stream);
+struct Fp8TransposeParams {
+  const void* src;
+  int64_t rows;
+  int64_t cols;
+  void* dst;
+};
 
-const char* error_string(int err);
-// 1 when work on `stream` is being captured into a CUDA graph, else 0
-int stream_is_capturing(void* stream);
+namespace cpu {
+int launch(const CastParams& p, void* stream);
+int launch(const SegmentAmaxParams& p, void* stream);
+int launch(const Fp8CastParams& p, void* stream);
+int launch(const Fp8DequantizeParams& p, void* stream);
+int launch(const GradAccumulateParams& p, void* stream);
+int launch(const CopyTableParams& p, void* stream);
+int launch(const Fp8QuantizeParams& p, void* stream);
+int launch(const Fp8TransposeParams& p, void* stream);
+}  // namespace cpu
 
+namespace cuda {
+int launch(const CastParams& p, void* stream);
+int launch(const SegmentAmaxParams& p, void* stream);
+int launch(const Fp8CastParams& p, void* stream);
+int launch(const Fp8DequantizeParams& p, void* stream);
+int launch(const GradAccumulateParams& p, void* stream);
+int launch(const CopyTableParams& p, void* stream);
+int launch(const Fp8QuantizeParams& p, void* stream);
+int launch(const Fp8TransposeParams& p, void* stream);
+// words of Fp8QuantizeParams::workspace for the two-pass quantizer on the current device
+int64_t fp8_quantize_workspace_words();
 }  // namespace cuda
+
 }  // namespace mfsdp

@@ -1,12 +1,15 @@
-// pack / unpack: host glue and the CPU kernel. Both build a list of copy entries (length, source, destination;
-// a null source writes zeros) and run it as one pass over the concatenated "virtual" index space:
-// at::parallel_for on CPU, one CUDA launch (pack_cuda.cu) with the entry table in the kernel's parameters
-// (up to cuda::kInlineTableEntries entries) or copied to the device.
+// Entry points of pack / pack_pieces / unpack: check the tensors, build a list of copy entries (length, source,
+// destination; a null source writes zeros) per source / destination dtype, and run each list as one kernel
+// over a copy table (launch.h; kernels: pack_cpu.cpp, pack_cuda.cu). On CUDA the table travels in the kernel's
+// parameters up to kInlineTableEntries entries and is uploaded above that.
 #include "pack.h"
 
+#include <algorithm>
 #include <array>
+#include <cstring>
 
-#include "common.h"
+#include "device_launch.h"
+#include "tensor_checks.h"
 
 namespace mfsdp {
 namespace {
@@ -17,88 +20,51 @@ struct Entry {
   void* dst;
 };
 
-void run_entries_cpu(const std::vector<Entry>& entries, DType in, DType out, float scale, bool use_scale) {
+// The copy table of `entries` (layout: launch.h) in host memory.
+std::vector<int64_t> make_copy_table(const std::vector<Entry>& entries) {
   const int64_t n = static_cast<int64_t>(entries.size());
-  std::vector<int64_t> vstart(n + 1, 0);
-  for (int64_t i = 0; i < n; ++i) vstart[i + 1] = vstart[i] + entries[i].len;
-  const int64_t total = vstart[n];
-  if (total == 0) return;
-  with_float_tag(in, [&](auto in_tag) {
-    with_float_tag(out, [&](auto out_tag) {
-      using In = decltype(in_tag);
-      using Out = decltype(out_tag);
-      using IR = typename In::raw;
-      using OR = typename Out::raw;
-      at::parallel_for(0, total, kCpuGrain, [&](int64_t b0, int64_t b1) {
-        int64_t i = std::upper_bound(vstart.begin() + 1, vstart.end(), b0) - (vstart.begin() + 1);
-        int64_t p = b0;
-        while (p < b1 && i < n) {
-          const int64_t s = vstart[i], e = vstart[i + 1];
-          if (e <= p) {
-            ++i;
-            continue;
-          }
-          const int64_t q = std::min(e, b1);
-          const int64_t off = p - s;
-          OR* dst = static_cast<OR*>(entries[i].dst) + off;
-          if (entries[i].src == nullptr) {
-            cpu_zero_range<Out>(dst, q - p);
-          } else {
-            cpu_copy_range<In, Out>(static_cast<const IR*>(entries[i].src) + off, dst, q - p, scale, use_scale);
-          }
-          p = q;
-        }
-      });
-    });
-  });
+  std::vector<int64_t> table(copy_table_words(n));
+  table[0] = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    table[i + 1] = table[i] + entries[i].len;
+    table[n + 1 + i] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(entries[i].src));
+    table[2 * n + 1 + i] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(entries[i].dst));
+  }
+  return table;
 }
 
-// All entries: source dtype `in`, destination dtype `out`, on like's device.
+#ifdef MFSDP_WITH_CUDA
+// A table too large for the kernel's parameters goes to the device through pinned memory; copy_ records the
+// copy on the host allocator, so the pinned block is not reused before the copy ran.
+at::Tensor upload_copy_table(const std::vector<int64_t>& table, const at::Tensor& like, const char* fn) {
+  c10::cuda::CUDAGuard guard(like.device());
+  TORCH_CHECK_VALUE(!cuda_stream_is_capturing(like), "mfsdp_ext.", fn, " of more than ", kInlineTableEntries,
+                    " tensors cannot be captured in a CUDA graph: its tensor table is uploaded on every call");
+  const int64_t words = static_cast<int64_t>(table.size());
+  at::Tensor host = at::empty({words}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::memcpy(host.data_ptr<int64_t>(), table.data(), static_cast<size_t>(words) * sizeof(int64_t));
+  at::Tensor dev = at::empty({words}, at::TensorOptions().dtype(at::kLong).device(like.device()));
+  dev.copy_(host, /*non_blocking=*/true);
+  return dev;
+}
+#endif
+
+// Runs all entries (source dtype `in`, destination dtype `out`, on like's device) as one kernel.
 void run_entries(const std::vector<Entry>& entries, DType in, DType out, float scale, bool use_scale,
                  const at::Tensor& like, const char* fn) {
   const int64_t n = static_cast<int64_t>(entries.size());
   if (n == 0) return;
-  if (like.is_cpu()) {
-    run_entries_cpu(entries, in, out, scale, use_scale);
-    return;
-  }
+  const std::vector<int64_t> table = make_copy_table(entries);
+  CopyTableParams p{table.data(), nullptr, n, table[n], in, out, scale, use_scale};
+  if (p.total == 0) return;
 #ifdef MFSDP_WITH_CUDA
-  c10::cuda::CUDAGuard guard(like.device());
-  void* stream = cuda_stream(like);
-  auto fill_table = [&](int64_t* h) {
-    h[0] = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      h[i + 1] = h[i] + entries[i].len;
-      h[n + 1 + i] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(entries[i].src));
-      h[2 * n + 1 + i] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(entries[i].dst));
-    }
-    return h[n];
-  };
-  if (n <= cuda::kInlineTableEntries) {  // the table goes in the kernel's parameters
-    int64_t h[cuda::copy_table_words(cuda::kInlineTableEntries)];
-    const int64_t total = fill_table(h);
-    if (total == 0) return;
-    check_cuda(cuda::copy_table_inline(h, n, total, in, out, scale, use_scale, stream), fn);
-    return;
+  at::Tensor device_table;  // alive until the kernel is queued; the allocator orders its reuse after it
+  if (like.is_cuda() && n > kInlineTableEntries) {
+    device_table = upload_copy_table(table, like, fn);
+    p.device_table = device_table.data_ptr<int64_t>();
   }
-  TORCH_CHECK_VALUE(!cuda::stream_is_capturing(stream), "mfsdp_ext.", fn, " of more than ",
-                    cuda::kInlineTableEntries, " tensors cannot be captured in a CUDA graph: its tensor table is "
-                    "uploaded on every call");
-  // the table goes through pinned memory; copy_ records the copy on the host allocator, so the pinned block
-  // is not reused before the copy ran
-  at::Tensor host = at::empty({cuda::copy_table_words(n)}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  const int64_t total = fill_table(host.data_ptr<int64_t>());
-  if (total == 0) return;
-  at::Tensor dev = at::empty({host.numel()}, at::TensorOptions().dtype(at::kLong).device(like.device()));
-  dev.copy_(host, /*non_blocking=*/true);
-  check_cuda(cuda::copy_table(dev.data_ptr<int64_t>(), n, total, in, out, scale, use_scale, stream), fn);
-#else
-  (void)in;
-  (void)out;
-  (void)scale;
-  (void)use_scale;
-  (void)fn;
 #endif
+  run_kernel(like, fn, p);
 }
 
 DType tensor_dtype(const at::Tensor& t, const char* fn, const char* list, size_t i) {

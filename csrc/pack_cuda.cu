@@ -1,6 +1,7 @@
 // CUDA kernel of pack / unpack: one launch copies (and casts, and scales) any number of tensors to or
 // from a flat buffer, driven by a small table (see launch.h): in the kernel's parameters when it is small
-// (copy_table_inline: no upload, capturable in a CUDA graph), else in device memory (copy_table).
+// (copy_table_inline_kernel: no upload, capturable in a CUDA graph), else in device memory
+// (copy_table_kernel). The CPU version is in pack_cpu.cpp.
 #include <cuda_runtime.h>
 
 #include "kernel_utils.cuh"
@@ -86,39 +87,25 @@ int launch_copy_table(const int64_t* table, int64_t n, int64_t total, float scal
 }
 
 template <bool kInline>
-int dispatch(const int64_t* table, int64_t n, int64_t total, DType in, DType out, float scale, bool use_scale,
-             void* stream) {
-  if (total <= 0 || n <= 0) return 0;
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return for_float(in, [&](auto in_tag) {
-    return for_float(out, [&](auto out_tag) {
-      return launch_copy_table<decltype(in_tag), decltype(out_tag), kInline>(table, n, total, scale, use_scale, s);
+int dispatch(const int64_t* table, const CopyTableParams& p, cudaStream_t stream) {
+  return for_float(p.src_dtype, [&](auto in_tag) {
+    return for_float(p.dst_dtype, [&](auto out_tag) {
+      return launch_copy_table<decltype(in_tag), decltype(out_tag), kInline>(table, p.num_entries, p.total, p.scale,
+                                                                            p.use_scale, stream);
     });
   });
 }
 
 }  // namespace
 
-int copy_table(const int64_t* table, int64_t n, int64_t total, DType in, DType out, float scale, bool use_scale,
-               void* stream) {
-  return dispatch<false>(table, n, total, in, out, scale, use_scale, stream);
-}
-
-int copy_table_inline(const int64_t* host_table, int64_t n, int64_t total, DType in, DType out, float scale,
-                      bool use_scale, void* stream) {
-  if (n > kInlineTableEntries) return static_cast<int>(cudaErrorInvalidValue);
-  return dispatch<true>(host_table, n, total, in, out, scale, use_scale, stream);
-}
-
-const char* error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }
-
-int stream_is_capturing(void* stream) {
-  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &st) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return st != cudaStreamCaptureStatusNone ? 1 : 0;
+// Small tables go in the kernel's parameters (copied from p.host_table), larger ones are read from
+// p.device_table.
+int launch(const CopyTableParams& p, void* stream) {
+  if (p.total <= 0 || p.num_entries <= 0) return 0;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (p.num_entries <= kInlineTableEntries) return dispatch<true>(p.host_table, p, s);
+  if (p.device_table == nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  return dispatch<false>(p.device_table, p, s);
 }
 
 }  // namespace cuda

@@ -1,5 +1,6 @@
 // CUDA kernels of the FP8 activation / gradient quantizer (one tensor, per-tensor current scaling) and of the
-// FP8 transpose. Semantics: mfsdp_ext/_native.py (fp8_quantize, fp8_transpose); CPU twins in quantize.cpp.
+// FP8 transpose. Semantics: launch.h and mfsdp_ext/_native.py (fp8_quantize, fp8_transpose); the CPU versions
+// are in quantize_cpu.cpp, the entry points in quantize.cpp.
 //
 // The scale needs the amax of the whole tensor before the first element can be cast. Two ways:
 //   two-pass: K1 writes one amax per block (no atomics, no memset); K2 reduces those values in every block,
@@ -11,7 +12,7 @@
 //     tiles other blocks have already taken, so no block has to be resident at the same time as another (no
 //     grid barrier: SMs held by concurrent NCCL kernels delay nothing but themselves). Its counters live in a
 //     per-(device, stream) workspace zeroed once; the last block out zeroes them again. Not under graph
-//     capture (the workspace would be shared by the graph and the stream): two-pass there.
+//     capture (the workspace would be shared by the graph and the stream): quantize.cpp asks for two-pass there.
 // Tiles are staged in shared memory (XOR-swizzled, conflict-free) when the transpose is written; the FP8
 // transpose kernel is the same tile walk on FP8 input.
 #include <cuda_runtime.h>
@@ -20,6 +21,7 @@
 #include <mutex>
 #include <utility>
 
+#include "fp8_scaling.h"
 #include "kernel_utils.cuh"
 #include "launch.h"
 
@@ -575,29 +577,31 @@ int launch_two_pass(const void* src, int64_t numel, int64_t cols, void* dst, voi
 
 int64_t fp8_quantize_workspace_words() { return static_cast<int64_t>(num_sms()) * 32; }  // >= blocks of any grid
 
-int fp8_quantize(const void* src, DType in, int64_t numel, int64_t cols, void* dst, void* dst_t, DType out,
-                 float* scale_inv, float* amax, float eps, int algo, uint32_t* workspace, void* stream) {
+// kQuantizeFused: one launch; anything else: two-pass. The caller never asks for fused under graph capture.
+int launch(const Fp8QuantizeParams& p, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  // fused: not under graph capture (its workspace belongs to the stream, a graph may replay anywhere)
-  const bool fused = algo == kQuantizeFused && !stream_is_capturing(stream);
-  return for_float(in, [&](auto in_tag) {
-    return for_fp8(out, [&](auto out_tag) {
+  return for_float(p.src_dtype, [&](auto in_tag) {
+    return for_fp8(p.dst_dtype, [&](auto out_tag) {
       using In = decltype(in_tag);
       using F8 = decltype(out_tag);
-      if (fused) return launch_fused<In, F8>(src, numel, cols, dst, dst_t, scale_inv, amax, eps, s);
-      return launch_two_pass<In, F8>(src, numel, cols, dst, dst_t, scale_inv, amax, eps, workspace, s);
+      if (p.algo == kQuantizeFused) {
+        return launch_fused<In, F8>(p.src, p.numel, p.cols, p.dst, p.dst_t, p.scale_inv, p.amax, p.eps, s);
+      }
+      return launch_two_pass<In, F8>(p.src, p.numel, p.cols, p.dst, p.dst_t, p.scale_inv, p.amax, p.eps,
+                                     p.workspace, s);
     });
   });
 }
 
-int fp8_transpose(const void* src, int64_t rows, int64_t cols, void* dst, void* stream) {
+int launch(const Fp8TransposeParams& p, void* stream) {
+  const int64_t rows = p.rows, cols = p.cols;
   if (rows == 0 || cols == 0) return 0;
-  const bool vec = cols % 16 == 0 && rows % 8 == 0 && aligned(src, 16) && aligned(dst, 8);
+  const bool vec = cols % 16 == 0 && rows % 8 == 0 && aligned(p.src, 16) && aligned(p.dst, 8);
   const int64_t ntiles = ((rows + kTileR - 1) / kTileR) * ((cols + kTileC - 1) / kTileC);
   auto kernel = transpose_u8_kernel;
   const int blocks = tile_blocks(reinterpret_cast<const void*>(kernel), ntiles);
-  kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<const uint8_t*>(src), rows, cols,
-                                                                      static_cast<uint8_t*>(dst), vec);
+  kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<const uint8_t*>(p.src), rows, cols,
+                                                                      static_cast<uint8_t*>(p.dst), vec);
   return last_error();
 }
 

@@ -1,10 +1,10 @@
-// The walk of one range of the flat index space over a segment table, shared by the CPU kernels (common.h)
-// and the CUDA kernels (kernel_utils.cuh); only the search for the first segment differs between them.
+// The walk of one range of the flat index space over a segment table, shared by the CPU kernels
+// (cpu_kernel_utils.h) and the CUDA kernels (kernel_utils.cuh); only the search for the first segment differs.
 #pragma once
 
 #include <cstdint>
 
-#include "fp8_math.h"  // MFSDP_HD
+#include "host_device.h"
 
 namespace mfsdp {
 

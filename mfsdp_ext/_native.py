@@ -12,9 +12,9 @@ pack(tensors, offsets, out, scale=1.0)
     out[offsets[i] : offsets[i] + tensors[i].numel()] = tensors[i].flatten() * scale, cast to out.dtype (RNE).
     Every element of ``out`` that no tensor covers is set to 0 (the whole output is written).
     Ranges of different tensors must not overlap in ``out``; the product is taken in fp32 and rounded once.
-    CUDA: up to 160 copy entries (tensors plus gaps, per source dtype) the entry table travels in the
-    kernel's parameters, so the call can be captured in a CUDA graph; above that it is uploaded on every
-    call through pinned memory, and capturing raises.
+    CUDA: up to PACK_INLINE_TABLE_ENTRIES (160) copy entries (tensors plus gaps, per source dtype) the entry
+    table travels in the kernel's parameters, so the call can be captured in a CUDA graph; above that it is
+    uploaded on every call through pinned memory, and capturing raises.
 pack_pieces(tensors, pieces, out, scale=1.0)
     pack with each source given as pieces: every row (t, first, count, offset) of ``pieces`` (a CPU int64 (n, 4)
     tensor, made once and reused: no per-call slicing in Python) writes
@@ -104,7 +104,16 @@ def _load_extension():
 
 _C, _BUILD, _PATH = _load_extension()
 
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+# Constants defined once in C++ (csrc/) and read from the extension.
+SYMM_ALIGNMENT: int = _C.SYMM_ALIGNMENT  # symmetric-pool window offsets are multiples of it (NCCL's rule)
+SYMM_REGION_GRANULARITY: int = _C.SYMM_REGION_GRANULARITY  # pool regions are whole multiples of it
+SYMM_DEFAULT_GROW_BYTES: int = _C.SYMM_DEFAULT_GROW_BYTES  # region added when a pool allocation does not fit
+MIN_NCCL_VERSION: int = _C.MIN_NCCL_VERSION  # runtime NCCL needed by the symmetric collectives (22807 = 2.28.7)
+PACK_INLINE_TABLE_ENTRIES: int = _C.PACK_INLINE_TABLE_ENTRIES  # CUDA pack/unpack: table in the kernel parameters
+FP8_E4M3_MAX: float = _C.FP8_E4M3_MAX  # largest finite float8_e4m3fn (the kernels saturate to it)
+FP8_E5M2_MAX: float = _C.FP8_E5M2_MAX  # largest finite float8_e5m2
+
+FP8_MAX = {torch.float8_e4m3fn: FP8_E4M3_MAX, torch.float8_e5m2: FP8_E5M2_MAX}
 
 _BUILD_INFO: dict | None = None
 
@@ -186,7 +195,7 @@ def fp8_dequantize(src, segments, scale_inv, dst) -> None:
     _C.fp8_dequantize(src, segments, scale_inv, dst)
 
 
-QUANTIZE_ALGOS = {"auto": 0, "two_pass": 1, "fused": 2}
+QUANTIZE_ALGOS: dict[str, int] = dict(_C.QUANTIZE_ALGOS)  # fp8_quantize's algo names -> the C++ codes
 
 
 def fp8_quantize(src: torch.Tensor, dst: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor | None = None,

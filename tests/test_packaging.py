@@ -102,7 +102,7 @@ def test_sdist_wheel_just_in_time(tmp_path):
     assert wheel.endswith("-py3-none-any.whl"), wheel  # pure Python: no _C inside
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
-    assert {"mfsdp_ext/csrc/bindings.cpp", "mfsdp_ext/csrc/cast_cuda.cu", "mfsdp_ext/csrc/fp8_math.h"} <= names
+    assert {"mfsdp_ext/csrc/bindings.cpp", "mfsdp_ext/csrc/cast_cuda.cu", "mfsdp_ext/csrc/float_formats.h"} <= names
     assert not any(n.endswith(".so") for n in names), sorted(names)
     package = os.path.join(src, "mfsdp_ext")
     modules = {os.path.relpath(os.path.join(d, f), src).replace(os.sep, "/")

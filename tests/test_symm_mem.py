@@ -18,7 +18,7 @@ import importlib
 import pytest
 import torch
 
-from mfsdp_ext import _C
+from mfsdp_ext import _C, symmetric
 from mfsdp_ext.dist_ops import _all_gather_flat, _reduce_scatter_flat
 from mfsdp_ext.symmetric import comm as symm_mem
 
@@ -35,6 +35,8 @@ def test_module_reloads_and_api_present():
     for name in ("SymmetricComm", "is_available", "nccl_version", "MIN_NCCL_VERSION"):
         assert hasattr(mod, name), name
     assert mod.MIN_NCCL_VERSION == 22807
+    # the package face's names are the constants the extension exports (defined once, in C++)
+    assert symmetric.MIN_NCCL_VERSION == _C.MIN_NCCL_VERSION and symmetric.ALIGNMENT == _C.SYMM_ALIGNMENT == 4096
     assert mod.format_nccl_version(22809) == "2.28.9"
     assert mod.format_nccl_version(23203) == "2.32.3"
     assert mod.format_nccl_version(None) == "none"

@@ -45,8 +45,9 @@ import torch
 
 from .. import _native as _native_module
 
-MIN_NCCL_VERSION = 22807  # NCCL 2.28.7
-ALIGNMENT = 4096  # window offset granularity of every pool allocation
+# defined once in C++ (csrc/symm_comm.h, symm_offset_allocator.h), read from the extension
+MIN_NCCL_VERSION: int = _native_module.MIN_NCCL_VERSION  # NCCL 2.28.7
+ALIGNMENT: int = _native_module.SYMM_ALIGNMENT  # window offset granularity of every pool allocation
 
 
 def _native():
@@ -236,7 +237,7 @@ class SymmetricComm:
         *,
         device: Optional[torch.device | int] = None,
         pool_bytes: int = 0,
-        grow_bytes: int = 256 << 20,
+        grow_bytes: int = _native_module.SYMM_DEFAULT_GROW_BYTES,
         borrow: bool = True,
         allow_nvls: bool = False,
     ) -> None:

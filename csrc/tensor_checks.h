@@ -1,29 +1,14 @@
-// Host-side helpers shared by pack.cpp and cast.cpp: dtype mapping, input checks with clear messages,
-// the CPU segment walkers (the same walk the CUDA kernels do), and the CUDA stream / error glue.
+// Input checks of the host glue (cast.cpp, pack.cpp), with messages that name the function and the argument,
+// and the mapping of torch dtypes to the launchers' DType codes.
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <string>
-#include <type_traits>
 
-#include "fp8_math.h"
-#include "segment_walk.h"
-
-#ifdef MFSDP_WITH_CUDA
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-
-#include "launch.h"
-#endif
+#include "dtype.h"
 
 namespace mfsdp {
-
-// elements per CPU task (at::parallel_for grain)
-constexpr int64_t kCpuGrain = 1 << 15;
 
 inline bool to_dtype(at::ScalarType t, DType& d) {
   switch (t) {
@@ -35,7 +20,6 @@ inline bool to_dtype(at::ScalarType t, DType& d) {
     default: return false;
   }
 }
-
 
 // dtype of t, which must be one of float32 / bfloat16 / float16 (want_fp8 = false) or an fp8 type
 inline DType float_dtype(const at::Tensor& t, const char* fn, const char* what, bool want_fp8 = false) {
@@ -64,6 +48,12 @@ inline void check_same_device(const at::Tensor& a, const at::Tensor& b, const ch
               " must be on the same device, got ", a.device(), " and ", b.device());
 }
 
+inline void check_same_numel(const at::Tensor& a, const at::Tensor& b, const char* fn, const char* what_a,
+                             const char* what_b) {
+  TORCH_CHECK_VALUE(a.numel() == b.numel(), "mfsdp_ext.", fn, ": ", what_a, " and ", what_b,
+              " must have the same number of elements, got ", a.numel(), " and ", b.numel());
+}
+
 // CPU, CUDA (when built with CUDA) or meta (shape checks only, nothing runs)
 inline void check_device_supported(const at::Tensor& t, const char* fn) {
   TORCH_CHECK_VALUE(t.device().is_cpu() || t.device().is_cuda() || t.device().is_meta(), "mfsdp_ext.", fn,
@@ -88,24 +78,23 @@ inline void check_no_overlap(const at::Tensor& a, const at::Tensor& b, const cha
               "mfsdp_ext.", fn, ": ", what_a, " and ", what_b, " must not overlap in memory");
 }
 
-// segments: int64 (n, 2)
-inline void check_segment_shape(const at::Tensor& seg, const char* fn) {
-  TORCH_CHECK_TYPE(seg.scalar_type() == at::kLong, "mfsdp_ext.", fn, ": segments must be int64, got ", seg.scalar_type());
-  TORCH_CHECK_VALUE(seg.dim() == 2 && seg.size(1) == 2, "mfsdp_ext.", fn,
-              ": segments must have shape (n, 2) of [start, end) rows, got ", seg.sizes());
-}
-
-// segments: int64 (n, 2), contiguous, on `like`'s device.
-inline int64_t check_segment_table(const at::Tensor& seg, const at::Tensor& like, const char* fn) {
-  check_segment_shape(seg, fn);
-  check_contiguous(seg, fn, "segments");
-  check_same_device(seg, like, fn, "segments", "src");
-  return seg.size(0);
-}
-
-// Segment rows must lie in [0, total), be sorted and not overlap: 0 <= start_i <= end_i <= total and
-// end_{i-1} <= start_i (an empty row (e, e) fits in order). CPU table only.
-inline void validate_segments_cpu(const int64_t* s, int64_t n, int64_t total, const char* fn) {
+// The one check of a segment table, used by every kernel that takes one and by check_segments: an int64
+// (n, 2) contiguous tensor of [start, end) rows, on src's device when src is given; the rows of a CPU table
+// must lie in [0, total), be sorted and not overlap: 0 <= start_i <= end_i <= total and end_{i-1} <= start_i
+// (an empty row (e, e) fits in order). A CUDA table's rows are not read here (that would cost a device-to-host
+// copy per call): _native.py checks a CPU copy once per table version through check_segments.
+// Returns n.
+inline int64_t check_segment_table(const at::Tensor& segments, int64_t total, const char* fn,
+                                   const at::Tensor* src = nullptr) {
+  TORCH_CHECK_TYPE(segments.scalar_type() == at::kLong, "mfsdp_ext.", fn, ": segments must be int64, got ",
+                   segments.scalar_type());
+  TORCH_CHECK_VALUE(segments.dim() == 2 && segments.size(1) == 2, "mfsdp_ext.", fn,
+              ": segments must have shape (n, 2) of [start, end) rows, got ", segments.sizes());
+  check_contiguous(segments, fn, "segments");
+  if (src != nullptr) check_same_device(segments, *src, fn, "segments", "src");
+  const int64_t n = segments.size(0);
+  if (!segments.is_cpu()) return n;
+  const int64_t* s = segments.data_ptr<int64_t>();
   int64_t prev_end = 0;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t a = s[2 * i], b = s[2 * i + 1];
@@ -116,55 +105,7 @@ inline void validate_segments_cpu(const int64_t* s, int64_t n, int64_t total, co
                 " (write an empty segment as (e, e) at its place in order)");
     prev_end = b;
   }
+  return n;
 }
-
-// ---------------------------------------------------------------------------------------------
-// CPU walkers (mirror kernel_utils.cuh)
-// ---------------------------------------------------------------------------------------------
-// Split [0, total) into contiguous chunks over the CPU threads; in each chunk find the first segment with
-// end > chunk start (binary search) and walk forward (segment_walk.h): on_seg(i, p, q) / on_gap(p, q).
-template <class OnSeg, class OnGap>
-void cpu_walk_segments(const int64_t* seg, int64_t nseg, int64_t total, OnSeg&& on_seg, OnGap&& on_gap) {
-  if (total <= 0) return;
-  at::parallel_for(0, total, kCpuGrain, [&](int64_t b0, int64_t b1) {
-    int64_t lo = 0, hi = nseg;
-    while (lo < hi) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      if (seg[2 * mid + 1] <= b0) lo = mid + 1;
-      else hi = mid;
-    }
-    walk_segments_from(seg, nseg, lo, b0, b1, on_seg, on_gap);
-  });
-}
-
-// dst[j] = Out(In(src[j]) * scale) for j < n (raw copy when the types match and no scale)
-template <class In, class Out>
-inline void cpu_copy_range(const typename In::raw* src, typename Out::raw* dst, int64_t n, float scale,
-                           bool use_scale) {
-  if constexpr (std::is_same<In, Out>::value) {
-    if (!use_scale) {
-      std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(typename In::raw));
-      return;
-    }
-  }
-  if (use_scale) {
-    for (int64_t j = 0; j < n; ++j) dst[j] = Out::store(mul_rn(In::load(src[j]), scale));
-  } else {
-    for (int64_t j = 0; j < n; ++j) dst[j] = Out::store(In::load(src[j]));
-  }
-}
-
-template <class Out>
-inline void cpu_zero_range(typename Out::raw* dst, int64_t n) {
-  std::memset(dst, 0, static_cast<size_t>(n) * sizeof(typename Out::raw));
-}
-
-#ifdef MFSDP_WITH_CUDA
-inline void* cuda_stream(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
-
-inline void check_cuda(int err, const char* fn) {
-  TORCH_CHECK(err == 0, "mfsdp_ext.", fn, ": CUDA kernel launch failed: ", cuda::error_string(err));
-}
-#endif
 
 }  // namespace mfsdp

@@ -1,4 +1,5 @@
-// Bit-exact number conversions shared by the CPU (C++) and CUDA kernels of mfsdp_ext.
+// Bit-exact number formats shared by the CPU (C++) and CUDA kernels of mfsdp_ext: conversions between fp32 and
+// bf16 / fp16 / fp8, correctly rounded fp32 arithmetic, and the dtype tags the kernels are templated on.
 //
 // The CPU path (and the GPU below sm_80 / sm_89) converts with integer bit manipulation, no FMA contraction;
 // newer GPUs use the hardware's cvt.rn conversions (see MFSDP_DEVICE_CVT), which round the same way. Both
@@ -8,23 +9,17 @@
 //     (inf saturates too); NaN stays NaN.
 //   * NaN results are canonical: bf16 0x7FC0, fp16 0x7E00, fp8 0x7F, fp32 0x7FC00000 (fp32 only after
 //     arithmetic; plain same-dtype copies keep the source bits).
-// This header depends on nothing but <cstdint>/<cstring>; it is included by .cpp and .cu files.
+// No torch or CUDA headers: it is included by .cpp and .cu files.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define MFSDP_HD __host__ __device__ __forceinline__
-#else
-#define MFSDP_HD inline
-#endif
+#include "dtype.h"
+#include "host_device.h"
 
 namespace mfsdp {
-
-// dtype codes shared by the host glue and the CUDA launchers (no torch / CUDA types in between)
-enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kE4M3 = 3, kE5M2 = 4 };
 
 MFSDP_HD uint32_t f2u(float f) {
 #if defined(__CUDA_ARCH__)
@@ -270,9 +265,6 @@ struct E5M2T {
   MFSDP_HD static raw store(float f) { return f32_to_e5m2_bits(f); }
 };
 
-inline bool is_float_dtype(DType d) { return d == kF32 || d == kBF16 || d == kF16; }
-inline bool is_fp8_dtype(DType d) { return d == kE4M3 || d == kE5M2; }
-
 // Call f(tag) with the dtype tag type of d: float types only (anything else runs as F32T) / fp8 types only
 // (anything else runs as E4M3T). Callers check d first.
 template <class F>
@@ -289,17 +281,5 @@ decltype(auto) with_fp8_tag(DType d, F&& f) {
   if (d == kE5M2) return f(E5M2T{});
   return f(E4M3T{});
 }
-
-// ---------------------------------------------------------------------------------------------
-// FP8 per-tensor current scaling: scale = fp8_max / max(amax, eps); amax 0 / inf / NaN -> 1.
-// ---------------------------------------------------------------------------------------------
-MFSDP_HD float fp8_scale(float amax, float fp8_max, float eps) {
-  const uint32_t a = f2u(amax) & 0x7FFFFFFFu;
-  if (a == 0u || a >= 0x7F800000u) return 1.0f;  // 0, inf, NaN
-  const float d = (amax > eps) ? amax : eps;      // max(amax, eps)
-  return div_rn(fp8_max, d);
-}
-
-MFSDP_HD float fp8_scale_inv(float scale) { return div_rn(1.0f, scale); }
 
 }  // namespace mfsdp
