@@ -126,12 +126,15 @@ class FsdpUnit:
         if gathered and not ctx.weight_sync_allowed():
             return
         versions = [g.weights_version() for g in self.groups]  # once per call: each walks the group's parameters
+        training = torch.is_grad_enabled() or ctx.in_backward  # (backward hooks run with grad mode off)
         if gathered and versions == self.gathered_versions:
             return
         with ctx.device.label(f"mfsdp.unshard {self.name}"), ctx.device.use_stream(ctx.ag_stream):
             for i, g in enumerate(self.groups):
                 if g.replicated and self.gathered_versions[i] == versions[i]:
                     continue  # replicated groups stay gathered: refreshed only when their weights change
+                if training:
+                    g.note_gather(versions[i])
                 if ctx.weight_sync_allowed() or g._synced_version is None:
                     g.sync_model_weight(versions[i])
                 g.all_gather()
@@ -175,6 +178,8 @@ class FsdpUnit:
             return self._hook_post_backward(args, kwargs)
         if self.is_root and ctx.forward_order:
             self._abandon_iteration()  # the last forward had no backward (evaluation) or raised
+        if self.is_root:
+            self._release_unused_main_grads()
         if self.is_root and ctx.explicit_microbatch and ctx.is_first_microbatch and ctx.grads_kept:
             for unit in ctx.units:  # a new accumulation: nothing kept from a sequence that failed midway
                 for g in unit.groups:
@@ -286,6 +291,16 @@ class FsdpUnit:
                 unit.show_sharded_params()
         ctx.device.wait_stream(ctx.rs_stream)
         self._end_iteration()
+
+    def _release_unused_main_grads(self) -> None:
+        """Free the gradient shards the optimizer let go of (zero_grad to None). The reduce-scatter stream wrote
+        them and the compute stream (optimizer) used them: their memory is reused only after both are done."""
+        ctx = self.context
+        for unit in ctx.units:
+            for g in unit.groups:
+                dropped = g.release_main_grad_if_unused()
+                if dropped is not None:
+                    ctx.device.record_stream(dropped, ctx.device.current_stream())
 
     def _abandon_iteration(self) -> None:
         """End an iteration whose backward did not complete (evaluation, or a forward or backward that raised):

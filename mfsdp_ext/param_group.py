@@ -2,9 +2,11 @@
 
 Buffers (laid out by FlatLayout: every parameter split as torch.chunk splits it, so its DTensors are truthful):
   main_weight      shard        the optimizer's weights; module.parameters() are DTensor views of it while at rest
-  model_weight     shard        compute-dtype copy, written by the fused cast once per optimizer step
+  model_weight     shard        compute-dtype copy, written by the fused cast once per optimizer step (cache_model_weight;
+                                by default made only when the same weights are gathered a third time: microbatches)
   unsharded        param-major  gathered compute-dtype weights; the module's parameters are views into it in compute
-  main_grad        shard        the optimizer's gradients (fp32 by default); sharded params' .grad are views of it
+  main_grad        shard        the optimizer's gradients (fp32 by default); sharded params' .grad are views of it;
+                                dropped when the optimizer lets go of them (zero_grad to None), made at the next reduction
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class ParamGroup:
     def __init__(self, params: list[tuple[str, nn.Parameter, list[ParamPlace]]], mesh,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, main_grad_dtype: torch.dtype,
                  device: torch.device, shard_group: dist.ProcessGroup, replicate_group: dist.ProcessGroup | None,
-                 cache_model_weight: bool = True):
+                 cache_model_weight: bool | None = None):
         first = params[0][1]
         self.dtype = first.dtype
         self.requires_grad = first.requires_grad
@@ -103,6 +105,8 @@ class ParamGroup:
         self.cast_in_slot = needs_cast and not cache_model_weight  # cast at every gather, no cached copy
         self.model_weight = (FlatBuffer(self.layout, compute_dtype, storage_device, rank=self.rank)
                              if needs_cast and cache_model_weight else None)
+        self.cache_when_regathered = needs_cast and cache_model_weight is None  # see note_gather
+        self._gathered_version, self._gathers_of_version = None, 0
         self.unsharded = self._make_unsharded(storage_device)
         self.main_grad = None  # allocated at the first reduction
         self.main_grad_replica_summed = False  # HSDP: main_grad holds a finished all-reduce over replicas
@@ -136,10 +140,13 @@ class ParamGroup:
         """Views of the buffers that the collectives read and write (valid across free/alloc of the storage):
         per gathered parameter its chunk slot in the shard and its padded place in the unsharded buffer, this
         rank's slots there, and the unsharded pieces of a rank-major buffer."""
-        self.gather_inputs = [self.gather_source().chunk_slot(i) for i in self._gathered]
+        self.gather_inputs = self._gather_inputs()
         self.gather_outputs = [self.unsharded.padded_param(i) for i in self._gathered]
         self.own_unsharded_slots = [self.unsharded.chunk_slot(i, self.rank) for i in self._gathered]
         self.unsharded_pieces = [self.unsharded.padded_param(i)[first : first + n] for i, first, n, _ in self._pieces]
+
+    def _gather_inputs(self) -> list[torch.Tensor]:
+        return [self.gather_source().chunk_slot(i) for i in self._gathered]
 
     def local_rows(self, i: int, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of parameter i (torch.chunk's split), out of its full tensor (a view, detached)."""
@@ -184,6 +191,7 @@ class ParamGroup:
         self.main_weight.data.zero_()
         if self.model_weight is not None:
             self.model_weight = FlatBuffer(self.layout, self.compute_dtype, device, rank=self.rank)
+        self._gathered_version, self._gathers_of_version = None, 0
         self.unsharded = self._make_unsharded(device)
         self.on_meta = False
         self._synced_version = None
@@ -240,6 +248,21 @@ class ParamGroup:
                 self._external_writes += 1
             live.append((ref, tensor._version))
         self._aliases = live
+
+    def note_gather(self, version: tuple) -> None:
+        """A training gather (not evaluation). cache_model_weight=None: start keeping the compute-dtype shard once
+        the same weights are gathered a third time (a step of one microbatch gathers twice: forward and backward).
+        From then on each further gather saves a cast; a run without microbatches never pays the copy's memory."""
+        if not self.cache_when_regathered:
+            return
+        if version != self._gathered_version:
+            self._gathered_version, self._gathers_of_version = version, 0
+        self._gathers_of_version += 1
+        if self._gathers_of_version > 2:
+            self.model_weight = FlatBuffer(self.layout, self.compute_dtype, self.device, rank=self.rank)
+            self.cast_in_slot = self.cache_when_regathered = False
+            self._synced_version = None
+            self.gather_inputs = self._gather_inputs()  # the all-gather now sends the copy
 
     def sync_model_weight(self, version: tuple) -> None:
         """Cast main_weight into model_weight (one fused kernel) unless it was cast at this weights_version()."""
@@ -319,6 +342,21 @@ class ParamGroup:
         reduced = self.reduce_scatter_op(self, scale)
         self.stats.reduces += 1
         return reduced
+
+    def release_main_grad_if_unused(self) -> torch.Tensor | None:
+        """Drop main_grad when no parameter's .grad is a view of it any more (``zero_grad(set_to_none=True)``, as
+        FSDP2 frees its sharded grads there): the forward and backward that follow then run without a whole
+        gradient shard held, and the next reduction allocates it again. Returns the dropped tensor (the caller
+        orders its reuse after the streams that used it) or None."""
+        if self.main_grad is None or any(info.sharded_grad is not None and info.sharded.grad is info.sharded_grad
+                                         for info in self.infos):
+            return None
+        dropped = self.main_grad.data
+        self.main_grad = None
+        for info in self.infos:
+            info.sharded_grad = None
+        self.main_grad_replica_summed = False
+        return dropped
 
     def accumulate_reduced(self, reduced: torch.Tensor, defer_replicas: bool, last_microbatch: bool) -> None:
         """Add a reduce-scattered shard into main_grad, finishing HSDP's all-reduce over replicas: at once, or

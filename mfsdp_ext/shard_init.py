@@ -60,7 +60,7 @@ def make_groups(module: nn.Module, params, mesh: DeviceMesh, device: torch.devic
             if dtype == torch.float32 else dtype, device=device,
             shard_group=None if replicated else shard_group,
             replicate_group=mesh.get_group(0) if replicated else replicate_group,
-            cache_model_weight=mp_policy.cache_model_weight and not (strategy.keeps_weights_gathered or marked)))
+            cache_model_weight=False if strategy.keeps_weights_gathered or marked else mp_policy.cache_model_weight))
     owner = type(module).__name__
     for _, p, _ in params:
         _OWNER_NAMES[p] = owner  # the original Parameter: a use of it outside this unit is caught later

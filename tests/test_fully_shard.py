@@ -134,6 +134,43 @@ def _case_unsharded_storage_released():
     return {"after_forward": after_forward, "after_backward": after_backward, "unit_bytes": unit_bytes}
 
 
+def _case_main_grad_released_after_zero_grad():
+    """zero_grad(set_to_none=True) lets the gradient shards go, as FSDP2 does: the next forward drops main_grad
+    (no whole gradient shard held through forward and backward) and the next reduction makes it again. A .grad
+    the user still holds keeps its values; zero_grad(set_to_none=False) keeps the buffer."""
+    torch.manual_seed(4)
+    model = shard_tiny_lm(TinyLM(n_layers=2), fully_shard)
+    from .models import batch, lm_loss
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    groups = [g for m in (*model.blocks, model) for g in m._mfsdp_unit.groups if g.requires_grad]
+
+    def step(set_to_none):
+        tokens, targets = batch(0, 4)
+        loss = lm_loss(model, tokens, targets)
+        during_forward = [g.main_grad is not None for g in groups]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        return during_forward
+
+    assert step(True) == [False] * len(groups)  # the first step: nothing reduced yet
+    held = model.blocks[0].fc1.weight
+    tokens, targets = batch(1, 4)
+    lm_loss(model, tokens, targets).backward()
+    step_grad = held.grad.to_local().clone()
+    kept = held.grad  # the user keeps a reference across zero_grad and the next iteration
+    opt.zero_grad(set_to_none=True)
+    released = step(True)
+    assert released == [False] * len(groups), released
+    assert torch.equal(kept.to_local(), step_grad), "a held .grad changed after its buffer was released"
+    assert all(g.main_grad is not None for g in groups)  # the reduction made it again
+    assert step(False) == [False] * len(groups)  # this forward followed set_to_none=True
+    kept_buffers = step(True)
+    assert kept_buffers == [True] * len(groups), kept_buffers  # zeroed in place: the buffer stays
+    return {"groups": len(groups)}
+
+
 def _case_meta_init():
     """Meta-built + sharded + materialized equals a single process that runs the same init."""
     torch.manual_seed(5)
@@ -352,6 +389,10 @@ def test_parameterless_parent(cpu_pool):
 
 def test_unsharded_storage_released(cpu_pool):
     print(cpu_pool.run(_case_unsharded_storage_released)[0])
+
+
+def test_main_grad_released_after_zero_grad(cpu_pool):
+    print(cpu_pool.run(_case_main_grad_released_after_zero_grad)[0])
 
 
 def test_meta_init(cpu_pool):

@@ -46,6 +46,10 @@ def test_unsharded_storage_released(gpu_pool):
     print(gpu_pool.run(fs._case_unsharded_storage_released)[0])
 
 
+def test_main_grad_released_after_zero_grad(gpu_pool):
+    print(gpu_pool.run(fs._case_main_grad_released_after_zero_grad)[0])
+
+
 def test_meta_init(gpu_pool):
     print(gpu_pool.run(fs._case_meta_init)[0])
 

@@ -144,9 +144,11 @@ def _case_hsdp_grads_kept_across_steps():
 
 
 def _case_weight_sync_once_per_step(use_microbatch_api: bool):
-    """A normal bf16 training loop with 3 microbatches: the fused cast runs once per group per step."""
+    """A normal bf16 training loop with 3 microbatches and the cached model weight: the fused cast runs once per
+    group per step."""
     torch.manual_seed(12)
-    model = shard_tiny_lm(TinyLM(), fully_shard, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, cache_model_weight=True)
+    model = shard_tiny_lm(TinyLM(), fully_shard, mp_policy=mp)
     train(model, STEPS, GLOBAL_BATCH, sharded=True, microbatches=3,
           microbatch_ctx=microbatch if use_microbatch_api else None)
     syncs = [g.stats.weight_syncs for u in _units(model) for g in u._mfsdp_unit.groups]
@@ -162,22 +164,33 @@ def _case_weight_sync_once_per_step(use_microbatch_api: bool):
 
 
 def _case_cast_in_slot(strategy: str):
-    """cache_model_weight=False (cast into the gather slot, gather in place) trains bit-identically."""
+    """cache_model_weight=False (cast into the gather slot, gather in place) and None (auto: the copy appears at a
+    weights version's third gather) train bit-identically to True. Auto keeps no copy without microbatches."""
     torch.manual_seed(17)
     base = TinyLM()
     runs = {}
-    for cache in (True, False):
+    for cache, microbatches in ((True, 2), (False, 2), (None, 2), (None, 1)):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, cache_model_weight=cache)
         model = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=mp, sharding_strategy=strategy)
-        losses = train(model, STEPS, GLOBAL_BATCH, sharded=True, microbatches=2, microbatch_ctx=microbatch)
-        runs[cache] = (losses, full_state_dict(model), model)
-    assert runs[True][0] == runs[False][0], (runs[True][0], runs[False][0])
-    assert all(torch.equal(runs[True][1][k], runs[False][1][k]) for k in runs[True][1])
-    no_cache = runs[False][2]
+        losses = train(model, STEPS, GLOBAL_BATCH, sharded=True, microbatches=microbatches,
+                       microbatch_ctx=microbatch)
+        runs[cache, microbatches] = (losses, full_state_dict(model), model)
+    reference = runs[True, 2]
+    for key in ((False, 2), (None, 2)):
+        assert runs[key][0] == reference[0], (key, runs[key][0], reference[0])
+        assert all(torch.equal(runs[key][1][k], reference[1][k]) for k in reference[1]), key
+
+    def copies(key):
+        return [g.model_weight is not None for u in _units(runs[key][2]) for g in u._mfsdp_unit.groups]
+
+    assert not any(copies((False, 2))) and not any(copies((None, 1)))
+    # ZeRO-3 regathers the resharded blocks for each microbatch's forward and backward: they get the copy (the
+    # root and the block backward needs first stay gathered); the other strategies keep weights gathered
+    assert any(copies((None, 2))) == (strategy == "optim_grads_params"), copies((None, 2))
+    no_cache = runs[False, 2][2]
     groups = [g for u in _units(no_cache) for g in u._mfsdp_unit.groups]
-    assert all(g.model_weight is None for g in groups)
     # ZeRO-3 casts at every gather; strategies that keep weights gathered cast once per step
-    return {"losses": runs[False][0], "syncs": [g.stats.weight_syncs for g in groups],
+    return {"losses": runs[False, 2][0], "syncs": [g.stats.weight_syncs for g in groups],
             "gathers": [g.stats.all_gathers for g in groups]}
 
 
