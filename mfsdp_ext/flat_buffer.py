@@ -19,6 +19,7 @@ class FlatBuffer:
         numel = layout.unsharded_numel if rank is None else layout.shard_numel
         self.data = torch.empty(numel, dtype=dtype, device=device)
         self._nbytes = self.data.untyped_storage().nbytes()
+        self._view_args = layout.view_args(rank)  # param_view's as_strided arguments, made once per layout
 
     @property
     def sharded(self) -> bool:
@@ -30,13 +31,8 @@ class FlatBuffer:
 
     def param_view(self, index: int) -> torch.Tensor:
         """The parameter's tensor: full shape when unsharded; in a shard, the ``(k, *shape[1:])`` rows this
-        rank holds (torch.chunk's split, k possibly 0)."""
-        slot = self.layout.slots[index]
-        if not self.sharded:
-            return slot.view(self.data)
-        r0, r1 = self.layout.local_rows(slot, self.rank)
-        start = slot.shard_offset
-        return self.data[start : start + (r1 - r0) * slot.row_numel].view((r1 - r0, *slot.shape[1:]))
+        rank holds (torch.chunk's split, k possibly 0). One as_strided (gradients are viewed again every step)."""
+        return self.data.as_strided(*self._view_args[index])
 
     def chunk_slot(self, index: int, rank: int | None = None) -> torch.Tensor:
         """Parameter ``index``'s chunk slot (``chunk_rows`` rows, padding included): in a shard, this rank's;

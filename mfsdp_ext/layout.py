@@ -77,6 +77,7 @@ class FlatLayout:
             unsharded_cursor = slot.unsharded_offset + world_size * slot.chunk_numel
         self.shard_numel = align_up(shard_cursor, align)
         self.unsharded_numel = align_up(unsharded_cursor, align)
+        self._view_args: dict = {}  # view_args(rank), per rank
         self.validate()
 
     @property
@@ -97,6 +98,22 @@ class FlatLayout:
     def local_numel(self, slot: ParamSlot, rank: int) -> int:
         r0, r1 = self.local_rows(slot, rank)
         return (r1 - r0) * slot.row_numel
+
+    def view_args(self, rank: int | None) -> list[tuple[tuple, tuple, int]]:
+        """Per parameter, the (shape, stride, offset) of its ``as_strided`` view: in ``rank``'s shard its rows
+        (torch.chunk's split, possibly none), or (``rank=None``) the whole parameter in the param-major buffer.
+        Computed once per rank and kept: gradient views are made again every step."""
+        if rank not in self._view_args:
+            args = []
+            for slot in self.slots:
+                if rank is None:
+                    shape, offset = tuple(slot.shape), slot.unsharded_offset
+                else:
+                    r0, r1 = self.local_rows(slot, rank)
+                    shape, offset = (r1 - r0, *slot.shape[1:]), slot.shard_offset
+                args.append((shape, contiguous_stride(shape), offset))
+            self._view_args[rank] = args
+        return self._view_args[rank]
 
     def rank_major_pieces(self) -> list[tuple[int, int, int, int]]:
         """Every rank's rows of every parameter as (parameter, first element in it, element count, offset in the
@@ -129,3 +146,11 @@ class FlatLayout:
         params = sum(s.numel for s in self.slots)
         return (f"FlatLayout(params={len(self.slots)}, world_size={self.world_size}, shard_numel={self.shard_numel}, "
                 f"unsharded_numel={self.unsharded_numel}, padding={self.unsharded_numel - params})")
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= d
+    return tuple(reversed(stride))

@@ -175,7 +175,7 @@ class FsdpUnit:
         if ctx.in_backward:  # activation-checkpoint recompute: gather if needed, no prefetch, no reshard
             self.unshard()
             self.wait_unshard()
-            return self._hook_post_backward(args, kwargs)
+            return self._prepare_inputs(args, kwargs, cast=False)
         if self.is_root and ctx.forward_order:
             self._abandon_iteration()  # the last forward had no backward (evaluation) or raised
         if self.is_root:
@@ -189,9 +189,7 @@ class FsdpUnit:
         self.training_state = TrainingState.FORWARD
         self.unshard()
         self.wait_unshard()
-        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), self.mp_policy.param_dtype)
-        args, kwargs = self._hook_post_backward(args, kwargs)
+        args, kwargs = self._prepare_inputs(args, kwargs, cast=self.mp_policy.cast_forward_inputs)
         # Prefetch last, right before this unit computes: the next gather then overlaps this unit's kernels
         # rather than the host's work in this hook.
         nxt = ctx.next_in_forward(self)
@@ -214,18 +212,23 @@ class FsdpUnit:
             output = _cast_floating(output, self.mp_policy.output_dtype)
         return output
 
-    def _hook_post_backward(self, args, kwargs):
-        """Route the inputs that need grads through _PostBackward, once per iteration."""
-        if not torch.is_grad_enabled() or self.post_backward_hooked:
+    def _prepare_inputs(self, args, kwargs, cast: bool):
+        """The forward inputs, floating-point ones cast to param_dtype (``cast``), and those that need grads routed
+        through _PostBackward once per iteration; one flatten of the inputs for both."""
+        dtype = self.mp_policy.param_dtype if cast else None
+        hook = torch.is_grad_enabled() and not self.post_backward_hooked
+        if dtype is None and not hook:
             return args, kwargs
         flat, spec = tree_flatten((args, kwargs))
-        idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
-        if not idx:
-            return args, kwargs
-        outs = _PostBackward.apply(self, *[flat[i] for i in idx])
-        for i, t in zip(idx, outs):
-            flat[i] = t
-        self.post_backward_hooked = True
+        if dtype is not None:
+            flat = [t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() and t.dtype != dtype else t
+                    for t in flat]
+        idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad] if hook else []
+        if idx:
+            outs = _PostBackward.apply(self, *[flat[i] for i in idx])
+            for i, t in zip(idx, outs):
+                flat[i] = t
+            self.post_backward_hooked = True
         return tree_unflatten(flat, spec)
 
     def _hook_pre_backward(self, output) -> None:

@@ -18,12 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _native, dist_ops
 from .collectives import PLAIN_ALL_GATHER, PLAIN_REDUCE_SCATTER, AllGather, ReduceScatter
 from .flat_buffer import FlatBuffer
-from .layout import FlatLayout
+from .layout import FlatLayout, contiguous_stride
 
 
 class _OptimizerSteps:
@@ -93,6 +94,7 @@ class ParamGroup:
         self.main_grad_dtype = main_grad_dtype
         self.stats = GroupStats()
         self.infos = [ParamInfo(fqn, places, p.shape) for fqn, p, places in params]
+        self._specs: dict[tuple[int, torch.dtype], DTensorSpec] = {}  # as_dtensor's, per (parameter, dtype)
         self.layout = FlatLayout([p.shape for _, p, _ in params], self.world)
         self._plan_copies()
         self.on_meta = first.device.type == "meta"
@@ -170,10 +172,15 @@ class ParamGroup:
         return (Shard(0),) if self.shard_group is not None else (Replicate(),)  # no_shard: replicated
 
     def as_dtensor(self, i: int, local: torch.Tensor) -> DTensor:
-        """``local`` (this rank's torch.chunk rows of parameter i) as the DTensor it is."""
-        shape = self.infos[i].shape
-        return DTensor.from_local(local, self.mesh, self.placements(), run_check=False, shape=shape,
-                                  stride=_contiguous_stride(shape))
+        """``local`` (this rank's torch.chunk rows of parameter i) as the DTensor it is. Gradients are wrapped
+        again at every step after zero_grad lets them go: the spec is made once per (parameter, dtype) and the
+        DTensor built from it directly (as FSDP2 does; ~2 us against ~17 us for DTensor.from_local)."""
+        spec = self._specs.get((i, local.dtype))
+        if spec is None:
+            shape = self.infos[i].shape
+            meta = TensorMeta(shape, contiguous_stride(shape), local.dtype)
+            spec = self._specs[i, local.dtype] = DTensorSpec(self.mesh, self.placements(), tensor_meta=meta)
+        return DTensor(local, spec, requires_grad=False)
 
     def _make_params(self) -> None:
         for i, info in enumerate(self.infos):
@@ -390,10 +397,3 @@ class ParamGroup:
             if info.sharded.grad is not info.sharded_grad:
                 info.sharded.grad = info.sharded_grad
 
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= d
-    return tuple(reversed(stride))
