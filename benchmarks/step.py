@@ -65,13 +65,17 @@ class BenchConfig:
     microbatches: int = 1
     vocab: int = 32000
     head_dim: int = 128
+    n_kv_heads: int = 0  # 0: as many as query heads
+    activation_checkpointing: bool = False  # per block
 
     def model_config(self) -> gpt.GPTConfig:
         return gpt.GPTConfig(n_layers=self.n_layers, dim=self.dim, n_heads=self.dim // self.head_dim,
-                             ffn_dim=self.ffn_dim, vocab_size=self.vocab, max_seq_len=self.seq)
+                             n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim, vocab_size=self.vocab,
+                             max_seq_len=self.seq, activation_checkpointing=self.activation_checkpointing)
 
     def describe(self) -> str:
-        return f"L{self.n_layers} d{self.dim} ffn{self.ffn_dim}"
+        return (f"L{self.n_layers} d{self.dim} ffn{self.ffn_dim}" + (f" kv{self.n_kv_heads}" if self.n_kv_heads else "")
+                + (f" vocab{self.vocab}" if self.vocab != 32000 else "") + (" AC" if self.activation_checkpointing else ""))
 
 
 CONFIGS: Dict[int, BenchConfig] = {
@@ -80,6 +84,8 @@ CONFIGS: Dict[int, BenchConfig] = {
     3: BenchConfig(48, 1024, 2816, batch=1, seq=256),
     4: BenchConfig(8, 4096, 11008, batch=1, seq=1024),
     5: BenchConfig(8, 4096, 11008, batch=1, seq=1024, microbatches=4),
+    # real size: the Llama-3-8B shape, activation checkpointing per block (run on its own: --configs 6)
+    6: BenchConfig(32, 4096, 14336, batch=1, seq=8192, vocab=128256, n_kv_heads=8, activation_checkpointing=True),
 }
 
 # Same shapes of problem (big/long, small batch, many thin layers, few wide layers, accumulation) scaled down
@@ -90,6 +96,7 @@ TINY_CONFIGS: Dict[int, BenchConfig] = {
     3: BenchConfig(12, 128, 352, batch=1, seq=32, vocab=1024, head_dim=64),
     4: BenchConfig(2, 512, 1408, batch=1, seq=64, vocab=1024, head_dim=64),
     5: BenchConfig(2, 512, 1408, batch=1, seq=64, vocab=1024, head_dim=64, microbatches=4),
+    6: BenchConfig(4, 256, 896, batch=1, seq=128, vocab=2048, head_dim=64, n_kv_heads=1, activation_checkpointing=True),
 }
 
 
@@ -312,7 +319,25 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
     return dict(median_ms=statistics.median(times), min_ms=min(times), max_ms=max(times), times_ms=times,
                 peak_gib=mem[0].item() / 2**30, resting_gib=mem[1].item() / 2**30, build_s=build_s,
                 loss_first=loss_first, loss_last=loss_last,
-                tokens_per_s=dist.get_world_size() * k * bc.batch * bc.seq / (statistics.median(times) / 1e3))
+                tokens_per_s=dist.get_world_size() * k * bc.batch * bc.seq / (statistics.median(times) / 1e3),
+                mfu=model_flops_utilization(bc, statistics.median(times), device))
+
+
+# Dense bf16 peak per GPU (no sparsity), the MFU denominator: H100 SXM and H200 both 989 TFLOP/s.
+BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
+
+
+def model_flops_utilization(bc: BenchConfig, step_ms: float, device: torch.device):
+    """Model FLOPs (6 x matmul parameters + causal attention per token; recompute not counted) of one rank's
+    tokens per step / step time / the GPU's dense bf16 peak; None where the peak is not known."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = next((v for k, v in BF16_PEAK_TFLOPS.items() if k in name), None)
+    if peak is None:
+        return None
+    tokens = bc.microbatches * bc.batch * bc.seq
+    return gpt.flops_per_token(bc.model_config(), bc.seq) * tokens / (step_ms / 1e3) / (peak * 1e12)
 
 
 def profile_step(step, device: torch.device, path: str) -> None:
@@ -386,6 +411,7 @@ def write_report(results: List[dict], variants: List[Variant], env: dict, out_di
     if base:
         head += [f"{n}/fsdp2" for n in others]
     head += [f"{n} peak GiB" for n in names] + ["floor ms"] + [f"{n} eff" for n in names]
+    head += [f"{n} MFU" for n in names]
     lines = [
         f"# Training step: mfsdp_ext vs FSDP2, {env['world']} x {env.get('gpu', env['device'])}",
         "",
@@ -397,7 +423,8 @@ def write_report(results: List[dict], variants: List[Variant], env: dict, out_di
         "Step time: median over timed steps (max over ranks). Peak: max_memory_allocated + NCCL symmetric pool (max over ranks)"
         + ("" if env["device"] == "cuda" else "; on CPU the process RSS high-water, cumulative over the run")
         + ". floor = unsharded bf16 fwd+bwd on one GPU x microbatches + AdamW on one rank's fp32 shard;"
-        " eff = floor / step time.",
+        " eff = floor / step time. MFU = model FLOPs per rank (6 x matmul params + causal attention per token,"
+        " recompute not counted) / step time / 989 TFLOP/s (H100/H200 dense bf16).",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "|".join("---" for _ in head) + "|",
@@ -405,7 +432,7 @@ def write_report(results: List[dict], variants: List[Variant], env: dict, out_di
     for r in results:
         bc, res, floor = r["config"], r["variants"], r.get("floor") or {}
         ms = {n: (res.get(n) or {}).get("median_ms") for n in names}
-        row = [str(r["id"]), f"L{bc['n_layers']} d{bc['dim']} ffn{bc['ffn_dim']}", f"{bc['batch']}x{bc['seq']}",
+        row = [str(r["id"]), BenchConfig(**bc).describe(), f"{bc['batch']}x{bc['seq']}",
                str(bc["microbatches"])]
         row += [_fmt(ms[n]) if "error" not in (res.get(n) or {}) else "error" for n in names]
         if base:
@@ -413,6 +440,8 @@ def write_report(results: List[dict], variants: List[Variant], env: dict, out_di
         row += [_fmt((res.get(n) or {}).get("peak_gib"), ".2f") for n in names]
         f_ms = floor.get("floor_ms")
         row += [_fmt(f_ms)] + [_fmt(f_ms / ms[n], ".2f") if f_ms and ms[n] else "-" for n in names]
+        mfu = {n: (res.get(n) or {}).get("mfu") for n in names}
+        row += [f"{100 * mfu[n]:.1f}%" if mfu[n] else "-" for n in names]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     same_init = env.get("init") == "full"
@@ -505,7 +534,7 @@ def main(argv=None) -> None:
     for n_cfg, cid in enumerate(config_ids):
         bc = table[cid]
         n_params = gpt.num_params(gpt.GPT(bc.model_config(), device="meta"))
-        log(f"\n== config {cid}: {bc.describe()} vocab {bc.vocab}, {n_params / 1e6:.0f}M params, "
+        log(f"\n== config {cid}: {bc.describe()}, {n_params / 1e6:.0f}M params, "
             f"batch {bc.batch} x seq {bc.seq} x {bc.microbatches} microbatches per rank")
         entry = dict(id=cid, config=asdict(bc), n_params=n_params, variants={}, floor=None)
 

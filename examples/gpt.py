@@ -39,6 +39,7 @@ class GPTConfig:
     n_layers: int = 4
     dim: int = 256
     n_heads: int = 4
+    n_kv_heads: int = 0  # grouped-query attention: heads of K and V (0: n_heads)
     ffn_dim: int = 0  # 0: Llama's rule, ~8/3 * dim rounded up to a multiple of 256
     vocab_size: int = 32000
     max_seq_len: int = 2048
@@ -54,6 +55,9 @@ class GPTConfig:
             self.ffn_dim = 256 * math.ceil(int(8 * self.dim / 3) / 256)
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        self.n_kv_heads = self.n_kv_heads or self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.rope and (self.dim // self.n_heads) % 2:
             raise ValueError("rotary embeddings need an even head dimension")
 
@@ -126,23 +130,25 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig, device=None) -> None:
         super().__init__()
-        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        kv_dim = cfg.n_kv_heads * cfg.head_dim
         self.wq = Linear(cfg.dim, cfg.dim, cfg.init_std, device)
-        self.wk = Linear(cfg.dim, cfg.dim, cfg.init_std, device)
-        self.wv = Linear(cfg.dim, cfg.dim, cfg.init_std, device)
+        self.wk = Linear(cfg.dim, kv_dim, cfg.init_std, device)
+        self.wv = Linear(cfg.dim, kv_dim, cfg.init_std, device)
         self.wo = Linear(cfg.dim, cfg.dim, out_std, device)
 
     def forward(self, x: torch.Tensor, rope: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
-        k = self.wk(x).view(b, s, self.n_heads, self.head_dim)
-        v = self.wv(x).view(b, s, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
         if rope is not None:
             cos, sin = rope
             q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        gqa = {"enable_gqa": True} if self.n_kv_heads != self.n_heads else {}
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -248,7 +254,8 @@ def num_params(model: nn.Module) -> int:
 
 def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
     """Training FLOPs per token (fwd + bwd = 3x fwd): 6 * matmul params + causal attention."""
-    per_layer = 4 * cfg.dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim
+    kv_dim = cfg.n_kv_heads * cfg.head_dim
+    per_layer = 2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv_dim + 3 * cfg.dim * cfg.ffn_dim
     matmul = cfg.n_layers * per_layer + cfg.dim * cfg.vocab_size
     attn = cfg.n_layers * 2 * 2 * seq_len * cfg.dim / 2  # QK^T and PV, causal half
     return 6 * matmul + 3 * attn

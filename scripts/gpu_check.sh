@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU check, in stages so one device call fits its 10-minute limit:
-#   scripts/gpu_check.sh build tests kernels symm units step memory noshard fp8 jit hf mainjob   (default: all)
+#   scripts/gpu_check.sh build tests kernels symm units step step6 hostcost memory noshard fp8 jit hf mainjob   (default: all)
 #   scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
 # Logs and result tables go to $OUT (the device runner's output folder; /tmp/out elsewhere).
 set -uo pipefail
@@ -10,7 +10,7 @@ export OUT=$(mktemp -d /tmp/gpu_check.XXXX)
 trap 'tar czf "$FINAL_OUT/gpu_check.tgz" -C "$OUT" . && echo "logs: $FINAL_OUT/gpu_check.tgz"' EXIT
 trap 'exit 143' TERM INT   # a `timeout` around this script still packs the logs
 source "$(dirname "$0")/gpu_env.sh"   # NVLink multicast off, repository root, PYTHONPATH
-stages=${*:-build tests kernels symm units step memory noshard fp8 jit hf mainjob}
+stages=${*:-build tests kernels symm units step step6 hostcost memory noshard fp8 jit hf mainjob}
 status=0
 run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures, keep going
     local name=$1; shift
@@ -35,6 +35,12 @@ for stage in $stages; do
                 --nproc-per-node $n benchmarks/collectives.py --units --out "$OUT"
         done ;;
     step) run step bash scripts/gpu_step.sh ;;
+    step6)  # real size: the Llama-3-8B shape, seq 8192, activation checkpointing per block; MFU (2 GPUs)
+        run step6 timeout -k 10 420 torchrun --standalone --nproc-per-node 2 benchmarks/step.py --configs 6 \
+            --steps 5 --warmup 2 --init meta --out "$OUT" ;;
+    hostcost)  # host time per unit per step in the hooks, config 3's shape, ours vs FSDP2 (2 GPUs)
+        run hostcost env HOST_COST_NPROC=2 timeout -k 10 200 python3 benchmarks/host_cost.py --shape config3 \
+            --out "$OUT" ;;
     memory)  # what is live at the peak of forward+backward and of the optimizer step, by owner, ours vs FSDP2
         run memory timeout -k 10 300 torchrun --standalone --nproc-per-node 2 benchmarks/memory.py --configs 1,4 \
             --out "$OUT" ;;
