@@ -68,10 +68,13 @@ class GroupStats:
 
     weight_syncs: int = 0
     all_gathers: int = 0
+    all_gather_bytes: int = 0  # bytes the all-gathers received (the gathered chunks of every rank; 0 on one rank)
     reduces: int = 0
 
 
 class ParamGroup:
+    fp8 = False  # FP8 model weights (Fp8ParamGroup, fp8_group.py)
+
     def __init__(self, params: list[tuple[str, nn.Parameter, list[ParamPlace]]], mesh,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, main_grad_dtype: torch.dtype,
                  device: torch.device, shard_group: dist.ProcessGroup, replicate_group: dist.ProcessGroup | None,
@@ -101,8 +104,8 @@ class ParamGroup:
             self._load_main_weight([p for _, p, _ in params])
         needs_cast = compute_dtype != self.dtype
         self.cast_in_slot = needs_cast and not cache_model_weight  # cast at every gather, no cached copy
-        self.model_weight = (FlatBuffer(self.layout, compute_dtype, storage_device, rank=self.rank)
-                             if needs_cast and cache_model_weight else None)
+        self.cache_model_weight = needs_cast and cache_model_weight
+        self.model_weight = self._make_model_weight(storage_device)
         self.unsharded = self._make_unsharded(storage_device)
         self.main_grad = None  # allocated at the first reduction
         self.main_grad_replica_summed = False  # HSDP: main_grad holds a finished all-reduce over replicas
@@ -117,6 +120,18 @@ class ParamGroup:
         self.free_unsharded()
 
     # ------------------------------------------------------------------ setup
+    def _make_model_weight(self, device: torch.device) -> FlatBuffer | None:
+        """The cached compute-dtype shard (None when the group needs no cast or casts at every gather)."""
+        if not self.cache_model_weight:
+            return None
+        return FlatBuffer(self.layout, self.compute_dtype, device, rank=self.rank)
+
+    def gathered_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes one all-gather of this group receives in ``dtype`` (every rank's chunk slots; 0 on one rank)."""
+        if self.world == 1:
+            return 0
+        return sum(self.layout.slots[i].chunk_numel for i in self._gathered) * self.world * dtype.itemsize
+
     def _make_unsharded(self, device: torch.device) -> FlatBuffer:
         """The buffer the module computes with; a replicated group with no cast computes on its main weight."""
         if self.replicated and self.compute_dtype == self.dtype:
@@ -182,8 +197,7 @@ class ParamGroup:
         self.device = device
         self.main_weight = FlatBuffer(self.layout, self.dtype, device, rank=self.rank)
         self.main_weight.data.zero_()
-        if self.model_weight is not None:
-            self.model_weight = FlatBuffer(self.layout, self.compute_dtype, device, rank=self.rank)
+        self.model_weight = self._make_model_weight(device)
         self.unsharded = self._make_unsharded(device)
         self.on_meta = False
         self._synced_version = None
@@ -260,6 +274,8 @@ class ParamGroup:
         with torch.autograd._unsafe_preserve_version_counter(self.unsharded.data):
             (op or self.all_gather_op)(self)
         self.stats.all_gathers += 1
+        if not self.replicated:
+            self.stats.all_gather_bytes += self.gathered_bytes(self.compute_dtype)
 
     def write_shard(self, out: torch.Tensor) -> None:
         """This rank's compute-dtype shard into ``out``, a flat buffer in the shard layout."""
