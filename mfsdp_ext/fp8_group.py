@@ -11,7 +11,8 @@ Buffers, beside ParamGroup's main_weight (fp32 shard) and main_grad:
                                 allocated; the parameters are views of it only so that autograd has a leaf of the
                                 right shape and dtype to put the weight gradient on (``info.unsharded.grad``, which
                                 the reduce-scatter packs): the layers read the FP8 weight instead (Fp8Tensor views
-                                of unsharded_fp8 given to each Fp8Linear in use_unsharded_params)
+                                of unsharded_fp8 given to each Fp8Linear in use_unsharded_params). Its storage
+                                exists only while fully_shard makes those views (views need it), then never
 """
 
 from __future__ import annotations
@@ -52,10 +53,9 @@ class Fp8ParamGroup(ParamGroup):
 
     def _make_unsharded(self, device: torch.device) -> FlatBuffer:
         self.unsharded_fp8 = FlatBuffer(self.layout, E4M3, device)
-        unsharded = FlatBuffer(self.layout, self.compute_dtype, device)
-        if self.fp8_compute:
-            unsharded.free()  # never allocated again: see the module docstring
-        return unsharded
+        # compute=True: allocated here only for the parameter views to be made (a view needs the storage), freed
+        # at the end of __init__ (free_unsharded) and never allocated again: see the module docstring
+        return FlatBuffer(self.layout, self.compute_dtype, device)
 
     def _plan_views(self) -> None:
         super()._plan_views()
