@@ -148,7 +148,8 @@ def _case_training_tracks_bf16(compute: bool, strategy: str = "optim_grads_param
                                     mesh_dim_names=("replicate", "shard"))
         return shard_tiny_lm(model, fully_shard, mp_policy=policy, sharding_strategy=strategy, mesh=mesh)
 
-    ref_losses = _train(build(BF16), microbatches=microbatches)
+    ref = build(BF16)
+    ref_losses = _train(ref, microbatches=microbatches)
     model = build(_policy(compute))
     groups = _fp8_groups(model)
     assert len(groups) == 2 and all(len(g.infos) == 2 for g in groups)  # fc1, fc2 of each block; not head, aux
@@ -166,6 +167,8 @@ def _case_training_tracks_bf16(compute: bool, strategy: str = "optim_grads_param
         assert all(g.unsharded.nbytes() == 0 for g in groups)
     for p in model.parameters():
         assert p.dtype == torch.float32 and (p.grad is None or p.grad.dtype == torch.float32)
+    sd, ref_sd = model.state_dict(), ref.state_dict()  # the state dict is the bf16 model's: names, fp32 shards
+    assert list(sd) == list(ref_sd) and all(sd[k].dtype == ref_sd[k].dtype == torch.float32 for k in sd)
     return {"max_rel_loss_diff": err, "losses": losses, "bf16": ref_losses}
 
 
