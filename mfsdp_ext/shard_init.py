@@ -212,7 +212,10 @@ def choose_fp8_weights(module: nn.Module, params, mp_policy: MixedPrecisionPolic
         if policy.compute:
             if not isinstance(m, Fp8LinearMixin):
                 m.__class__ = _fp8_class(type(m))
-            m.fp8_config, m._fp8_name, m._fp8_weight_only = config, fqn or type(m).__name__, True
+                m.fp8_config = config
+            elif policy.linear_config is not None:  # an Fp8Linear keeps its own config unless the policy has one
+                m.fp8_config = config
+            m._fp8_name, m._fp8_weight_only = fqn or type(m).__name__, True
     return chosen
 
 
