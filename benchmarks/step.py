@@ -40,6 +40,7 @@ import argparse
 import datetime
 import functools
 import gc
+import importlib
 import json
 import math
 import os
@@ -272,7 +273,7 @@ def measure_floor(bc: BenchConfig, world: int, dtype: torch.dtype, device: torch
 
 def torchao_available() -> bool:
     try:
-        import torchao.float8  # noqa: F401
+        importlib.import_module("torchao.float8")
     except ImportError:
         return False
     return True

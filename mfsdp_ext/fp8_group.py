@@ -66,7 +66,8 @@ class Fp8ParamGroup(ParamGroup):
     # ------------------------------------------------------------------ weights
     def sync_model_weight(self, version: tuple) -> None:
         """Cast main_weight into the FP8 model weight with per-parameter scales every rank agrees on, unless it was
-        cast at this weights_version(). Collective over the shard (and replicate) group."""
+        cast at this weights_version(). Collective over the shard (and replicate) group: every rank decides alike,
+        as weights_version() counts the same optimizer steps and writes on every rank."""
         if self._synced_version == version:
             return
         _native.segment_amax(self.main_weight.data, self.segments, self.amax)
@@ -110,7 +111,7 @@ class Fp8ParamGroup(ParamGroup):
     # ------------------------------------------------------------------ parameter swapping
     def use_unsharded_params(self) -> None:
         super().use_unsharded_params()
-        if self.fp8_compute:
+        if self.fp8_compute and self.fp8_views is not None:
             for info, fp8 in zip(self.infos, self.fp8_views):
                 info.places[0].module.set_fp8_weight(fp8)
 
