@@ -240,6 +240,24 @@ def _case_bad_configs():
     return out
 
 
+def _case_meta_init_and_summary():
+    """Built on the meta device, sharded with FP8 weights, materialised and initialised shard by shard: trains,
+    casts once per step; the unit summary names the FP8 groups."""
+    from mfsdp_ext import reset_parameters, summary
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = _tiny_lm()
+    shard_tiny_lm(model, fully_shard, mp_policy=_policy(compute=True))
+    model.to_empty(device=rank_device())
+    reset_parameters(model)
+    losses = _train(model, steps=3)
+    assert all(g.stats.weight_syncs == 3 for g in _fp8_groups(model)) and losses[-1] < losses[0], losses
+    lines = summary.unit_lines(model, [m._mfsdp_unit for m in model.modules() if isinstance(m, FsdpModule)])
+    assert sum("fp8 e4m3 (FP8 GEMMs)" in line for line in lines) == 2, lines
+    return lines
+
+
 def test_policy_validation():
     with pytest.raises(ValueError, match="param_dtype=torch.bfloat16"):
         MixedPrecisionPolicy(fp8=Fp8Policy())
@@ -292,6 +310,10 @@ def test_hsdp(pool2):
 
 def test_compute_memory_and_fallback(pool2):
     print(pool2.run(_case_compute_memory_and_fallback)[0])
+
+
+def test_meta_init_and_summary(pool2):
+    print(pool2.run(_case_meta_init_and_summary)[0])
 
 
 def test_bad_configs(pool2):
