@@ -304,8 +304,13 @@ def test_strategies(pool2, strategy):
     print(pool2.run(_case_training_tracks_bf16, True, strategy, "off", 2)[0])
 
 
-def test_hsdp(pool2):
+def test_hsdp(pool2):  # (replicate 2, shard 1): the amax all-reduce over replicas, the one-rank gather
     print(pool2.run(_case_training_tracks_bf16, False, "optim_grads_params", "off", 2, True)[0])
+
+
+@pytest.mark.parametrize("compute", [False, True], ids=["dequantize", "fp8_compute"])
+def test_hsdp_2x2(compute):  # 4 ranks: 2 sequences of 8 tokens each, M = 16 rows (no microbatches)
+    print(get_pool(4, "gloo").run(_case_training_tracks_bf16, compute, "optim_grads_params", "off", 1, True)[0])
 
 
 def test_compute_memory_and_fallback(pool2):
