@@ -3,6 +3,14 @@
     torchrun --nproc-per-node 2 benchmarks/step.py --configs 1,2,3,4,5 --out benchmarks/results
     torchrun --nproc-per-node 4 benchmarks/step.py --extra-ours use_symm_mem=auto --out benchmarks/results
     torchrun --nproc-per-node 2 benchmarks/step.py --tiny --impls fsdp2 --out /tmp/step   # CPU smoke test
+    torchrun --nproc-per-node 2 benchmarks/step.py --impls ours,ours_fp8,fsdp2,fsdp2_float8 --out benchmarks/results
+
+FP8 variants, only when named in ``--impls``: ``ours_fp8`` is ours with
+``MixedPrecisionPolicy(..., fp8=Fp8Policy(compute=True))`` (FP8 weights gathered in FP8, FP8 GEMMs in the blocks'
+linear layers; the lm-head stays bf16); ``fsdp2_float8`` is FSDP2 on a model converted by torchao
+(``convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))``, lm-head
+excluded, before ``fully_shard``; ``precompute_float8_dynamic_scale_for_fsdp(model)`` after each optimizer
+step), skipped with a note when torchao is not importable. Both need ``--dtype bf16``.
 
 Model: the Llama-style decoder of examples/gpt.py (RMSNorm, causal SDPA, SwiGLU, rotary, vocab 32000,
 n_heads = dim / 128), fp32 master weights, bf16 compute, fp32 gradient reduction
@@ -32,6 +40,7 @@ import argparse
 import datetime
 import functools
 import gc
+import importlib
 import json
 import math
 import os
@@ -105,6 +114,10 @@ class Variant:
     name: str  # column label
     impl: str  # "ours" | "fsdp2"
     extra: dict  # extra keyword arguments for fully_shard
+    fp8: str = ""  # "" | "ours" (Fp8Policy(compute=True)) | "torchao" (torchao float8 training under FSDP2)
+
+
+FP8_IMPLS = {"ours_fp8": ("ours", "ours"), "fsdp2_float8": ("fsdp2", "torchao")}  # name -> (impl, fp8)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -137,8 +150,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 def make_variants(args) -> List[Variant]:
     variants = []
     for impl in [s.strip() for s in args.impls.split(",") if s.strip()]:
+        if impl in FP8_IMPLS:
+            base, fp8 = FP8_IMPLS[impl]
+            if fp8 == "torchao" and not torchao_available():
+                if dist.get_rank() == 0:
+                    print(f"note: {impl} skipped: torchao is not importable here", flush=True)
+                continue
+            variants.append(Variant(impl, base, {}, fp8))
+            continue
         if impl not in gpt.IMPLS:
-            raise SystemExit(f"unknown impl {impl!r}")
+            raise SystemExit(f"unknown impl {impl!r} (choose from {list(gpt.IMPLS) + list(FP8_IMPLS)})")
         variants.append(Variant(impl, impl, {}))
     for text in args.extra_ours:
         extra = gpt.parse_kv(text)
@@ -257,10 +278,44 @@ def measure_floor(bc: BenchConfig, world: int, dtype: torch.dtype, device: torch
 # -------------------------------------------------------------------------------------- the variants
 
 
-def train_step(model, optimizer, batches, impl: str, losses: list) -> None:
+def torchao_available() -> bool:
+    try:
+        importlib.import_module("torchao.float8")
+    except ImportError:
+        return False
+    return True
+
+
+def _torchao_filter(module: torch.nn.Module, fqn: str) -> bool:
+    """The linear layers torchao converts: the blocks' (dims multiples of 16), not the lm-head (as ours)."""
+    return fqn != "lm_head" and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def build_fsdp2_float8(cfg: gpt.GPTConfig, device: torch.device, meta_init: bool, **shard_kwargs):
+    """FSDP2 on a model whose linear layers torchao converted to float8 training with FP8 all-gathers. With
+    --init meta the converted layers are initialised by their own reset_parameters (torchao's Float8Linear)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    fully_shard_fn, _ = gpt.load_impl("fsdp2")
+    if meta_init:
+        with torch.device("meta"):
+            model = gpt.GPT(cfg)
+    else:
+        model = gpt.GPT(cfg, device=device)
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                               module_filter_fn=_torchao_filter)
+    gpt.shard_model(model, fully_shard_fn, **shard_kwargs)
+    if meta_init:
+        gpt.materialize(model, "fsdp2", device)
+    return model
+
+
+def train_step(model, optimizer, batches, impl: str, losses: list, after_step=None) -> None:
     """One optimizer step over len(batches) microbatches (gradients reduced on the last one)."""
     loss_sum = gpt.forward_backward(model, impl, batches)
     optimizer.step()
+    if after_step is not None:
+        after_step(model)
     optimizer.zero_grad(set_to_none=True)
     losses.append(loss_sum)
 
@@ -275,9 +330,19 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
     # keys "mp.NAME" go to MixedPrecisionPolicy (e.g. mp.cache_model_weight=False), the rest to fully_shard
     mp_extra = {k[3:]: val for k, val in v.extra.items() if k.startswith("mp.")}
     shard_extra = {k: val for k, val in v.extra.items() if not k.startswith("mp.")}
+    after_step = None
+    if v.fp8 == "ours":
+        import mfsdp_ext
+
+        mp_extra["fp8"] = mfsdp_ext.Fp8Policy(compute=True)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, **mp_extra)
     # --init full: the full model on every rank, same seed: identical initial weights for every variant
-    model = gpt.build_sharded(cfg, v.impl, device, args.init == "meta", mesh=mesh, mp_policy=mp, **shard_extra)
+    if v.fp8 == "torchao":
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp as after_step
+
+        model = build_fsdp2_float8(cfg, device, args.init == "meta", mesh=mesh, mp_policy=mp, **shard_extra)
+    else:
+        model = gpt.build_sharded(cfg, v.impl, device, args.init == "meta", mesh=mesh, mp_policy=mp, **shard_extra)
     if args.init != "meta":
         free_memory(device)  # drop the transient full model (and reset the peak after it)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
@@ -286,7 +351,7 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
     batches = make_batches(bc, device, seed=100 + rank)
     k = bc.microbatches
     losses = []
-    step = functools.partial(train_step, model, optimizer, batches, v.impl, losses)
+    step = functools.partial(train_step, model, optimizer, batches, v.impl, losses, after_step)
     for _ in range(args.warmup):
         step()
     gpt.synchronize(device)

@@ -217,6 +217,19 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     return _Fp8LinearFn.apply(x, weight, bias, fp8_weight, cfg, need_dx, need_dw)
 
 
+class _DequantizedWeight(torch.autograd.Function):
+    """``fp8_weight`` dequantized to ``weight``'s dtype, standing in for ``weight`` (whose values are not read):
+    the gradient flows to ``weight`` unchanged. The fallback of a layer whose weight exists only in FP8."""
+
+    @staticmethod
+    def forward(ctx, weight, fp8_weight: Fp8Tensor):
+        return fp8_weight.dequantize(weight.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 # ----------------------------------------------------------------------------------------------
 # modules
 # ----------------------------------------------------------------------------------------------
@@ -227,6 +240,9 @@ class Fp8LinearMixin:
     _fp8_name: Optional[str] = None
     _fp8_warned: bool = False
     _fp8_weight: Optional[Fp8Tensor] = None
+    # True where the weight's values live only in _fp8_weight (fully_shard's FP8 groups with compute=True: the
+    # gathered weight is FP8 and the parameter only receives the gradient): the fallback dequantizes it
+    _fp8_weight_only: bool = False
 
     def set_fp8_weight(self, fp8_weight: Optional[Fp8Tensor]) -> None:
         """Use this FP8 form of the weight (e.g. gathered in FP8) instead of quantizing the weight on every call;
@@ -242,13 +258,18 @@ class Fp8LinearMixin:
         warnings.warn(f"mfsdp_ext Fp8Linear {name!r}: {reason}; this layer computes with F.linear in the input's "
                       "dtype instead of FP8 (warned once per module)", stacklevel=3)
 
+    def _fallback_weight(self) -> torch.Tensor:
+        if self._fp8_weight_only and self._fp8_weight is not None:
+            return _DequantizedWeight.apply(self.weight, self._fp8_weight)
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self._fallback_weight(), self.bias)
         reason = fp8_unsupported_reason(x, self.weight)
         if reason is not None:
             self._fp8_fallback_warning(reason)
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self._fallback_weight(), self.bias)
         return fp8_linear(x, self.weight, self.bias, fp8_weight=self._fp8_weight, config=self.fp8_config)
 
     def extra_repr(self) -> str:

@@ -1,14 +1,43 @@
-"""Precision policy: fp32 main weights, compute and reduction dtypes."""
+"""Precision policy: fp32 main weights, compute and reduction dtypes, and FP8 weights (Fp8Policy)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Fp8Policy:
+    """FP8 (e4m3) model weights for the chosen linear layers: cast from the fp32 main weights once per optimizer
+    step with per-parameter current scaling, all-gathered in FP8 (half the bytes of bf16).
+
+    compute: True: the layers compute with the gathered FP8 weight (FP8 GEMMs, ``fp8_linear``); no bf16 copy of
+        these weights is gathered. False: the gathered FP8 weights are dequantized into the bf16 gathered buffer
+        and the layers compute in ``param_dtype`` as before (communication savings only).
+    modules: which ``nn.Linear`` layers (their ``weight``): None chooses every nn.Linear (or Fp8Linear) of a unit
+        whose in and out features are multiples of 16, except the output head: a linear layer whose weight is
+        tied (used by another module, e.g. an embedding), and, in a unit that encloses other fully_shard units
+        or owns an ``nn.Embedding`` (the root of a language model), the last linear layer it owns directly
+        (``named_modules()`` order). Or a callable ``fn(fqn, linear) -> bool``, ``fqn`` relative to the module
+        given to fully_shard. Tied weights and ``no_shard``-marked parameters are never FP8.
+    linear_config: the ``Fp8LinearConfig`` of the FP8 layers (compute=True; default: Fp8LinearConfig()).
+    """
+
+    compute: bool = True
+    modules: Optional[Callable[[str, Any], bool]] = None
+    linear_config: Any = None
+
+    def __post_init__(self):
+        if not isinstance(self.compute, bool):
+            raise TypeError(f"Fp8Policy.compute must be True or False, got {self.compute!r}")
+        if self.modules is not None and not callable(self.modules):
+            raise TypeError(f"Fp8Policy.modules must be None or a callable fn(fqn, module) -> bool, got "
+                            f"{self.modules!r}")
 
 
 @dataclass(frozen=True)
@@ -27,7 +56,10 @@ class MixedPrecisionPolicy:
         forward and backward of each), then the copy from there on. Measured on 4 H200 (benchmarks/results/
         step_4gpu_no_weight_cache.md): without microbatches the copy buys nothing (70.9 vs 70.0 ms, 57.7 vs
         57.7 ms) and costs 0.4-0.9 GiB; with 4 microbatches it saves 2.5% (152.1 vs 155.9 ms). Strategies that
-        keep the weights gathered (no_shard, optim, optim_grads) never need the copy.
+        keep the weights gathered (no_shard, optim, optim_grads) never need the copy. FP8 groups always keep
+        their FP8 shard (1 byte per parameter / world size).
+    fp8: an ``Fp8Policy``: FP8 weights for the chosen linear layers (needs param_dtype bfloat16 or float16 and
+        float32 main weights). None: no FP8.
     """
 
     param_dtype: Optional[torch.dtype] = None
@@ -36,6 +68,7 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
     main_grad_dtype: torch.dtype = torch.float32
     cache_model_weight: Optional[bool] = None
+    fp8: Optional[Fp8Policy] = None
 
     def __post_init__(self):
         if self.param_dtype is not None and self.param_dtype not in COMPUTE_DTYPES:
@@ -47,6 +80,12 @@ class MixedPrecisionPolicy:
             raise ValueError(f"cache_model_weight must be None (auto), True or False, got {self.cache_model_weight!r}")
         if self.main_grad_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"main_grad_dtype must be float32 or bfloat16, got {self.main_grad_dtype}")
+        if self.fp8 is not None:
+            if not isinstance(self.fp8, Fp8Policy):
+                raise TypeError(f"MixedPrecisionPolicy.fp8 must be an mfsdp_ext.Fp8Policy or None, got {self.fp8!r}")
+            if self.param_dtype not in (torch.bfloat16, torch.float16):
+                raise ValueError(f"MixedPrecisionPolicy(fp8=...) needs param_dtype=torch.bfloat16 (or torch.float16): "
+                                 f"the FP8 layers' inputs, outputs and gradients are in it; got {self.param_dtype}")
 
     def compute_dtype(self, main_dtype: torch.dtype) -> torch.dtype:
         return self.param_dtype or main_dtype

@@ -71,10 +71,13 @@ class GroupStats:
 
     weight_syncs: int = 0
     all_gathers: int = 0
+    all_gather_bytes: int = 0  # bytes the all-gathers received (the gathered chunks of every rank; 0 on one rank)
     reduces: int = 0
 
 
 class ParamGroup:
+    fp8 = False  # FP8 model weights (Fp8ParamGroup, fp8_group.py)
+
     def __init__(self, params: list[tuple[str, nn.Parameter, list[ParamPlace]]], mesh,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, main_grad_dtype: torch.dtype,
                  device: torch.device, shard_group: dist.ProcessGroup, replicate_group: dist.ProcessGroup | None,
@@ -105,9 +108,9 @@ class ParamGroup:
             self._load_main_weight([p for _, p, _ in params])
         needs_cast = compute_dtype != self.dtype
         self.cast_in_slot = needs_cast and not cache_model_weight  # cast at every gather, no cached copy
-        self.model_weight = (FlatBuffer(self.layout, compute_dtype, storage_device, rank=self.rank)
-                             if needs_cast and cache_model_weight else None)
-        self.cache_when_regathered = needs_cast and cache_model_weight is None  # see note_gather
+        self.cache_model_weight = needs_cast and cache_model_weight  # None (auto): not yet, see note_gather
+        self.model_weight = self._make_model_weight(storage_device)
+        self.cache_when_regathered = needs_cast and cache_model_weight is None
         self._gathered_version, self._gathers_of_version = None, 0
         self.unsharded = self._make_unsharded(storage_device)
         self.main_grad = None  # allocated at the first reduction
@@ -123,6 +126,18 @@ class ParamGroup:
         self.free_unsharded()
 
     # ------------------------------------------------------------------ setup
+    def _make_model_weight(self, device: torch.device) -> FlatBuffer | None:
+        """The cached compute-dtype shard (None when the group needs no cast or casts at every gather)."""
+        if not self.cache_model_weight:
+            return None
+        return FlatBuffer(self.layout, self.compute_dtype, device, rank=self.rank)
+
+    def gathered_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes one all-gather of this group receives in ``dtype`` (every rank's chunk slots; 0 on one rank)."""
+        if self.world == 1:
+            return 0
+        return sum(self.layout.slots[i].chunk_numel for i in self._gathered) * self.world * dtype.itemsize
+
     def _make_unsharded(self, device: torch.device) -> FlatBuffer:
         """The buffer the module computes with; a replicated group with no cast computes on its main weight."""
         if self.replicated and self.compute_dtype == self.dtype:
@@ -196,8 +211,7 @@ class ParamGroup:
         self.device = device
         self.main_weight = FlatBuffer(self.layout, self.dtype, device, rank=self.rank)
         self.main_weight.data.zero_()
-        if self.model_weight is not None:
-            self.model_weight = FlatBuffer(self.layout, self.compute_dtype, device, rank=self.rank)
+        self.model_weight = self._make_model_weight(device)
         self._gathered_version, self._gathers_of_version = None, 0
         self.unsharded = self._make_unsharded(device)
         self.on_meta = False
@@ -266,7 +280,8 @@ class ParamGroup:
             self._gathered_version, self._gathers_of_version = version, 0
         self._gathers_of_version += 1
         if self._gathers_of_version > 2:
-            self.model_weight = FlatBuffer(self.layout, self.compute_dtype, self.device, rank=self.rank)
+            self.cache_model_weight = True
+            self.model_weight = self._make_model_weight(self.device)
             self.cast_in_slot = self.cache_when_regathered = False
             self._synced_version = None
             self.gather_inputs = self._gather_inputs()  # the all-gather now sends the copy
@@ -290,6 +305,8 @@ class ParamGroup:
         with torch.autograd._unsafe_preserve_version_counter(self.unsharded.data):
             (op or self.all_gather_op)(self)
         self.stats.all_gathers += 1
+        if not self.replicated:
+            self.stats.all_gather_bytes += self.gathered_bytes(self.compute_dtype)
 
     def write_shard(self, out: torch.Tensor) -> None:
         """This rank's compute-dtype shard into ``out``, a flat buffer in the shard layout."""

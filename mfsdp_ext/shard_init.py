@@ -13,6 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .fp8_group import Fp8ParamGroup
+from .fp8_linear import Fp8LinearConfig, Fp8LinearMixin, _fp8_class
 from .marks import is_marked
 from .mixed_precision import MixedPrecisionPolicy
 from .module import FsdpModule, Strategy
@@ -46,21 +48,25 @@ def resolve_mesh(mesh: Optional[DeviceMesh], strategy: Strategy) -> tuple[Device
 
 def make_groups(module: nn.Module, params, mesh: DeviceMesh, device: torch.device, shard_group, replicate_group,
                 mp_policy: MixedPrecisionPolicy, strategy: Strategy) -> list[ParamGroup]:
-    """One ParamGroup per (dtype, requires_grad, marked no_shard) of the parameters, which become the groups'
-    DTensor shards (a marked group: replicated over the mesh, as the no_shard strategy holds everything)."""
+    """One ParamGroup per (dtype, requires_grad, marked no_shard, FP8) of the parameters, which become the groups'
+    DTensor shards (a marked group: replicated over the mesh, as the no_shard strategy holds everything; an FP8
+    group: Fp8ParamGroup, the weights of the linear layers ``mp_policy.fp8`` chooses)."""
+    fp8 = choose_fp8_weights(module, params, mp_policy, strategy)
     groups = []
-    for (dtype, requires_grad, marked), members in _group_by_kind(params).items():
+    for (dtype, requires_grad, marked, is_fp8), members in _group_by_kind(params, fp8).items():
         replicated = marked and shard_group is not None
         if replicated and mesh.ndim != 1:
             raise ValueError(f"no_shard-marked parameters ({members[0][0]}, ...) on a 2-D (HSDP) mesh are not "
                              "supported yet; leave them unmarked there")
-        groups.append(ParamGroup(
-            members, mesh, compute_dtype=mp_policy.compute_dtype(dtype),
-            reduce_dtype=mp_policy.reduction_dtype(dtype), main_grad_dtype=mp_policy.main_grad_dtype
-            if dtype == torch.float32 else dtype, device=device,
-            shard_group=None if replicated else shard_group,
-            replicate_group=mesh.get_group(0) if replicated else replicate_group,
-            cache_model_weight=False if strategy.keeps_weights_gathered or marked else mp_policy.cache_model_weight))
+        kwargs = dict(compute_dtype=mp_policy.compute_dtype(dtype), reduce_dtype=mp_policy.reduction_dtype(dtype),
+                      main_grad_dtype=mp_policy.main_grad_dtype if dtype == torch.float32 else dtype, device=device,
+                      shard_group=None if replicated else shard_group,
+                      replicate_group=mesh.get_group(0) if replicated else replicate_group)
+        if is_fp8:
+            groups.append(Fp8ParamGroup(members, mesh, fp8_compute=mp_policy.fp8.compute, **kwargs))
+        else:
+            groups.append(ParamGroup(members, mesh, **kwargs, cache_model_weight=False
+                                     if strategy.keeps_weights_gathered or marked else mp_policy.cache_model_weight))
     owner = type(module).__name__
     for _, p, _ in params:
         _OWNER_NAMES[p] = owner  # the original Parameter: a use of it outside this unit is caught later
@@ -145,12 +151,72 @@ def move_buffers(module: nn.Module, device: torch.device) -> None:
         stack.extend(c for c in m.children() if not isinstance(c, FsdpModule))
 
 
-def _group_by_kind(params):
-    kinds: dict[tuple[torch.dtype, bool], list] = {}
+def _group_by_kind(params, fp8: set[int]):
+    kinds: dict[tuple[torch.dtype, bool, bool, bool], list] = {}
     for item in params:
         p = item[1]
-        kinds.setdefault((p.dtype, p.requires_grad, is_marked(p)), []).append(item)
+        kinds.setdefault((p.dtype, p.requires_grad, is_marked(p), id(p) in fp8), []).append(item)
     return kinds
+
+
+# ---------------------------------------------------------------------------------------------- FP8 weights
+def _fp8_capable(m: nn.Module) -> bool:
+    """An nn.Linear computing with nn.Linear's forward (or already an Fp8Linear): its forward can be FP8's."""
+    return isinstance(m, nn.Linear) and (isinstance(m, Fp8LinearMixin) or type(m).forward is nn.Linear.forward)
+
+
+def _output_head(module: nn.Module, linears: list[tuple[str, nn.Module]]) -> Optional[nn.Module]:
+    """The unit's output head (Fp8Policy's docstring): in a unit that encloses other units or owns an
+    nn.Embedding, the last linear layer it owns directly; None elsewhere (tied heads are excluded before)."""
+    encloses = any(isinstance(m, FsdpModule) for m in module.modules() if m is not module)
+    owns_embedding = any(isinstance(m, nn.Embedding) for _, m in _own_modules(module))
+    return linears[-1][1] if linears and (encloses or owns_embedding) else None
+
+
+def _own_modules(module: nn.Module):
+    """(fqn, module) of ``module``'s subtree, not entering inner units, in named_modules() order."""
+    stack = [("", module)]
+    while stack:
+        fqn, m = stack.pop()
+        yield fqn, m
+        children = [(f"{fqn}.{n}" if fqn else n, c) for n, c in m._modules.items()
+                    if c is not None and not isinstance(c, FsdpModule)]
+        stack.extend(reversed(children))
+
+
+def choose_fp8_weights(module: nn.Module, params, mp_policy: MixedPrecisionPolicy, strategy) -> set[int]:
+    """ids of the parameters that become FP8 weights (``mp_policy.fp8``); with compute=True their layers become
+    Fp8Linear subclasses (class swap, as to_fp8_linear: parameters and state dict unchanged)."""
+    policy = mp_policy.fp8
+    if policy is None:
+        return set()
+    if strategy is Strategy.NO_SHARD:
+        raise ValueError("MixedPrecisionPolicy(fp8=...) with sharding_strategy='no_shard': FP8 weights save the "
+                         "all-gather's bytes, and no_shard gathers nothing; use a sharded strategy or no fp8")
+    config = policy.linear_config or Fp8LinearConfig()
+    if not isinstance(config, Fp8LinearConfig):
+        raise TypeError(f"Fp8Policy.linear_config must be an Fp8LinearConfig, got {config!r}")
+    by_weight = {id(p): (fqn, p, places) for fqn, p, places in params}
+    linears = [(fqn, m) for fqn, m in _own_modules(module) if _fp8_capable(m)
+               and id(m._parameters.get("weight")) in by_weight]
+    head = _output_head(module, linears)
+    chosen = set()
+    for fqn, m in linears:
+        _, p, places = by_weight[id(m.weight)]
+        if len(places) > 1 or is_marked(p):
+            continue  # tied (an embedding's table, a tied head) or replicated: never FP8
+        default = m.in_features % 16 == 0 and m.out_features % 16 == 0 and m is not head
+        if not (policy.modules(fqn, m) if policy.modules is not None else default):
+            continue
+        chosen.add(id(p))
+        if policy.compute:
+            if not isinstance(m, Fp8LinearMixin):
+                m.__class__ = _fp8_class(type(m))
+                m.fp8_config = config
+            elif policy.linear_config is not None:  # an Fp8Linear keeps its own config unless the policy has one
+                m.fp8_config = config
+            m._fp8_name, m._fp8_weight_only = fqn or type(m).__name__, True
+    return chosen
 
 
 def check_same_on_all_ranks(module: nn.Module, params, mesh: DeviceMesh, device: torch.device) -> None:

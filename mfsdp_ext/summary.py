@@ -25,13 +25,16 @@ def unit_lines(root_module, units) -> list[str]:
 
 def _group_text(g) -> str:
     numel = sum(info.shape.numel() for info in g.infos)
-    dtypes = f"{_short(g.dtype)}->{_short(g.compute_dtype)}, reduce {_short(g.reduce_dtype)}"
+    compute = _short(g.compute_dtype)
+    if g.fp8:
+        compute = f"fp8 e4m3 ({'FP8 GEMMs' if g.fp8_compute else 'dequantized to ' + compute})"
+    dtypes = f"{_short(g.dtype)}->{compute}, reduce {_short(g.reduce_dtype)}"
     if g.shard_group is None:
         held, comm = f"replicated {_bytes(numel * g.dtype.itemsize)}", "grads all-reduced"
     else:
         held = (f"sharded {_bytes(g.layout.shard_numel * g.dtype.itemsize)}/rank of "
                 f"{_bytes(numel * g.dtype.itemsize)} over {g.world} ranks")
-        comm = f"all-gather {g.all_gather_op.name}, reduce-scatter {g.reduce_scatter_op.name}"
+        comm = f"all-gather {'fp8 plain' if g.fp8 else g.all_gather_op.name}, reduce-scatter {g.reduce_scatter_op.name}"
     return f"{len(g.infos)} params ({len(g.trainable())} trainable), {_count(numel)}, {dtypes}, {held}, {comm}"
 
 

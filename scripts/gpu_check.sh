@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check, in stages so one device call fits its 10-minute limit:
-#   scripts/gpu_check.sh build tests kernels symm units step step6 hostcost memory noshard fp8 jit hf mainjob   (default: all)
+#   scripts/gpu_check.sh build tests kernels symm units step step6 hostcost memory noshard fp8 fp8train jit hf mainjob
 #   scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
+#   scripts/gpu_check.sh build fp8train FP8 weights in fully_shard: GPU tests + step.py's FP8 variants (2 GPUs)
 # Logs and result tables go to $OUT (the device runner's output folder; /tmp/out elsewhere).
 set -uo pipefail
 # The device runner returns at most 8 files: work in a scratch folder, pack it into $OUT/gpu_check.tgz at exit.
@@ -10,7 +11,7 @@ export OUT=$(mktemp -d /tmp/gpu_check.XXXX)
 trap 'tar czf "$FINAL_OUT/gpu_check.tgz" -C "$OUT" . && echo "logs: $FINAL_OUT/gpu_check.tgz"' EXIT
 trap 'exit 143' TERM INT   # a `timeout` around this script still packs the logs
 source "$(dirname "$0")/gpu_env.sh"   # NVLink multicast off, repository root, PYTHONPATH
-stages=${*:-build tests kernels symm units step step6 hostcost memory noshard fp8 jit hf mainjob}
+stages=${*:-build tests kernels symm units step step6 hostcost memory noshard fp8 fp8train jit hf mainjob}
 status=0
 run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures, keep going
     local name=$1; shift
@@ -50,6 +51,10 @@ for stage in $stages; do
         run fp8_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/test_fp8_kernels.py tests/test_fp8_linear.py
         run fp8_kernels timeout -k 10 150 python3 benchmarks/kernels.py --parts quant,transpose --tag fp8 --out "$OUT"
         run fp8_linear timeout -k 10 150 python3 benchmarks/fp8_linear.py --out "$OUT" ;;
+    fp8train)  # Fp8Policy in fully_shard: FP8 vs bf16 training, FP8 all-gather bytes; step time vs bf16 / torchao
+        run fp8train_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/test_fp8_training.py
+        run fp8train_step timeout -k 10 240 torchrun --standalone --nproc-per-node 2 benchmarks/step.py \
+            --configs 2,3 --impls ours,ours_fp8,fsdp2,fsdp2_float8 --out "$OUT/fp8_step" ;;
     jit) run jit bash scripts/gpu_jit.sh ;;          # fresh venv, no ahead-of-time build: import compiles CUDA + NCCL
     hf) run hf bash scripts/gpu_hf.sh ;;             # train_hf.py: ours vs FSDP2 (fp32 1e-5), bf16, AC + compile
     mainjob) run mainjob bash scripts/gpu_mainjob.sh ;;  # main job x3 exits 0, kill-free resume from step 6

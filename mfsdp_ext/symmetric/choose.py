@@ -42,7 +42,7 @@ def check_available(use_symm_mem, group) -> bool | str:
 def choose_symmetric(units) -> SymmetricStages | None:
     """Give the groups of units with use_symm_mem the symmetric collectives where chosen; return the stages
     they share (None when no group uses them). Collective over the shard group: every rank calls it alike."""
-    groups = [(u, g) for u in units if u.use_symm_mem for g in u.groups if g.world > 1]
+    groups = [(u, g) for u in units if u.use_symm_mem for g in u.groups if g.world > 1 and not g.fp8]  # FP8: plain
     if not groups:
         return None
     shard_group = groups[0][1].shard_group

@@ -1,0 +1,129 @@
+"""Fp8ParamGroup: a ParamGroup whose model weight is FP8 e4m3 (the weights of the linear layers Fp8Policy chose).
+
+Buffers, beside ParamGroup's main_weight (fp32 shard) and main_grad:
+  model_weight     shard        float8_e4m3fn, cast once per optimizer step with per-parameter current scaling:
+                                segment_amax over this rank's rows of each parameter, one all-reduce(MAX) of the
+                                amax vector (shard group, and replicate group under HSDP) so every rank uses the
+                                same scale, then fp8_cast; ``scale_inv`` (fp32, one per parameter) kept
+  unsharded_fp8    param-major  float8_e4m3fn: what the all-gather fills (half the bytes of bf16)
+  unsharded        param-major  compute dtype. compute=False: fp8_dequantize'd from unsharded_fp8 after every
+                                gather (one native pass), then unsharded_fp8 is freed. compute=True: never
+                                allocated; the parameters are views of it only so that autograd has a leaf of the
+                                right shape and dtype to put the weight gradient on (``info.unsharded.grad``, which
+                                the reduce-scatter packs): the layers read the FP8 weight instead (Fp8Tensor views
+                                of unsharded_fp8 given to each Fp8Linear in use_unsharded_params). Its storage
+                                exists only while fully_shard makes those views (views need it), then never
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import _native, dist_ops
+from .flat_buffer import FlatBuffer
+from .fp8_tensor import E4M3, Fp8Tensor
+from .param_group import ParamGroup
+
+
+class Fp8ParamGroup(ParamGroup):
+    fp8 = True
+
+    def __init__(self, params, mesh, *, fp8_compute: bool, **kwargs):
+        self.fp8_compute = fp8_compute
+        self.fp8_views: list[Fp8Tensor] | None = None  # compute=True: the gathered weights, made at each gather
+        if kwargs.get("compute_dtype") not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"FP8 weights need a bfloat16 or float16 compute dtype, got {kwargs.get('compute_dtype')}")
+        bad = [f"{fqn} ({p.dtype})" for fqn, p, _ in params if p.dtype != torch.float32]
+        if bad:
+            raise ValueError(f"FP8 weights are cast from float32 main weights; {', '.join(bad)} are not: "
+                             "keep the model in float32 and choose the compute dtype with MixedPrecisionPolicy")
+        kwargs["cache_model_weight"] = True
+        super().__init__(params, mesh, **kwargs)
+
+    # ------------------------------------------------------------------ setup (called by ParamGroup)
+    def _make_model_weight(self, device: torch.device) -> FlatBuffer:
+        n = len(self.layout.slots)
+        self.segments = torch.tensor(self.layout.local_segments(self.rank), dtype=torch.int64).reshape(n, 2).to(device)
+        self.unsharded_segments = torch.tensor([(s.unsharded_offset, s.unsharded_offset + s.numel)
+                                                for s in self.layout.slots], dtype=torch.int64).reshape(n, 2).to(device)
+        self.amax = torch.zeros(n, dtype=torch.float32, device=device)
+        self.scale_inv = torch.ones(n, dtype=torch.float32, device=device)
+        return FlatBuffer(self.layout, E4M3, device, rank=self.rank)
+
+    def _make_unsharded(self, device: torch.device) -> FlatBuffer:
+        self.unsharded_fp8 = FlatBuffer(self.layout, E4M3, device)
+        # compute=True: allocated here only for the parameter views to be made (a view needs the storage), freed
+        # at the end of __init__ (free_unsharded) and never allocated again: see the module docstring
+        return FlatBuffer(self.layout, self.compute_dtype, device)
+
+    def _plan_views(self) -> None:
+        super()._plan_views()
+        # gloo has no float8 collectives: the bytes travel as uint8 (NCCL does the same with either)
+        self.fp8_gather_inputs = [self.model_weight.chunk_slot(i).view(torch.uint8) for i in self._gathered]
+        self.fp8_gather_outputs = [self.unsharded_fp8.padded_param(i).view(torch.uint8) for i in self._gathered]
+
+    # ------------------------------------------------------------------ weights
+    def sync_model_weight(self, version: tuple) -> None:
+        """Cast main_weight into the FP8 model weight with per-parameter scales every rank agrees on, unless it was
+        cast at this weights_version(). Collective over the shard (and replicate) group: every rank decides alike,
+        as weights_version() counts the same optimizer steps and writes on every rank."""
+        if self._synced_version == version:
+            return
+        _native.segment_amax(self.main_weight.data, self.segments, self.amax)
+        for group in (self.shard_group, self.replicate_group):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist_ops.all_reduce(self.amax, group, op=dist.ReduceOp.MAX)
+        _native.fp8_cast(self.main_weight.data, self.segments, self.amax, self.model_weight.data, self.scale_inv)
+        self._synced_version = version
+        self.stats.weight_syncs += 1
+
+    def all_gather(self, op=None) -> None:
+        """Gather every rank's FP8 shard into unsharded_fp8 (plain collectives only: ``op`` is not used), then
+        dequantize it into the compute-dtype buffer (compute=False) or make the layers' FP8 views (compute=True)."""
+        self.unsharded_fp8.alloc()
+        with torch.autograd._unsafe_preserve_version_counter(self.unsharded_fp8.data):
+            if self.world == 1:  # one rank: the shard layout is the unsharded layout
+                self.unsharded_fp8.data.copy_(self.model_weight.data)
+            else:
+                dist_ops.all_gather_into(self.fp8_gather_outputs, self.fp8_gather_inputs, self.shard_group)
+        self.stats.all_gathers += 1
+        self.stats.all_gather_bytes += self.gathered_bytes(E4M3)
+        if self.fp8_compute:
+            # new objects at each gather: a transpose made for the last weights is not reused
+            self.fp8_views = [Fp8Tensor(self.unsharded_fp8.param_view(i), self.scale_inv[i])
+                              for i in range(len(self.infos))]
+            return
+        self.unsharded.alloc()
+        with torch.autograd._unsafe_preserve_version_counter(self.unsharded.data):
+            _native.fp8_dequantize(self.unsharded_fp8.data, self.unsharded_segments, self.scale_inv,
+                                   self.unsharded.data)
+        self.unsharded_fp8.free()
+
+    def free_unsharded(self) -> None:
+        self.unsharded_fp8.free()
+        self.unsharded.free()
+
+    def unsharded_nbytes(self) -> int:
+        """Bytes of gathered storage held now (the FP8 and the compute-dtype buffer)."""
+        return self.unsharded_fp8.nbytes() + self.unsharded.nbytes()
+
+    # ------------------------------------------------------------------ parameter swapping
+    def use_unsharded_params(self) -> None:
+        super().use_unsharded_params()
+        if self.fp8_compute and self.fp8_views is not None:
+            for info, fp8 in zip(self.infos, self.fp8_views):
+                info.places[0].module.set_fp8_weight(fp8)
+
+    def use_sharded_params(self) -> None:
+        super().use_sharded_params()
+        if self.fp8_compute:
+            for info in self.infos:
+                info.places[0].module.set_fp8_weight(None)
+
+    def write_shard(self, out: torch.Tensor) -> None:
+        raise RuntimeError("mfsdp_ext: FP8 groups gather with their own plain all-gather (no symmetric staging)")
+
+    def cast_into_own_slots(self) -> None:
+        raise RuntimeError("mfsdp_ext: FP8 groups keep their FP8 shard; nothing is cast into the gathered slots")
+
