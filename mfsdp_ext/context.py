@@ -38,6 +38,9 @@ class FsdpContext:
         self.explicit_microbatch = False
         self.in_backward = False  # from the first pre-backward hook to the final callback
         self.grads_kept = False  # a deferred reduction kept unsharded grads (reduced on the last microbatch)
+        # During the root's final callback: the unsharded grads its reductions consumed, dropped only after the
+        # compute stream has waited for them (so the optimizer step can reuse that memory at once); None otherwise
+        self.grads_freed_at_end: Optional[list] = None
         self.symmetric: Optional["SymmetricStages"] = None  # when some unit uses NCCL symmetric memory
 
     def weight_sync_allowed(self) -> bool:
@@ -87,3 +90,4 @@ class FsdpContext:
         self.forward_order = []
         self.forward_end_order = []
         self.in_backward = False
+        self.grads_freed_at_end = None  # after the streams joined (final callback, or an abandoned iteration)

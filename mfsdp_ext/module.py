@@ -276,7 +276,10 @@ class FsdpUnit:
         with ctx.device.use_stream(ctx.rs_stream):
             reduced = g.reduce_scatter(scale=1.0 / (g.world * replicas))  # pre-divide: no overflow in low precision
             for grad in g.drop_unsharded_grads():
-                ctx.device.record_stream(grad, ctx.rs_stream)  # autograd allocated it on the compute stream
+                if ctx.grads_freed_at_end is not None:
+                    ctx.grads_freed_at_end.append(grad)
+                else:  # autograd allocated it on the compute stream: free once the reduce-scatter has read it
+                    ctx.device.record_stream(grad, ctx.rs_stream)
             defer_replicas = g.replicate_group is not None and every_microbatch
             g.accumulate_reduced(reduced, defer_replicas, last)
 
@@ -284,6 +287,9 @@ class FsdpUnit:
     def _final_callback(self) -> None:
         """After the whole backward: finish every unit's reduction, wait for the streams, bring units to rest."""
         ctx = self.context
+        # Freed in stream order below rather than by record_stream, whose lazy release would count the last
+        # reductions' grads (the root's embedding and head) in the optimizer step's peak.
+        ctx.grads_freed_at_end = []
         for unit in ctx.units_in_finish_order():
             state = unit.training_state
             unreduced = state is not TrainingState.POST_BACKWARD and (
