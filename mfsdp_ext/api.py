@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import checkpoint, shard_init
+from . import checkpoint, dtensor_norms, shard_init
 from .marks import is_marked
 from .mixed_precision import MixedPrecisionPolicy
 from .module import FsdpModule, FsdpUnit, Strategy
@@ -39,6 +39,7 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
         raise RuntimeError("fully_shard needs torch.distributed: call dist.init_process_group(...) first "
                            "(gloo on CPU, nccl with device_id=... on GPUs)")
     strategy = Strategy(sharding_strategy)
+    dtensor_norms.install()  # clip_grad_norm_(norm_type=inf) on ranks with empty shards
     if use_symm_mem not in (False, True, "auto"):
         raise ValueError(f"use_symm_mem must be False, True or 'auto', got {use_symm_mem!r}")
     mesh, device, shard_group, replicate_group = shard_init.resolve_mesh(mesh, strategy)
