@@ -23,7 +23,8 @@ _FSDP_CLASSES: dict[type, type] = {}
 def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard_after_forward: bool = True,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 sharding_strategy: Union[str, Strategy] = Strategy.OPTIM_GRADS_PARAMS,
-                use_symm_mem: Union[bool, str] = False, verbose: bool = False) -> nn.Module:
+                use_symm_mem: Union[bool, str] = False, verbose: bool = False,
+                check_finite_grads: bool = False) -> nn.Module:
     """Shard ``module``'s parameters (those no inner ``fully_shard`` unit owns) over ``mesh``, in place.
 
     Apply bottom-up (blocks first, then the root). Afterwards ``module.parameters()`` are fp32 DTensor shards
@@ -31,7 +32,9 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
     ``(Replicate(), Shard(0))`` on a 2-D HSDP mesh), so any ``torch.optim`` optimizer, DCP and
     ``torch.distributed.checkpoint.state_dict`` work. Returns the same module, whose class now also derives
     from FsdpModule. ``verbose=True`` on the root (or ``MFSDP_EXT_SUMMARY=1``) prints one line per unit at the
-    first forward (rank 0): parameters, dtypes, bytes per rank, collectives.
+    first forward (rank 0): parameters, dtypes, bytes per rank, collectives. ``check_finite_grads=True`` on the
+    root: after each backward, raise NonFiniteGradError on every rank naming the first parameter whose reduced
+    gradient holds NaN or inf (one small all-reduce per backward; off: no cost).
     """
     if isinstance(module, FsdpModule):
         raise ValueError(f"fully_shard: {type(module).__name__} is already sharded; apply fully_shard once per module")
@@ -51,7 +54,7 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
     use_symm_mem = check_available(use_symm_mem, shard_group)
     groups = shard_init.make_groups(module, params, mesh, device, shard_group, replicate_group, mp_policy, strategy)
     unit = FsdpUnit(module, type(module).__name__, groups, strategy, reshard_after_forward, mp_policy, device,
-                    use_symm_mem, verbose)
+                    use_symm_mem, verbose, check_finite_grads)
     _become_fsdp_module(module, unit)
     checkpoint.register_state_dict_hooks(module, groups)
     return module

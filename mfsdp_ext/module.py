@@ -23,7 +23,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .collectives import PLAIN_ALL_GATHER, PLAIN_REDUCE_SCATTER
-from . import summary
+from . import finite_grads, summary
 from .context import FsdpContext
 from .mixed_precision import MixedPrecisionPolicy
 from .param_group import ParamGroup
@@ -76,7 +76,7 @@ class FsdpUnit:
 
     def __init__(self, module: nn.Module, name: str, groups: list[ParamGroup], strategy: Strategy,
                  reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy, device: torch.device,
-                 use_symm_mem: bool | str = False, verbose: bool = False):
+                 use_symm_mem: bool | str = False, verbose: bool = False, check_finite_grads: bool = False):
         self.module = module
         self.name = name or module.__class__.__name__
         self.groups = groups
@@ -86,6 +86,7 @@ class FsdpUnit:
         self.device = device
         self.use_symm_mem = use_symm_mem  # False, True or "auto" (resolved at lazy init)
         self.verbose = verbose  # the root prints the unit summary at its first forward
+        self.check_finite_grads = check_finite_grads  # the root's applies to its whole tree
         self.context: Optional[FsdpContext] = None
         self.requires_gradient_sync = True
         self.training_state = TrainingState.IDLE
@@ -109,6 +110,10 @@ class FsdpUnit:
                     raise RuntimeError(
                         f"mfsdp_ext: unit '{unit.name}' still has parameters on the meta device. Materialize "
                         "the model first: model.to_empty(device=...) then mfsdp_ext.reset_parameters(model).")
+        inner = [u.name for u in units if u.check_finite_grads and u is not self]
+        if inner and not self.check_finite_grads:
+            raise ValueError(f"mfsdp_ext: check_finite_grads=True was given to the inner unit '{inner[0]}'; it "
+                             "applies to a whole tree: pass it to fully_shard of the root module")
         ctx = FsdpContext(self, units, self.device)
         for unit in units:
             unit.context = ctx
@@ -291,6 +296,8 @@ class FsdpUnit:
                 unit.show_sharded_params()
         ctx.device.wait_stream(ctx.rs_stream)
         self._end_iteration()
+        if self.check_finite_grads:  # after the iteration ended: a caught error leaves every unit at rest
+            finite_grads.check(self.module, ctx.units)
 
     def _release_unused_main_grads(self) -> None:
         """Free the gradient shards the optimizer let go of (zero_grad to None). The reduce-scatter stream wrote

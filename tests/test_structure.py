@@ -20,7 +20,7 @@ LAYERS = [
     ["symmetric.collectives"],
     ["symmetric.choose"],
     ["param_group"],
-    ["context", "summary"],
+    ["context", "summary", "finite_grads"],
     ["module"],
     ["checkpoint"],
     ["shard_init"],
