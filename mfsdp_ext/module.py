@@ -23,7 +23,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .collectives import PLAIN_ALL_GATHER, PLAIN_REDUCE_SCATTER
-from . import finite_grads, summary
+from . import finite_grads, same_model, summary
 from .context import FsdpContext
 from .mixed_precision import MixedPrecisionPolicy
 from .param_group import ParamGroup
@@ -104,6 +104,9 @@ class FsdpUnit:
         if self.context is not None:
             return self.context
         units = [m._mfsdp_unit for m in self.module.modules() if isinstance(m, FsdpModule)]
+        mesh = next((g.mesh for u in units for g in u.groups), None)
+        if mesh is not None:  # first: every rank reaches it, before any other collective of the units
+            same_model.check(self.module, units, mesh, self.device)
         for unit in units:
             for g in unit.groups:
                 if g.on_meta:

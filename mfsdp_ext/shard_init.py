@@ -1,9 +1,8 @@
-"""What fully_shard does before it builds a unit: resolve the mesh, find the parameters it owns, check them
-on every rank, and group them into flat-buffer groups."""
+"""What fully_shard does before it builds a unit: resolve the mesh, find the parameters it owns, check them,
+and group them into flat-buffer groups. No collective: ranks that disagree are found at lazy init (same_model.py)."""
 
 from __future__ import annotations
 
-import zlib
 from typing import Optional
 
 import torch
@@ -151,16 +150,3 @@ def _group_by_kind(params):
         p = item[1]
         kinds.setdefault((p.dtype, p.requires_grad, is_marked(p)), []).append(item)
     return kinds
-
-
-def check_same_on_all_ranks(module: nn.Module, params, mesh: DeviceMesh, device: torch.device) -> None:
-    """One small all-reduce: every rank must shard the same parameters (names, shapes, dtypes) here."""
-    desc = repr([(fqn, tuple(p.shape), str(p.dtype), p.requires_grad) for fqn, p, _ in params])
-    h = zlib.crc32(desc.encode()) & 0x7FFFFFFF
-    sig = torch.tensor([h, -h], dtype=torch.int64, device=device)
-    for dim in range(mesh.ndim):
-        dist.all_reduce(sig, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
-    if sig[0].item() != h or sig[1].item() != -h:
-        raise RuntimeError(
-            f"fully_shard({type(module).__name__}): the parameters differ across ranks (names, shapes or dtypes). "
-            f"This rank has: {desc[:2000]}. Build the same model on every rank before sharding.")

@@ -20,7 +20,7 @@ LAYERS = [
     ["symmetric.collectives"],
     ["symmetric.choose"],
     ["param_group"],
-    ["context", "summary", "finite_grads"],
+    ["context", "summary", "finite_grads", "same_model"],
     ["module"],
     ["checkpoint"],
     ["shard_init"],
