@@ -49,6 +49,7 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
     params = shard_init.owned_params(module)
     if params and all(is_marked(p) for _, p, _ in params):
         return module  # all no_shard: no unit, no hooks; the enclosing unit (the root's) holds them
+    shard_init.check_devices(params, device)
     shard_init.move_buffers(module, device)
     use_symm_mem = check_available(use_symm_mem, shard_group)
     groups = shard_init.make_groups(module, params, mesh, device, shard_group, replicate_group, mp_policy, strategy)

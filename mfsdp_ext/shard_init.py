@@ -129,6 +129,31 @@ def _check_param(fqn: str, p: nn.Parameter, holder: nn.Module) -> None:
                          "gradients cannot be reduce-scattered into flat shards: build it with sparse=False")
 
 
+def check_devices(params, device: torch.device) -> None:
+    """Parameters on the meta device (deferred init), on the mesh device, or on the CPU (copied to the mesh device,
+    as FSDP2 moves them) are taken; parameters on another accelerator, or on another GPU than this rank's, are
+    almost always a setup mistake that would otherwise surface at the first forward as a device mismatch."""
+    for fqn, p, _ in params:
+        problem = device_problem(fqn, p.device, device)
+        if problem is not None:
+            raise ValueError(problem)
+
+
+def device_problem(fqn: str, found: torch.device, device: torch.device) -> Optional[str]:
+    """What is wrong with a parameter on ``found`` for a mesh whose device on this rank is ``device`` (or None)."""
+    if found.type in ("meta", "cpu") or found == device:
+        return None
+    if found.type != device.type:
+        hint = ("the default mesh follows the process group's backend (gloo: cpu): init the process group with "
+                f"nccl or pass mesh=init_device_mesh('{found.type}', ...)" if device.type == "cpu" else
+                f"build the model on the CPU, on meta (then to_empty(device=...)) or on {device.type}")
+        return (f"fully_shard: parameter '{fqn}' is on {found} but the mesh's device is {device}; {hint}. "
+                "To train on the CPU, build the model on the CPU.")
+    return (f"fully_shard: parameter '{fqn}' is on {found} but this rank's mesh device is {device} (the current "
+            f"device): call torch.cuda.set_device(local_rank) before init_process_group and fully_shard, and build "
+            "the model on that device (or on the CPU / meta)")
+
+
 def _is_fsdp2_module(m: nn.Module) -> bool:
     return _FSDP2Module is not None and isinstance(m, _FSDP2Module)
 
