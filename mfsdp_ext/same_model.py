@@ -47,13 +47,16 @@ def check(root_module, units, mesh, device: torch.device) -> None:
         dist.all_gather(gathered, sig, group=group)
         if not all(torch.equal(s, gathered[0]) for s in gathered):
             differing.append(group)
-    for group in differing:
+    found = []
+    for group in differing:  # every differing group's exchange runs before any rank raises
         every = [None] * dist.get_world_size(group)
         dist.all_gather_object(every, lines, group=group)
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(every)))
+        found.append(_first_difference(every, ranks))
+    if found:
         raise RuntimeError(f"mfsdp_ext: the ranks shard different models (found at the first forward, before any "
-                           f"all-gather). {_first_difference(every, ranks)} Build the same model and apply "
-                           "fully_shard to the same modules, with the same arguments, on every rank.")
+                           f"all-gather). {found[0]} Build the same model and apply fully_shard to the same "
+                           "modules, with the same arguments, on every rank.")
 
 
 def _first_difference(every: list[list[str]], ranks: list[int]) -> str:
