@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Callable, Iterator, Optional, Union
 
 import torch
@@ -14,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import checkpoint, dtensor_norms, shard_init
 from .marks import is_marked
 from .mixed_precision import MixedPrecisionPolicy
-from .module import FsdpModule, FsdpUnit, Strategy
+from .module import FsdpModule, FsdpUnit, Strategy, eager_hook
 from .param_group import ParamGroup
 from .symmetric.choose import check_available
 
@@ -68,25 +67,11 @@ def _become_fsdp_module(module: nn.Module, unit: FsdpUnit) -> None:
         _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FsdpModule, cls), {})
     module.__class__ = _FSDP_CLASSES[cls]
     module._mfsdp_unit = unit
-    module.register_forward_pre_hook(_eager(unit.pre_forward), prepend=True, with_kwargs=True)
-    module.register_forward_hook(_eager(unit.post_forward), prepend=False)
+    module.register_forward_pre_hook(eager_hook(unit.pre_forward), prepend=True, with_kwargs=True)
+    module.register_forward_hook(eager_hook(unit.post_forward), prepend=False)
     for m in module.modules():  # inner units now belong to this subtree's context (built at the first forward)
         if isinstance(m, FsdpModule):
             m._mfsdp_unit.context = None
-
-
-def _eager(hook: Callable) -> Callable:
-    """The hook, run outside any torch.compile'd region: ``module.compile()`` / ``torch.compile(module)`` trace
-    the module's hooks too, and ours (collectives, stream and state bookkeeping) must run eagerly around the
-    compiled forward, as FSDP2's do. Eager calls pay one flag read (no torch._dynamo import)."""
-
-    @functools.wraps(hook)
-    def eager_hook(*args, **kwargs):
-        if torch.compiler.is_compiling():
-            return torch._dynamo.disable(hook, recursive=True, reason="mfsdp_ext hooks run eagerly")(*args, **kwargs)
-        return hook(*args, **kwargs)
-
-    return eager_hook
 
 
 # ---------------------------------------------------------------------------------------------- microbatches

@@ -13,8 +13,9 @@ A forward while the context is in backward is an activation-checkpoint recompute
 
 from __future__ import annotations
 
+import functools
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -334,6 +335,22 @@ class FsdpUnit:
             unit.post_backward_hooked = False
 
 
+def eager_hook(hook: Callable) -> Callable:
+    """The hook, run outside any torch.compile'd region: ``torch.compile(module)`` traces the module's hooks too,
+    and ours (collectives, stream and state bookkeeping) must run eagerly around the compiled forward, as FSDP2's
+    do. Eager calls pay one flag read (no torch._dynamo import); ``FsdpModule.compile()`` swaps in the
+    dynamo-disabled hook itself, which dynamo skips without a graph break."""
+
+    @functools.wraps(hook)
+    def eager(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return torch._dynamo.disable(hook, recursive=True, reason="mfsdp_ext hooks run eagerly")(*args, **kwargs)
+        return hook(*args, **kwargs)
+
+    eager.mfsdp_hook = hook
+    return eager
+
+
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     flat, spec = tree_flatten(tree)
     flat = [t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() and t.dtype != dtype else t for t in flat]
@@ -392,6 +409,19 @@ class FsdpModule:
                 g.all_gather_op, g.reduce_scatter_op = PLAIN_ALL_GATHER, PLAIN_REDUCE_SCATTER
         symmetric, ctx.symmetric = ctx.symmetric, None
         symmetric.close()  # waits for the device, so no collective still uses the stages
+
+    def compile(self, *args, **kwargs) -> None:
+        """``nn.Module.compile``, with this unit's hooks kept out of the compiled region: they become
+        dynamo-disabled functions in place (same order among the module's hooks), so dynamo skips them without
+        breaking the graph."""
+        import torch._dynamo  # torch.compile imports it anyway
+
+        for hooks in (self._forward_pre_hooks, self._forward_hooks):
+            for key, hook in list(hooks.items()):
+                if hasattr(hook, "mfsdp_hook"):
+                    hooks[key] = torch._dynamo.disable(hook.mfsdp_hook, recursive=True,
+                                                       reason="mfsdp_ext hooks run eagerly")
+        super().compile(*args, **kwargs)
 
     def _apply(self, fn, recurse=True):
         """Keep the flat-buffer parameters out of nn.Module._apply; materialize meta groups on to_empty()."""
