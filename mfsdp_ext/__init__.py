@@ -1,6 +1,7 @@
 """mfsdp_ext: fully sharded data parallel (ZeRO) for PyTorch, a drop-in for FSDP2's ``fully_shard``."""
 
 from .api import fully_shard, microbatch, reset_parameters
+from .finite_grads import NonFiniteGradError
 from .fp8_linear import Fp8Linear, Fp8LinearConfig, to_fp8_linear
 from .marks import no_shard
 from .mixed_precision import Fp8Policy, MixedPrecisionPolicy
@@ -15,5 +16,5 @@ def build_info() -> dict:
 
 
 __all__ = ["fully_shard", "microbatch", "no_shard", "reset_parameters", "MixedPrecisionPolicy", "Fp8Policy", "FsdpModule",
-           "Strategy", "Fp8Linear", "Fp8LinearConfig", "to_fp8_linear", "build_info"]
+           "Strategy", "Fp8Linear", "Fp8LinearConfig", "to_fp8_linear", "build_info", "NonFiniteGradError"]
 __version__ = "0.1.0"

@@ -10,10 +10,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import checkpoint, shard_init
+from . import checkpoint, dtensor_norms, shard_init
 from .marks import is_marked
 from .mixed_precision import MixedPrecisionPolicy
-from .module import FsdpModule, FsdpUnit, Strategy
+from .module import FsdpModule, FsdpUnit, Strategy, eager_hook
 from .param_group import ParamGroup
 from .symmetric.choose import check_available
 
@@ -23,7 +23,8 @@ _FSDP_CLASSES: dict[type, type] = {}
 def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard_after_forward: bool = True,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 sharding_strategy: Union[str, Strategy] = Strategy.OPTIM_GRADS_PARAMS,
-                use_symm_mem: Union[bool, str] = False, verbose: bool = False) -> nn.Module:
+                use_symm_mem: Union[bool, str] = False, verbose: bool = False,
+                check_finite_grads: bool = False) -> nn.Module:
     """Shard ``module``'s parameters (those no inner ``fully_shard`` unit owns) over ``mesh``, in place.
 
     Apply bottom-up (blocks first, then the root). Afterwards ``module.parameters()`` are fp32 DTensor shards
@@ -31,7 +32,9 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
     ``(Replicate(), Shard(0))`` on a 2-D HSDP mesh), so any ``torch.optim`` optimizer, DCP and
     ``torch.distributed.checkpoint.state_dict`` work. Returns the same module, whose class now also derives
     from FsdpModule. ``verbose=True`` on the root (or ``MFSDP_EXT_SUMMARY=1``) prints one line per unit at the
-    first forward (rank 0): parameters, dtypes, bytes per rank, collectives.
+    first forward (rank 0): parameters, dtypes, bytes per rank, collectives. ``check_finite_grads=True`` on the
+    root: after each backward, raise NonFiniteGradError on every rank naming the first parameter whose reduced
+    gradient holds NaN or inf (one small all-reduce per backward; off: no cost).
     """
     if isinstance(module, FsdpModule):
         raise ValueError(f"fully_shard: {type(module).__name__} is already sharded; apply fully_shard once per module")
@@ -39,18 +42,19 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
         raise RuntimeError("fully_shard needs torch.distributed: call dist.init_process_group(...) first "
                            "(gloo on CPU, nccl with device_id=... on GPUs)")
     strategy = Strategy(sharding_strategy)
+    dtensor_norms.install()  # clip_grad_norm_(norm_type=inf) on ranks with empty shards
     if use_symm_mem not in (False, True, "auto"):
         raise ValueError(f"use_symm_mem must be False, True or 'auto', got {use_symm_mem!r}")
     mesh, device, shard_group, replicate_group = shard_init.resolve_mesh(mesh, strategy)
     params = shard_init.owned_params(module)
     if params and all(is_marked(p) for _, p, _ in params):
         return module  # all no_shard: no unit, no hooks; the enclosing unit (the root's) holds them
-    shard_init.check_same_on_all_ranks(module, params, mesh, device)
+    shard_init.check_devices(params, device)
     shard_init.move_buffers(module, device)
     use_symm_mem = check_available(use_symm_mem, shard_group)
     groups = shard_init.make_groups(module, params, mesh, device, shard_group, replicate_group, mp_policy, strategy)
     unit = FsdpUnit(module, type(module).__name__, groups, strategy, reshard_after_forward, mp_policy, device,
-                    use_symm_mem, verbose)
+                    use_symm_mem, verbose, check_finite_grads)
     _become_fsdp_module(module, unit)
     checkpoint.register_state_dict_hooks(module, groups)
     return module
@@ -63,8 +67,8 @@ def _become_fsdp_module(module: nn.Module, unit: FsdpUnit) -> None:
         _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FsdpModule, cls), {})
     module.__class__ = _FSDP_CLASSES[cls]
     module._mfsdp_unit = unit
-    module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
-    module.register_forward_hook(unit.post_forward, prepend=False)
+    module.register_forward_pre_hook(eager_hook(unit.pre_forward), prepend=True, with_kwargs=True)
+    module.register_forward_hook(eager_hook(unit.post_forward), prepend=False)
     for m in module.modules():  # inner units now belong to this subtree's context (built at the first forward)
         if isinstance(m, FsdpModule):
             m._mfsdp_unit.context = None

@@ -13,8 +13,9 @@ A forward while the context is in backward is an activation-checkpoint recompute
 
 from __future__ import annotations
 
+import functools
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .collectives import PLAIN_ALL_GATHER, PLAIN_REDUCE_SCATTER
-from . import summary
+from . import finite_grads, same_model, summary
 from .context import FsdpContext
 from .mixed_precision import MixedPrecisionPolicy
 from .param_group import ParamGroup
@@ -76,7 +77,7 @@ class FsdpUnit:
 
     def __init__(self, module: nn.Module, name: str, groups: list[ParamGroup], strategy: Strategy,
                  reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy, device: torch.device,
-                 use_symm_mem: bool | str = False, verbose: bool = False):
+                 use_symm_mem: bool | str = False, verbose: bool = False, check_finite_grads: bool = False):
         self.module = module
         self.name = name or module.__class__.__name__
         self.groups = groups
@@ -86,6 +87,7 @@ class FsdpUnit:
         self.device = device
         self.use_symm_mem = use_symm_mem  # False, True or "auto" (resolved at lazy init)
         self.verbose = verbose  # the root prints the unit summary at its first forward
+        self.check_finite_grads = check_finite_grads  # the root's applies to its whole tree
         self.context: Optional[FsdpContext] = None
         self.requires_gradient_sync = True
         self.training_state = TrainingState.IDLE
@@ -103,12 +105,19 @@ class FsdpUnit:
         if self.context is not None:
             return self.context
         units = [m._mfsdp_unit for m in self.module.modules() if isinstance(m, FsdpModule)]
+        mesh = next((g.mesh for u in units for g in u.groups), None)
+        if mesh is not None:  # first: every rank reaches it, before any other collective of the units
+            same_model.check(self.module, units, mesh, self.device)
         for unit in units:
             for g in unit.groups:
                 if g.on_meta:
                     raise RuntimeError(
                         f"mfsdp_ext: unit '{unit.name}' still has parameters on the meta device. Materialize "
                         "the model first: model.to_empty(device=...) then mfsdp_ext.reset_parameters(model).")
+        inner = [u.name for u in units if u.check_finite_grads and u is not self]
+        if inner and not self.check_finite_grads:
+            raise ValueError(f"mfsdp_ext: check_finite_grads=True was given to the inner unit '{inner[0]}'; it "
+                             "applies to a whole tree: pass it to fully_shard of the root module")
         ctx = FsdpContext(self, units, self.device)
         for unit in units:
             unit.context = ctx
@@ -300,6 +309,8 @@ class FsdpUnit:
                 unit.show_sharded_params()
         ctx.device.wait_stream(ctx.rs_stream)
         self._end_iteration()
+        if self.check_finite_grads:  # after the iteration ended: a caught error leaves every unit at rest
+            finite_grads.check(self.module, ctx.units)
 
     def _release_unused_main_grads(self) -> None:
         """Free the gradient shards the optimizer let go of (zero_grad to None). The reduce-scatter stream wrote
@@ -331,6 +342,22 @@ class FsdpUnit:
         for unit in ctx.units:
             unit.training_state = TrainingState.IDLE
             unit.post_backward_hooked = False
+
+
+def eager_hook(hook: Callable) -> Callable:
+    """The hook, run outside any torch.compile'd region: ``torch.compile(module)`` traces the module's hooks too,
+    and ours (collectives, stream and state bookkeeping) must run eagerly around the compiled forward, as FSDP2's
+    do. Eager calls pay one flag read (no torch._dynamo import); ``FsdpModule.compile()`` swaps in the
+    dynamo-disabled hook itself, which dynamo skips without a graph break."""
+
+    @functools.wraps(hook)
+    def eager(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return torch._dynamo.disable(hook, recursive=True, reason="mfsdp_ext hooks run eagerly")(*args, **kwargs)
+        return hook(*args, **kwargs)
+
+    eager.mfsdp_hook = hook
+    return eager
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
@@ -391,6 +418,19 @@ class FsdpModule:
                 g.all_gather_op, g.reduce_scatter_op = PLAIN_ALL_GATHER, PLAIN_REDUCE_SCATTER
         symmetric, ctx.symmetric = ctx.symmetric, None
         symmetric.close()  # waits for the device, so no collective still uses the stages
+
+    def compile(self, *args, **kwargs) -> None:
+        """``nn.Module.compile``, with this unit's hooks kept out of the compiled region: they become
+        dynamo-disabled functions in place (same order among the module's hooks), so dynamo skips them without
+        breaking the graph."""
+        import torch._dynamo  # torch.compile imports it anyway
+
+        for hooks in (self._forward_pre_hooks, self._forward_hooks):
+            for key, hook in list(hooks.items()):
+                if hasattr(hook, "mfsdp_hook"):
+                    hooks[key] = torch._dynamo.disable(hook.mfsdp_hook, recursive=True,
+                                                       reason="mfsdp_ext hooks run eagerly")
+        super().compile(*args, **kwargs)
 
     def _apply(self, fn, recurse=True):
         """Keep the flat-buffer parameters out of nn.Module._apply; materialize meta groups on to_empty()."""

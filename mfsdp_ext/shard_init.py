@@ -1,9 +1,8 @@
-"""What fully_shard does before it builds a unit: resolve the mesh, find the parameters it owns, check them
-on every rank, and group them into flat-buffer groups."""
+"""What fully_shard does before it builds a unit: resolve the mesh, find the parameters it owns, check them,
+and group them into flat-buffer groups. No collective: ranks that disagree are found at lazy init (same_model.py)."""
 
 from __future__ import annotations
 
-import zlib
 from typing import Optional
 
 import torch
@@ -136,6 +135,31 @@ def _check_param(fqn: str, p: nn.Parameter, holder: nn.Module) -> None:
                          "gradients cannot be reduce-scattered into flat shards: build it with sparse=False")
 
 
+def check_devices(params, device: torch.device) -> None:
+    """Parameters on the meta device (deferred init), on the mesh device, or on the CPU (copied to the mesh device,
+    as FSDP2 moves them) are taken; parameters on another accelerator, or on another GPU than this rank's, are
+    almost always a setup mistake that would otherwise surface at the first forward as a device mismatch."""
+    for fqn, p, _ in params:
+        problem = device_problem(fqn, p.device, device)
+        if problem is not None:
+            raise ValueError(problem)
+
+
+def device_problem(fqn: str, found: torch.device, device: torch.device) -> Optional[str]:
+    """What is wrong with a parameter on ``found`` for a mesh whose device on this rank is ``device`` (or None)."""
+    if found.type in ("meta", "cpu") or found == device:
+        return None
+    if found.type != device.type:
+        hint = ("the default mesh follows the process group's backend (gloo: cpu): init the process group with "
+                f"nccl or pass mesh=init_device_mesh('{found.type}', ...)" if device.type == "cpu" else
+                f"build the model on the CPU, on meta (then to_empty(device=...)) or on {device.type}")
+        return (f"fully_shard: parameter '{fqn}' is on {found} but the mesh's device is {device}; {hint}. "
+                "To train on the CPU, build the model on the CPU.")
+    return (f"fully_shard: parameter '{fqn}' is on {found} but this rank's mesh device is {device} (the current "
+            f"device): call torch.cuda.set_device(local_rank) before init_process_group and fully_shard, and build "
+            "the model on that device (or on the CPU / meta)")
+
+
 def _is_fsdp2_module(m: nn.Module) -> bool:
     return _FSDP2Module is not None and isinstance(m, _FSDP2Module)
 
@@ -217,16 +241,3 @@ def choose_fp8_weights(module: nn.Module, params, mp_policy: MixedPrecisionPolic
                 m.fp8_config = config
             m._fp8_name, m._fp8_weight_only = fqn or type(m).__name__, True
     return chosen
-
-
-def check_same_on_all_ranks(module: nn.Module, params, mesh: DeviceMesh, device: torch.device) -> None:
-    """One small all-reduce: every rank must shard the same parameters (names, shapes, dtypes) here."""
-    desc = repr([(fqn, tuple(p.shape), str(p.dtype), p.requires_grad) for fqn, p, _ in params])
-    h = zlib.crc32(desc.encode()) & 0x7FFFFFFF
-    sig = torch.tensor([h, -h], dtype=torch.int64, device=device)
-    for dim in range(mesh.ndim):
-        dist.all_reduce(sig, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
-    if sig[0].item() != h or sig[1].item() != -h:
-        raise RuntimeError(
-            f"fully_shard({type(module).__name__}): the parameters differ across ranks (names, shapes or dtypes). "
-            f"This rank has: {desc[:2000]}. Build the same model on every rank before sharding.")

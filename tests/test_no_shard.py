@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from mfsdp_ext import FsdpModule, fully_shard, microbatch, no_shard, reset_parameters
+from mfsdp_ext import FsdpModule, MixedPrecisionPolicy, fully_shard, microbatch, no_shard, reset_parameters
 
 from .models import TinyLM, rank_device, train
 from .test_fully_shard import GLOBAL_BATCH, STEPS, _compare_params
@@ -72,6 +72,37 @@ def _case_no_shard_meta_init():
     err = _compare_params(model, ref)
     assert err == 0.0, err
     return {"param_err": err}
+
+
+def _case_frozen_replicated_bf16():
+    """A frozen no_shard group under bf16 keeps two copies, on purpose: the fp32 main weight (what state_dict,
+    checkpoints, load_state_dict and a later unfreeze see, exactly) and the bf16 copy the module computes with
+    (cast once, never re-gathered while unchanged). Only the bf16 copy would do for compute, but the fp32 values
+    cannot be recovered from it: a save after training would round a frozen tower to bf16."""
+    model = _marked_model(43)
+    before = {n: p.detach().clone() for n, p in model.blocks[0].named_parameters()}
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in before.values())  # bf16 would round them
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    no_shard(model.blocks[0])
+    for b in model.blocks:
+        fully_shard(b, mp_policy=bf16)
+    fully_shard(model, mp_policy=bf16)
+    train(model, 2, GLOBAL_BATCH, sharded=True)
+    frozen = [g for g in model._mfsdp_unit.groups if g.replicated and not g.requires_grad]
+    assert len(frozen) == 1, model._mfsdp_unit.groups
+    g = frozen[0]
+    assert g.model_weight is None and g.unsharded.data.dtype == torch.bfloat16 and g.main_weight.dtype == torch.float32
+    assert g.stats.all_gathers == 1, g.stats  # cast into the compute copy once, kept
+    assert torch.equal(g.unsharded.data, g.main_weight.data.bfloat16())
+    state = model.state_dict()
+    for n, v in before.items():
+        saved = state[f"blocks.0.{n}"].to_local()
+        assert saved.dtype == torch.float32 and torch.equal(saved, v), n
+    return {"frozen group bytes (fp32 main + bf16 compute)": (g.main_weight.nbytes(), g.unsharded.nbytes())}
+
+
+def test_frozen_replicated_bf16_keeps_exact_weights(cpu_pool):
+    print(cpu_pool.run(_case_frozen_replicated_bf16)[0])
 
 
 def test_no_shard_rejects_sharded_and_other_types():

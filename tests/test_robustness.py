@@ -292,3 +292,23 @@ def test_bad_input_errors(cpu_pool):
 
 def test_evaluation_between_steps(cpu_pool):
     print(cpu_pool.run(_case_evaluation_between_steps)[0])
+
+
+def test_parameters_on_another_device_refused():
+    """The device check of fully_shard (no GPU here: the check on torch.device values, as fully_shard calls it)."""
+    from types import SimpleNamespace
+
+    from mfsdp_ext.shard_init import check_devices, device_problem
+
+    cpu, cuda0, cuda1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+    for found in (torch.device("meta"), cpu, cuda0):
+        assert device_problem("w", found, cuda0) is None, found  # taken (CPU rows are copied, as FSDP2 moves them)
+    assert device_problem("w", cpu, cpu) is None and device_problem("w", torch.device("meta"), cpu) is None
+    gloo = device_problem("blocks.0.w", cuda0, cpu)
+    assert "'blocks.0.w' is on cuda:0 but the mesh's device is cpu" in gloo and "nccl" in gloo, gloo
+    other_gpu = device_problem("w", cuda1, cuda0)
+    assert "torch.cuda.set_device(local_rank)" in other_gpu, other_gpu
+    other_kind = device_problem("w", torch.device("xpu", 0), cuda0)
+    assert "build the model on the CPU, on meta" in other_kind, other_kind
+    with pytest.raises(ValueError, match="set_device"):
+        check_devices([("w", SimpleNamespace(device=cuda1), [])], cuda0)
