@@ -7,9 +7,8 @@
 #include "build_info.h"
 #include "cast.h"
 #include "float_formats.h"  // E4M3T / E5M2T::max_value
-#include "launch.h"         // kInlineTableEntries, QuantizeAlgo, kOptimInlineRuns
+#include "launch.h"         // kInlineTableEntries, QuantizeAlgo, kOptimInlineRuns, kOptimCoeffs
 #include "optim.h"
-#include "optim_math.h"     // kOptimCoeffs
 #include "pack.h"
 #include "quantize.h"
 #include "symm_comm.h"

@@ -140,6 +140,7 @@ enum OptimKind : int { kOptimAdamW = 0, kOptimSgd = 1 };
 // Runs of at most this many rows travel in the CUDA kernel's parameters (2 KB + 1 KB of the 4 KB limit):
 // no upload, so the step can be captured in a CUDA graph.
 constexpr int64_t kOptimInlineRuns = 64;
+constexpr int kOptimCoeffs = 8;  // floats per run in the coefficient table (columns: optim_math.h)
 
 struct OptimStepParams {
   OptimKind kind;

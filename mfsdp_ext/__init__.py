@@ -4,6 +4,7 @@ from .api import fully_shard, microbatch, reset_parameters
 from .fp8_linear import Fp8Linear, Fp8LinearConfig, to_fp8_linear
 from .marks import no_shard
 from .mixed_precision import MixedPrecisionPolicy
+from . import optim  # mfsdp_ext.optim.AdamW / SGD: flat fused optimizers
 from .module import FsdpModule, Strategy
 
 
@@ -14,6 +15,6 @@ def build_info() -> dict:
     return _native.build_info()
 
 
-__all__ = ["fully_shard", "microbatch", "no_shard", "reset_parameters", "MixedPrecisionPolicy", "FsdpModule",
+__all__ = ["optim", "fully_shard", "microbatch", "no_shard", "reset_parameters", "MixedPrecisionPolicy", "FsdpModule",
            "Strategy", "Fp8Linear", "Fp8LinearConfig", "to_fp8_linear", "build_info"]
 __version__ = "0.1.0"

@@ -1,0 +1,345 @@
+"""mfsdp_ext.optim (flat fused AdamW / SGD): the native step against torch's single-tensor implementations, and
+the optimizers against torch's on fully_shard-ed models (parity, param groups, frozen and grad-less parameters,
+state_dict / DCP checkpoints crossing to torch's optimizers and back, LR schedulers, mixed owned / unowned
+parameters, refused options).
+
+The ``_case_*`` functions run on every rank of a pool (gloo here; ``test_gpu_*`` below run them with NCCL).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+from torch.optim.adam import _single_tensor_adam
+from torch.optim.sgd import _single_tensor_sgd
+
+import mfsdp_ext.optim as mo
+from mfsdp_ext import _native, fully_shard, no_shard
+from mfsdp_ext.param_group import owner_of
+
+from .conftest import get_pool
+from .models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm
+
+GLOBAL_BATCH = 24
+ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+SGD = dict(lr=5e-2, momentum=0.9, nesterov=True, weight_decay=0.01)
+
+
+# ---------------------------------------------------------------------------------------------- the native kernels
+def _adamw_coeffs(lr, beta1, beta2, eps, wd, step, maximize=False):
+    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+    return [1 - lr * wd, 1 - beta1, beta2, 1 - beta2, bc2**0.5, eps, -(lr / bc1), -1.0 if maximize else 1.0]
+
+
+RUNS = [(0, 37, dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, wd=0.1)),
+        (48, 160, dict(lr=3e-3, beta1=0.8, beta2=0.95, eps=1e-6, wd=0.0)),
+        (160, 301, dict(lr=1e-1, beta1=0.6, beta2=0.99, eps=1e-8, wd=0.05, maximize=True))]
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_adamw_kernel_equals_torch_single_tensor(grad_dtype):
+    g = torch.Generator().manual_seed(0)
+    n = 320
+    param, m, v = torch.randn(n, generator=g), torch.zeros(n), torch.zeros(n)
+    param[37:48] = float("nan")  # in no run: must stay untouched
+    ref = [(param[a:b].clone(), torch.zeros(b - a), torch.zeros(b - a), torch.tensor(0.0)) for a, b, _ in RUNS]
+    runs = torch.tensor([[a, b] for a, b, _ in RUNS])
+    for step in range(1, 6):
+        grad = torch.randn(n, generator=g).to(grad_dtype)
+        coeffs = torch.tensor([_adamw_coeffs(step=step, **h) for _, _, h in RUNS], dtype=torch.float32)
+        _native.adamw_step(param, grad, m, v, runs, coeffs)
+        for (a, b, h), (p, ea, eas, st) in zip(RUNS, ref):
+            _single_tensor_adam([p], [grad[a:b].float()], [ea], [eas], [], [st], None, None, amsgrad=False,
+                                has_complex=False, beta1=h["beta1"], beta2=h["beta2"], lr=h["lr"],
+                                weight_decay=h["wd"], eps=h["eps"], maximize=h.get("maximize", False),
+                                capturable=False, differentiable=False, decoupled_weight_decay=True)
+    for (a, b, _), (p, ea, eas, _) in zip(RUNS, ref):
+        assert torch.equal(param[a:b], p) and torch.equal(m[a:b], ea) and torch.equal(v[a:b], eas)
+    assert param[37:48].isnan().all() and (m[37:48] == 0).all()
+
+
+def test_adamw_kernel_keeps_zero_padding_zero():
+    param, grad, m, v = torch.zeros(64), torch.zeros(64), torch.zeros(64), torch.zeros(64)
+    param[:10], grad[:10] = 1.0, 0.5
+    coeffs = torch.tensor([_adamw_coeffs(1e-2, 0.9, 0.999, 1e-8, 0.1, 1)], dtype=torch.float32)
+    _native.adamw_step(param, grad, m, v, torch.tensor([[0, 64]]), coeffs)
+    assert (param[10:] == 0).all() and (m[10:] == 0).all() and (v[10:] == 0).all() and (param[:10] != 1).all()
+
+
+def _sgd_coeffs(lr, momentum, dampening, wd, nesterov, first, maximize=False):
+    flags = (1 | (2 if first else 0) | (4 if nesterov else 0)) if momentum else 0
+    return [wd, momentum, 1 - dampening, -lr, -1.0 if maximize else 1.0, flags, 0.0, 0.0]
+
+
+SGD_RUNS = [(0, 50, dict(lr=0.1, momentum=0.9, dampening=0.0, wd=0.01, nesterov=True)),
+            (64, 100, dict(lr=0.05, momentum=0.5, dampening=0.1, wd=0.0, nesterov=False, maximize=True)),
+            (100, 130, dict(lr=0.2, momentum=0.0, dampening=0.0, wd=0.1, nesterov=False))]
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_sgd_kernel_equals_torch_single_tensor(grad_dtype):
+    g = torch.Generator().manual_seed(1)
+    n = 140
+    param, buf = torch.randn(n, generator=g), torch.full((n,), float("nan"))  # the first step must not read buf
+    ref = [(param[a:b].clone(), [None]) for a, b, _ in SGD_RUNS]
+    runs = torch.tensor([[a, b] for a, b, _ in SGD_RUNS])
+    for step in range(4):
+        grad = torch.randn(n, generator=g).to(grad_dtype)
+        coeffs = torch.tensor([_sgd_coeffs(first=step == 0, **h) for _, _, h in SGD_RUNS], dtype=torch.float32)
+        _native.sgd_step(param, grad, buf, runs, coeffs)
+        for (a, b, h), (p, bufs) in zip(SGD_RUNS, ref):
+            _single_tensor_sgd([p], [grad[a:b].float()], bufs, None, None, weight_decay=h["wd"],
+                               momentum=h["momentum"], lr=h["lr"], dampening=h["dampening"], nesterov=h["nesterov"],
+                               maximize=h.get("maximize", False), has_sparse_grad=False)
+    for (a, b, h), (p, bufs) in zip(SGD_RUNS, ref):
+        assert torch.equal(param[a:b], p)
+        if h["momentum"]:
+            assert torch.equal(buf[a:b], bufs[0])
+    assert buf[50:64].isnan().all()
+
+
+def test_many_runs_and_errors():
+    n, k = 4096, 100  # more runs than travel inline on CUDA
+    param, grad, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
+    expect = param.clone()
+    runs = torch.tensor([[i * 40, i * 40 + 30] for i in range(k)])
+    coeffs = torch.tensor([_adamw_coeffs(1e-2, 0.9, 0.999, 1e-8, 0.0, 1)] * k, dtype=torch.float32)
+    _native.adamw_step(param, grad, m, v, runs, coeffs)
+    mask = torch.zeros(n, dtype=torch.bool)
+    for a, b in runs.tolist():
+        mask[a:b] = True
+    assert torch.equal(param[~mask], expect[~mask]) and not torch.equal(param[mask], expect[mask])
+    with pytest.raises(ValueError, match="coeffs"):
+        _native.adamw_step(param, grad, m, v, runs, coeffs[:, :7].contiguous())
+    with pytest.raises(ValueError, match="sorted"):
+        _native.adamw_step(param, grad, m, v, torch.tensor([[10, 20], [15, 30]]), coeffs[:2])
+    with pytest.raises(ValueError, match="momentum_buffer"):
+        _native.sgd_step(param, grad, None, runs[:1], torch.tensor([_sgd_coeffs(0.1, 0.9, 0, 0, False, True)]))
+    with pytest.raises(ValueError, match="overlap"):
+        _native.adamw_step(param, param, m, v, runs, coeffs)
+
+
+# ---------------------------------------------------------------------------------------------- refused options
+@pytest.mark.parametrize("kwargs", [dict(amsgrad=True), dict(capturable=True), dict(differentiable=True),
+                                    dict(lr=torch.tensor(1e-3))])
+def test_adamw_refuses_clearly(kwargs):
+    option = next(iter(kwargs))
+    with pytest.raises(ValueError, match=f"{option}.*torch.optim.AdamW"):
+        mo.AdamW([nn.Parameter(torch.zeros(3))], **kwargs)
+
+
+def test_sgd_refuses_clearly_and_ignores_fused():
+    with pytest.raises(ValueError, match="differentiable.*torch.optim.SGD"):
+        mo.SGD([nn.Parameter(torch.zeros(3))], differentiable=True)
+    opt = mo.SGD([nn.Parameter(torch.zeros(3))], lr=0.1, fused=True, foreach=False)
+    assert opt.param_groups[0]["fused"] is None and opt.param_groups[0]["foreach"] is False
+    with pytest.raises(ValueError, match="amsgrad"):
+        mo.AdamW([nn.Parameter(torch.zeros(3))]).add_param_group({"params": [nn.Parameter(torch.zeros(2))],
+                                                                 "amsgrad": True})
+
+
+def test_plain_params_match_torch():
+    """Nothing owned by fully_shard: every parameter goes through torch's implementation."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(5, 4), nn.Linear(5, 4)
+    b.load_state_dict(a.state_dict())
+    oa, ob = mo.AdamW(a.parameters(), lr=1e-2), torch.optim.AdamW(b.parameters(), lr=1e-2)
+    for step in range(3):
+        x = torch.randn(7, 5)
+        for model, opt in ((a, oa), (b, ob)):
+            model(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+# ---------------------------------------------------------------------------------------------- distributed cases
+def _groups(model, wd: float, frozen_aux: bool = True):
+    """Param groups as users write them: no weight decay on norms and biases; the aux head's weight frozen."""
+    if frozen_aux:
+        model.aux.weight.requires_grad_(False)
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
+    return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _make(kind: str, ours: bool, model, wd: float = 0.1):
+    if kind == "adamw":
+        return (mo.AdamW if ours else torch.optim.AdamW)(_groups(model, wd), **ADAMW)
+    return (mo.SGD if ours else torch.optim.SGD)(_groups(model, SGD["weight_decay"]), **SGD)
+
+
+def _model(seed: int = 0, layout: str = "full") -> TinyLM:
+    torch.manual_seed(seed)
+    model = TinyLM().to(rank_device())
+    if layout == "blocks_only":  # the root's parameters stay plain tensors: torch's step
+        for b in model.blocks:
+            fully_shard(b)
+        return model
+    if layout == "no_shard":  # the root's norm replicated (a flat group with Replicate() DTensors)
+        no_shard(model.norm)
+    return shard_tiny_lm(model, fully_shard)
+
+
+def _train(model, opt, steps: range, sched=None, drop_grad: bool = True) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in steps:
+        tokens, targets = batch(step, GLOBAL_BATCH)
+        lm_loss(model, tokens.chunk(world)[rank], targets.chunk(world)[rank]).backward()
+        if drop_grad and step % 3 == 1:
+            model.blocks[1].fc1.bias.grad = None  # a grad-less parameter inside a group: skipped, step not counted
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+
+
+def _max_rel_err(a, b) -> float:
+    errs = []
+    for p, q in zip(a.parameters(), b.parameters()):
+        p, q = (x.to_local() if isinstance(x, DTensor) else x for x in (p, q))
+        errs.append(rel_err(p, q) if q.norm() > 0 else (p - q).abs().max().item())
+    return max(errs)
+
+
+def _case_parity(kind: str, layout: str = "full", steps: int = 20, tol: float = 1e-6):
+    """Ours vs torch's optimizer on identically initialized models: 20 steps, parameters within ``tol`` (relative;
+    on the CPU ours equals torch's single-tensor arithmetic, on CUDA torch's foreach kernels round differently)."""
+    a, b = _model(0, layout), _model(0, layout)
+    oa, ob = _make(kind, True, a), _make(kind, False, b)
+    sa = torch.optim.lr_scheduler.LambdaLR(oa, lambda s: 1.0 / (1 + s))
+    sb = torch.optim.lr_scheduler.LambdaLR(ob, lambda s: 1.0 / (1 + s))
+    if layout != "blocks_only":
+        assert owner_of(next(a.blocks[0].parameters())) is not None
+    _train(a, oa, range(steps), sa)
+    _train(b, ob, range(steps), sb)
+    err = _max_rel_err(a, b)
+    assert err < tol, err
+    assert oa.param_groups[0]["lr"] == ob.param_groups[0]["lr"] < 0.1 * ob.param_groups[0]["initial_lr"]
+    _check_same_state(oa.state_dict(), ob.state_dict())
+    return f"{kind} {layout}: max rel err {err:.2e}"
+
+
+def _check_same_state(ours: dict, theirs: dict) -> None:
+    assert ours["param_groups"] == theirs["param_groups"]
+    assert ours["state"].keys() == theirs["state"].keys()
+    for idx, st in ours["state"].items():
+        ref = theirs["state"][idx]
+        assert list(st) == list(ref), (st.keys(), ref.keys())
+        for key, value in st.items():
+            other = ref[key]
+            assert type(value) is type(other) and value.shape == other.shape and value.dtype == other.dtype
+            if isinstance(value, DTensor):
+                assert value.placements == other.placements and value.device_mesh == other.device_mesh
+                value, other = value.to_local(), other.to_local()
+            assert torch.allclose(value, other, rtol=1e-5, atol=1e-7), key
+
+
+def _case_state_dict_crossing(kind: str):
+    """ours (K steps) -> torch's optimizer (K steps) -> ours (K steps) through state_dict / load_state_dict equals
+    uninterrupted torch training."""
+    k = 3
+    a, b = _model(1), _model(1)
+    ob = _make(kind, False, b)
+    _train(b, ob, range(3 * k))
+    oa = _make(kind, True, a)
+    _train(a, oa, range(k))
+    ot = _make(kind, False, a)
+    ot.load_state_dict(copy.deepcopy(oa.state_dict()))
+    _train(a, ot, range(k, 2 * k))
+    oa2 = _make(kind, True, a)
+    oa2.load_state_dict(copy.deepcopy(ot.state_dict()))
+    flat = oa2._flat_states[owner_of(a.blocks[0].fc1.weight)[0]]
+    name = oa2.STATE_NAMES[0]
+    assert oa2.state[a.blocks[0].fc1.weight][name] is flat.view(name, owner_of(a.blocks[0].fc1.weight)[1])
+    _train(a, oa2, range(2 * k, 3 * k))
+    err = _max_rel_err(a, b)
+    assert err < 1e-6, err
+    return f"{kind} state_dict crossing: max rel err {err:.2e}"
+
+
+def _dcp_save(model, opt, path):
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def _dcp_load(model, opt, path):
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _case_dcp_crossing(kind: str, root: str, tol: float = 1e-6):
+    """ours -> DCP -> torch's optimizer on a fresh model -> DCP -> ours on a fresh model, vs uninterrupted."""
+    k = 3
+    ref = _model(2)
+    oref = _make(kind, False, ref)
+    _train(ref, oref, range(3 * k))
+    a = _model(2)
+    oa = _make(kind, True, a)
+    _train(a, oa, range(k))
+    _dcp_save(a, oa, os.path.join(root, "ours"))
+    b = _model(7)
+    ob = _make(kind, False, b)
+    _dcp_load(b, ob, os.path.join(root, "ours"))
+    _train(b, ob, range(k, 2 * k))
+    _dcp_save(b, ob, os.path.join(root, "torch"))
+    c = _model(8)
+    oc = _make(kind, True, c)
+    _dcp_load(c, oc, os.path.join(root, "torch"))
+    _train(c, oc, range(2 * k, 3 * k))
+    err = _max_rel_err(c, ref)
+    assert err < tol, err
+    return f"{kind} DCP crossing: max rel err {err:.2e}"
+
+
+def _case_mixed_owned_unowned(kind: str, tol: float = 1e-6):
+    """Flat groups with a replicated no_shard group; flat groups with plain (unsharded) parameters."""
+    out = []
+    for layout in ("no_shard", "blocks_only"):
+        out.append(_case_parity(kind, layout, steps=6, tol=tol))
+    return "; ".join(out)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_parity(cpu_pool, kind):
+    print(cpu_pool.run(_case_parity, kind)[0])
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_state_dict_crossing(cpu_pool, kind):
+    print(cpu_pool.run(_case_state_dict_crossing, kind)[0])
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_dcp_crossing(tmp_path, kind):
+    print(get_pool(2).run(_case_dcp_crossing, kind, str(tmp_path))[0])
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_mixed_owned_unowned(kind):
+    print(get_pool(2).run(_case_mixed_owned_unowned, kind)[0])
+
+
+# ---------------------------------------------------------------------------------------------- GPU (NCCL)
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_gpu_parity(gpu_pool, kind):
+    print(gpu_pool.run(_case_parity, kind, "full", 20, 1e-5)[0])
+    print(gpu_pool.run(_case_mixed_owned_unowned, kind, 1e-5)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_dcp_crossing(gpu_pool, tmp_path):
+    print(gpu_pool.run(_case_dcp_crossing, "adamw", str(tmp_path), 1e-5)[0])
