@@ -237,13 +237,50 @@ def _case_parity(kind: str, layout: str = "full", steps: int = 20, tol: float = 
     sb = torch.optim.lr_scheduler.LambdaLR(ob, lambda s: 1.0 / (1 + s))
     if layout != "blocks_only":
         assert owner_of(next(a.blocks[0].parameters())) is not None
+    launches = _count_launches(kind)
     _train(a, oa, range(steps), sa)
     _train(b, ob, range(steps), sb)
+    groups = {owner_of(p)[0] for p in a.parameters() if owner_of(p) is not None and p.requires_grad}
+    assert launches.pop() == steps * len(groups) > 0  # one launch per ParamGroup per step
+    _assert_flat_views(oa, a)
     err = _max_rel_err(a, b)
     assert err < tol, err
     assert oa.param_groups[0]["lr"] == ob.param_groups[0]["lr"] < 0.1 * ob.param_groups[0]["initial_lr"]
     _check_same_state(oa.state_dict(), ob.state_dict())
     return f"{kind} {layout}: max rel err {err:.2e}"
+
+
+def _count_launches(kind: str) -> list:
+    """Count the flat kernel's launches until the returned list is popped (its last item is the count)."""
+    name = "adamw_step" if kind == "adamw" else "sgd_step"
+    original, count = getattr(_native, name), [0]
+
+    def counting(*args):
+        count[0] += 1
+        return original(*args)
+
+    class Counter(list):
+        def pop(self):
+            setattr(_native, name, original)
+            return count[0]
+
+    setattr(_native, name, counting)
+    return Counter()
+
+
+def _assert_flat_views(opt, model) -> None:
+    """Every sharded parameter's state tensors are the views of its group's flat buffers."""
+    checked = 0
+    for p in model.parameters():
+        owner = owner_of(p)
+        if owner is None or p not in opt.state:
+            continue
+        flat = opt._flat_states[owner[0]]
+        for name in opt.STATE_NAMES:
+            if name in opt.state[p]:
+                assert opt.state[p][name] is flat.view(name, owner[1])
+                checked += 1
+    assert checked > 0
 
 
 def _check_same_state(ours: dict, theirs: dict) -> None:
