@@ -1,7 +1,8 @@
 // The per-element arithmetic of the flat fused optimizer step (AdamW, SGD), shared by the CPU kernel
 // (optim_cpu.cpp) and the CUDA kernel (optim_cuda.cu), written in the order of torch's single-tensor
 // implementations (torch/optim/adam.py _single_tensor_adam with decoupled weight decay, torch/optim/sgd.py
-// _single_tensor_sgd) with each fp32 operation rounded once, so the CPU result equals torch's CPU result:
+// _single_tensor_sgd) with each fp32 operation rounded once, so the CPU result equals torch's CPU result
+// (except torch's CPU sqrt of large tensors, MKL VML, which is not correctly rounded; ours is):
 // lerp, `add(x, alpha=a)` and addcmul as torch's vectorized CPU kernels compute them (one fused multiply-add:
 // addcmul is fma(value * t1, t2, self)), addcdiv as `self + (value * t1) / t2` (checked against torch 2.13 in
 // tests/test_optim.py).

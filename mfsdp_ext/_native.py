@@ -49,8 +49,10 @@ adamw_step(param, grad, exp_avg, exp_avg_sq, runs, coeffs)
     with coeffs[i] = (decay, w1, beta2, omb2, bc2_sqrt, eps, neg_step, sign) (a CPU float32 (n, OPTIM_COEFFS)
     tensor; the host computes them in double, as torch does with its Python scalars, and rounds to fp32).
     Every operation is one fp32 rounding, in the order of torch's ``_single_tensor_adam`` (decoupled weight
-    decay), so on the CPU the result equals ``torch.optim.AdamW(foreach=False)`` on fp32 tensors (with the grad
-    cast to fp32 first) to the bit; CUDA gives the same bits as this CPU kernel. Elements in no run are not
+    decay; lerp and addcmul as torch's CPU kernels: one fma each), so on the CPU the result equals
+    ``torch.optim.AdamW(foreach=False)`` on fp32 tensors (grad cast to fp32 first) to the bit, except where
+    torch's CPU sqrt (MKL VML for large tensors) is one ulp off: ours is correctly rounded. CUDA gives the same
+    bits as this CPU kernel (correctly rounded __f*_rn operations). Elements in no run are not
     touched; a run may cover zero padding (zero weight and zero grad stay zero: the update is 0 / eps).
     param, exp_avg, exp_avg_sq: fp32, and grad: one numel, one device, no two overlapping.
     CUDA: up to OPTIM_INLINE_RUNS (64) runs travel in the kernel's parameters (no upload, capturable in a CUDA
