@@ -215,6 +215,9 @@ def _train(model, opt, steps: range, sched=None, drop_grad: bool = True) -> None
         lm_loss(model, tokens.chunk(world)[rank], targets.chunk(world)[rank]).backward()
         if drop_grad and step % 3 == 1:
             model.blocks[1].fc1.bias.grad = None  # a grad-less parameter inside a group: skipped, step not counted
+        if drop_grad and step % 4 == 2:
+            w = model.blocks[0].fc2.weight
+            w.grad = w.grad * 1.0  # a grad that is not the main_grad view: stepped by torch's code, state adopted
         opt.step()
         opt.zero_grad()
         if sched is not None:
@@ -371,6 +374,27 @@ def _case_mixed_owned_unowned(kind: str, tol: float = 1e-6):
     return "; ".join(out)
 
 
+def _case_stale_after_materialize():
+    """An optimizer built before a meta-device model is materialized holds replaced parameters: step() says so."""
+    import mfsdp_ext
+
+    with torch.device("meta"):
+        model = TinyLM()
+    shard_tiny_lm(model, fully_shard)
+    opt = mo.AdamW(model.parameters())
+    model.to_empty(device=rank_device())
+    mfsdp_ext.reset_parameters(model)
+    with pytest.raises(ValueError, match="no longer its module's parameter"):
+        opt.step()
+    opt = mo.AdamW(model.parameters())  # built after init: works
+    _train(model, opt, range(2))
+    return "ok"
+
+
+def test_stale_after_materialize():
+    get_pool(2).run(_case_stale_after_materialize)
+
+
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 def test_parity(cpu_pool, kind):
     print(cpu_pool.run(_case_parity, kind)[0])
@@ -397,6 +421,33 @@ def test_mixed_owned_unowned(kind):
 def test_gpu_parity(gpu_pool, kind):
     print(gpu_pool.run(_case_parity, kind, "full", 20, 1e-5)[0])
     print(gpu_pool.run(_case_mixed_owned_unowned, kind, 1e-5)[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nruns", [3, 100])  # inline run table; uploaded through pinned memory
+def test_gpu_kernels_equal_cpu_kernels(grad_dtype, nruns):
+    """Same bits on CUDA as on the CPU: vector path (all aligned alike) and scalar path (weight and state views one
+    element off the grad's alignment)."""
+    g = torch.Generator().manual_seed(3)
+    n = 40 * nruns + 7
+    runs = torch.tensor([[i * 40 + (i % 3), i * 40 + 33] for i in range(nruns)])
+    adamw = torch.tensor([_adamw_coeffs(1e-2 * (1 + i % 4), 0.9, 0.99, 1e-8, 0.1 * (i % 2), 2, maximize=i % 5 == 0)
+                          for i in range(nruns)], dtype=torch.float32)
+    sgd = torch.tensor([_sgd_coeffs(0.1, 0.9 * (i % 3 != 2), 0.1, 0.01 * (i % 2), i % 2 == 0, i % 4 == 0)
+                        for i in range(nruns)], dtype=torch.float32)
+    for offset in (0, 1):
+        cpu = [torch.randn(n + offset, generator=g)[offset:] for _ in range(4)]
+        grad = torch.randn(n, generator=g).to(grad_dtype)
+        cpu[3] = cpu[3].abs()
+        gpu = [t.cuda() for t in cpu]
+        _native.adamw_step(cpu[0], grad, cpu[1], cpu[3], runs, adamw)
+        _native.adamw_step(gpu[0], grad.cuda(), gpu[1], gpu[3], runs, adamw)
+        _native.sgd_step(cpu[0], grad, cpu[2], runs, sgd)
+        _native.sgd_step(gpu[0], grad.cuda(), gpu[2], runs, sgd)
+        for c, d in zip(cpu, gpu):
+            assert torch.equal(c, d.cpu())
 
 
 @pytest.mark.gpu

@@ -77,9 +77,9 @@ class FlatOptimizerMixin:
         for gi, group in enumerate(self.param_groups):
             self._check_group(group)
             for p in group["params"]:
+                owner = flat_owner(p)  # first: a stale parameter (re-materialized group) raises even without grad
                 if p.grad is None:
                     continue
-                owner = flat_owner(p)
                 if owner is not None:
                     self._state_for(p, *owner)
                 if owner is not None and grad_is_main_grad(*owner, p):
