@@ -64,24 +64,47 @@ __device__ __forceinline__ void step_one(const Buffers& b, int64_t j, const floa
   }
 }
 
+// kVec elements of every stream, in registers
+struct Lanes {
+  float p[kVec], g[kVec], s0[kVec], s1[kVec];
+};
+
 template <class G, OptimKind K>
-__device__ __forceinline__ void step_vec(const Buffers& b, int64_t j, const float* c, bool use_s0) {
-  float p[kVec], g[kVec], s0[kVec] = {0.f, 0.f, 0.f, 0.f}, s1[kVec] = {0.f, 0.f, 0.f, 0.f};
-  load4(p, b.param + j);
-  load_grad4<G>(g, static_cast<const typename G::raw*>(b.grad) + j);
-  if (use_s0) load4(s0, b.s0 + j);
-  if constexpr (K == kOptimAdamW) load4(s1, b.s1 + j);
+__device__ __forceinline__ void load_vec(Lanes& r, const Buffers& b, int64_t j, bool use_s0) {
+  load4(r.p, b.param + j);
+  load_grad4<G>(r.g, static_cast<const typename G::raw*>(b.grad) + j);
+  if (use_s0) load4(r.s0, b.s0 + j);
+  if constexpr (K == kOptimAdamW) load4(r.s1, b.s1 + j);
+}
+
+template <OptimKind K>
+__device__ __forceinline__ void update_store_vec(Lanes& r, const Buffers& b, int64_t j, const float* c, bool use_s0) {
 #pragma unroll
   for (int k = 0; k < kVec; ++k) {
     if constexpr (K == kOptimAdamW) {
-      adamw_update(p[k], g[k], s0[k], s1[k], c);
+      adamw_update(r.p[k], r.g[k], r.s0[k], r.s1[k], c);
     } else {
-      sgd_update(p[k], g[k], s0[k], c);
+      sgd_update(r.p[k], r.g[k], r.s0[k], c);  // s0 is not stored back without momentum
     }
   }
-  store4(b.param + j, p);
-  if (use_s0) store4(b.s0 + j, s0);
-  if constexpr (K == kOptimAdamW) store4(b.s1 + j, s1);
+  store4(b.param + j, r.p);
+  if (use_s0) store4(b.s0 + j, r.s0);
+  if constexpr (K == kOptimAdamW) store4(b.s1 + j, r.s1);
+}
+
+// Vectors [0, nvec) from element v0: two per thread per iteration, both loaded before either is stored (the
+// stores could alias the next loads, so the compiler would not hoist them itself).
+template <class G, OptimKind K>
+__device__ __forceinline__ void step_vectors(const Buffers& b, int64_t v0, int64_t nvec, const float* c, bool use_s0) {
+  const int64_t nt = blockDim.x;
+  for (int64_t v = threadIdx.x; v < nvec; v += 2 * nt) {
+    const bool second = v + nt < nvec;
+    Lanes x, y;
+    load_vec<G, K>(x, b, v0 + v * kVec, use_s0);
+    if (second) load_vec<G, K>(y, b, v0 + (v + nt) * kVec, use_s0);
+    update_store_vec<K>(x, b, v0 + v * kVec, c, use_s0);
+    if (second) update_store_vec<K>(y, b, v0 + (v + nt) * kVec, c, use_s0);
+  }
 }
 
 __device__ __forceinline__ bool aligned_at(const void* base, int64_t j, int esize, int bytes) {
@@ -105,7 +128,7 @@ __device__ __forceinline__ void step_range(const Buffers& b, int64_t a, int64_t 
   const int64_t nvec = vec ? (q - v0) / kVec : 0;
   const int64_t vend = v0 + nvec * kVec;
   for (int64_t j = a + tid; j < v0 && nvec > 0; j += nt) step_one<G, K>(b, j, c, use_s0);
-  for (int64_t v = tid; v < nvec; v += nt) step_vec<G, K>(b, v0 + v * kVec, c, use_s0);
+  step_vectors<G, K>(b, v0, nvec, c, use_s0);
   for (int64_t j = (nvec > 0 ? vend : a) + tid; j < q; j += nt) step_one<G, K>(b, j, c, use_s0);
 }
 
