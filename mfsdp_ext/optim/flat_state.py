@@ -48,7 +48,7 @@ class FlatState:
         self.buffers = {n: FlatBuffer(group.layout, torch.float32, device, rank=group.rank) for n in names}
         for buf in self.buffers.values():
             buf.data.zero_()
-        self._group = group
+        self._group_ref = weakref.ref(group)  # a strong one would keep the WeakKeyDictionary's key alive
         self._views: dict[tuple[str, int], DTensor] = {}
 
     def buffer(self, name: str) -> torch.Tensor:
@@ -58,7 +58,7 @@ class FlatState:
         """Parameter i's state ``name``: a DTensor like the parameter, a view of the flat buffer (made once)."""
         key = (name, i)
         if key not in self._views:
-            self._views[key] = _copyable(self._group.as_dtensor(i, self.buffers[name].param_view(i)))
+            self._views[key] = _copyable(self._group_ref().as_dtensor(i, self.buffers[name].param_view(i)))
         return self._views[key]
 
     def fresh_view(self, name: str, i: int) -> DTensor:
@@ -70,7 +70,7 @@ class FlatState:
         """Copy ``value`` (a loaded or torch-made state tensor) into parameter i's slot; returns the view."""
         view = self.view(name, i)
         if value is not view:
-            view._local_tensor.copy_(_local_part(self._group, i, value, view))
+            view._local_tensor.copy_(_local_part(self._group_ref(), i, value, view))
         return view
 
 
