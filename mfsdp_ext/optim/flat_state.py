@@ -44,26 +44,32 @@ class FlatState:
     """One optimizer's flat state buffers (fp32, zeroed) for one ParamGroup, and each parameter's DTensor views."""
 
     def __init__(self, group: ParamGroup, names: tuple[str, ...]):
-        device = group.main_weight.data.device
-        self.buffers = {n: FlatBuffer(group.layout, torch.float32, device, rank=group.rank) for n in names}
-        for buf in self.buffers.values():
-            buf.data.zero_()
+        self.names = names
+        self.buffers: dict[str, FlatBuffer] = {}  # made on first use (SGD without momentum makes none)
         self._group_ref = weakref.ref(group)  # a strong one would keep the WeakKeyDictionary's key alive
         self._views: dict[tuple[str, int], DTensor] = {}
 
+    def _buffer(self, name: str) -> FlatBuffer:
+        if name not in self.buffers:
+            group = self._group_ref()
+            buf = FlatBuffer(group.layout, torch.float32, group.main_weight.data.device, rank=group.rank)
+            buf.data.zero_()
+            self.buffers[name] = buf
+        return self.buffers[name]
+
     def buffer(self, name: str) -> torch.Tensor:
-        return self.buffers[name].data
+        return self._buffer(name).data
 
     def view(self, name: str, i: int) -> DTensor:
         """Parameter i's state ``name``: a DTensor like the parameter, a view of the flat buffer (made once)."""
         key = (name, i)
         if key not in self._views:
-            self._views[key] = _copyable(self._group_ref().as_dtensor(i, self.buffers[name].param_view(i)))
+            self._views[key] = _copyable(self._group_ref().as_dtensor(i, self._buffer(name).param_view(i)))
         return self._views[key]
 
     def fresh_view(self, name: str, i: int) -> DTensor:
         """The view with its slot zeroed: the state a parameter starts with."""
-        self.buffers[name].chunk_slot(i).zero_()
+        self._buffer(name).chunk_slot(i).zero_()
         return self.view(name, i)
 
     def adopt(self, name: str, i: int, value: torch.Tensor) -> DTensor:

@@ -34,7 +34,7 @@ class SGD(FlatOptimizerMixin, torch.optim.SGD):
         pass  # torch makes the momentum buffer at the first step (a copy of the gradient): the kernel does
 
     def _flat_key(self, group_index: int, p) -> tuple[int, bool]:
-        return group_index, "momentum_buffer" not in self.state.get(p, {})
+        return group_index, self.state.get(p, {}).get("momentum_buffer") is None
 
     def _coeffs(self, keys: list[tuple[int, bool]]) -> torch.Tensor:
         rows = []
