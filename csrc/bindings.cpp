@@ -1,5 +1,5 @@
 // Python bindings of mfsdp_ext._C: registration only (which file holds what: csrc/README.md).
-// Kernels: cast.cpp / pack.cpp / quantize.cpp (entry points) over *_cpu.cpp / *_cuda.cu; build description:
+// Kernels: cast.cpp / pack.cpp / quantize.cpp / optim.cpp (entry points) over *_cpu.cpp / *_cuda.cu; build description:
 // build_info.cpp; symmetric memory: symm_offset_allocator.cpp and symm_comm.cpp (SymmComm only when built with
 // NCCL). Constants the Python layer needs are defined once in C++ and exported here as module attributes.
 #include <torch/extension.h>
@@ -7,7 +7,8 @@
 #include "build_info.h"
 #include "cast.h"
 #include "float_formats.h"  // E4M3T / E5M2T::max_value
-#include "launch.h"         // kInlineTableEntries, QuantizeAlgo
+#include "launch.h"         // kInlineTableEntries, QuantizeAlgo, kOptimInlineRuns, kOptimCoeffs
+#include "optim.h"
 #include "pack.h"
 #include "quantize.h"
 #include "symm_comm.h"
@@ -36,6 +37,10 @@ void register_kernels(py::module_& m) {
         py::arg("amax") = py::none(), py::arg("dst_t") = py::none(), py::arg("eps") = 1e-12,
         py::arg("algo") = static_cast<int64_t>(mfsdp::kQuantizeAuto));
   m.def("fp8_transpose", &mfsdp::fp8_transpose, release(), py::arg("src"), py::arg("dst"));
+  m.def("adamw_step", &mfsdp::adamw_step, release(), py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
+        py::arg("exp_avg_sq"), py::arg("runs"), py::arg("coeffs"));
+  m.def("sgd_step", &mfsdp::sgd_step, release(), py::arg("param"), py::arg("grad"), py::arg("momentum_buffer"),
+        py::arg("runs"), py::arg("coeffs"));
   m.def("check_segments", &mfsdp::check_segments, release(), py::arg("segments"), py::arg("total"));
 }
 
@@ -43,6 +48,8 @@ void register_constants(py::module_& m) {
   m.attr("FP8_E4M3_MAX") = static_cast<double>(mfsdp::E4M3T::max_value);
   m.attr("FP8_E5M2_MAX") = static_cast<double>(mfsdp::E5M2T::max_value);
   m.attr("PACK_INLINE_TABLE_ENTRIES") = mfsdp::kInlineTableEntries;
+  m.attr("OPTIM_INLINE_RUNS") = mfsdp::kOptimInlineRuns;
+  m.attr("OPTIM_COEFFS") = mfsdp::kOptimCoeffs;
   py::dict algos;  // fp8_quantize's algo argument
   algos["auto"] = static_cast<int>(mfsdp::kQuantizeAuto);
   algos["two_pass"] = static_cast<int>(mfsdp::kQuantizeTwoPass);

@@ -128,6 +128,35 @@ struct Fp8TransposeParams {
   void* dst;
 };
 
+
+// One flat optimizer step (AdamW or SGD) over the runs of a flat buffer: for each run i, [runs[2i], runs[2i+1])
+// (a segment table: sorted, non-overlapping, within [0, numel)), every element is updated with run i's
+// coefficients coeffs[kOptimCoeffs * i ...] (optim_math.h); elements in no run are not touched.
+// param / state0 / state1: fp32 flat buffers of numel elements; grad: fp32 / bf16 / fp16.
+// AdamW: state0 = exp_avg, state1 = exp_avg_sq. SGD: state0 = momentum buffer (null when no run has
+// kSgdMomentum), state1 = null.
+enum OptimKind : int { kOptimAdamW = 0, kOptimSgd = 1 };
+
+// Runs of at most this many rows travel in the CUDA kernel's parameters (2 KB + 1 KB of the 4 KB limit):
+// no upload, so the step can be captured in a CUDA graph.
+constexpr int64_t kOptimInlineRuns = 64;
+constexpr int kOptimCoeffs = 8;  // floats per run in the coefficient table (columns: optim_math.h)
+
+struct OptimStepParams {
+  OptimKind kind;
+  float* param;
+  const void* grad;
+  DType grad_dtype;
+  float* state0;
+  float* state1;
+  int64_t numel;
+  const int64_t* host_runs;     // (num_runs, 2) in host memory
+  const float* host_coeffs;     // (num_runs, kOptimCoeffs) in host memory
+  const int64_t* device_runs;   // CUDA, more than kOptimInlineRuns runs: the same rows in device memory
+  const float* device_coeffs;
+  int64_t num_runs;
+};
+
 namespace cpu {
 int launch(const CastParams& p, void* stream);
 int launch(const SegmentAmaxParams& p, void* stream);
@@ -137,6 +166,7 @@ int launch(const GradAccumulateParams& p, void* stream);
 int launch(const CopyTableParams& p, void* stream);
 int launch(const Fp8QuantizeParams& p, void* stream);
 int launch(const Fp8TransposeParams& p, void* stream);
+int launch(const OptimStepParams& p, void* stream);
 }  // namespace cpu
 
 namespace cuda {
@@ -148,6 +178,7 @@ int launch(const GradAccumulateParams& p, void* stream);
 int launch(const CopyTableParams& p, void* stream);
 int launch(const Fp8QuantizeParams& p, void* stream);
 int launch(const Fp8TransposeParams& p, void* stream);
+int launch(const OptimStepParams& p, void* stream);
 // words of Fp8QuantizeParams::workspace for the two-pass quantizer on the current device
 int64_t fp8_quantize_workspace_words();
 }  // namespace cuda

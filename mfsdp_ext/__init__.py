@@ -5,6 +5,7 @@ from .finite_grads import NonFiniteGradError
 from .fp8_linear import Fp8Linear, Fp8LinearConfig, to_fp8_linear
 from .marks import no_shard
 from .mixed_precision import Fp8Policy, MixedPrecisionPolicy
+from . import optim  # mfsdp_ext.optim.AdamW / SGD: flat fused optimizers
 from .module import FsdpModule, Strategy
 
 
@@ -15,6 +16,6 @@ def build_info() -> dict:
     return _native.build_info()
 
 
-__all__ = ["fully_shard", "microbatch", "no_shard", "reset_parameters", "MixedPrecisionPolicy", "Fp8Policy", "FsdpModule",
-           "Strategy", "Fp8Linear", "Fp8LinearConfig", "to_fp8_linear", "build_info", "NonFiniteGradError"]
+__all__ = ["optim", "fully_shard", "microbatch", "no_shard", "reset_parameters", "MixedPrecisionPolicy", "Fp8Policy",
+           "FsdpModule", "Strategy", "Fp8Linear", "Fp8LinearConfig", "to_fp8_linear", "build_info", "NonFiniteGradError"]
 __version__ = "0.1.0"

@@ -5,7 +5,7 @@ time, at first import) imports it as a module. Both call ``extension_spec`` and 
 same flags:
 
   * always: the C++ CPU kernels, the bindings and the symmetric pool's offset allocator (csrc/*.cpp:
-    bindings, build_info, {pack,cast,quantize}.cpp and *_cpu.cpp, symm_offset_allocator, symm_comm);
+    bindings, build_info, {pack,cast,quantize,optim}.cpp and *_cpu.cpp, symm_offset_allocator, symm_comm);
   * CUDA kernels (csrc/*_cuda.cu, -DMFSDP_WITH_CUDA) when torch has CUDA and nvcc is found (CUDA_HOME);
   * NCCL code (in symm_comm.cpp and build_info.cpp, -DMFSDP_WITH_NCCL, linked with -l:libnccl.so.2) when, in
     addition, nccl.h is found: $NCCL_INCLUDE_DIR, $NCCL_HOME, the ``nvidia.nccl`` Python package, CUDA_HOME, then the system.
@@ -30,9 +30,9 @@ import torch
 from torch.utils.cpp_extension import CUDA_HOME
 
 SOURCES = ("bindings.cpp", "build_info.cpp", "pack.cpp", "pack_cpu.cpp", "cast.cpp", "cast_cpu.cpp", "quantize.cpp",
-           "quantize_cpu.cpp", "symm_offset_allocator.cpp", "symm_comm.cpp")  # csrc/README.md: which file holds what
+           "quantize_cpu.cpp", "optim.cpp", "optim_cpu.cpp", "symm_offset_allocator.cpp", "symm_comm.cpp")  # csrc/README.md: which file holds what
 # Not pack.cu / cast.cu: torch names object files by stem, so they would clash with pack.o / cast.o.
-CUDA_SOURCES = ("pack_cuda.cu", "cast_cuda.cu", "quantize_cuda.cu")
+CUDA_SOURCES = ("pack_cuda.cu", "cast_cuda.cu", "quantize_cuda.cu", "optim_cuda.cu")
 SOURCE_SUFFIXES = (".cpp", ".h", ".cu", ".cuh")  # what csrc/ holds; all of it ships in the wheel and the sdist
 
 

@@ -37,6 +37,33 @@ grad_accumulate(main_grad, reduced, scale, accumulate)
     main_grad[:] = (main_grad if accumulate else 0) + scale * reduced.float()  (fp32 arithmetic; when
     accumulating, one fused multiply-add, i.e. a single rounding). main_grad and reduced must not overlap.
 
+adamw_step(param, grad, exp_avg, exp_avg_sq, runs, coeffs)
+    One AdamW step (decoupled weight decay) over the runs of flat buffers: for every run i, [start, end) =
+    runs[i] (a CPU int64 (n, 2) segment table, rule below, within [0, param.numel())), every element j there:
+        g = grad[j] * sign                                  (sign -1 when maximize; grad fp32 / bf16 / fp16)
+        param[j] *= decay                                   (decay = 1 - lr * weight_decay)
+        exp_avg[j] = lerp(exp_avg[j], g, w1)                (w1 = 1 - beta1; torch's CPU lerp: one fma)
+        exp_avg_sq[j] = exp_avg_sq[j] * beta2 + (omb2 * g) * g        (omb2 = 1 - beta2)
+        denom = sqrt(exp_avg_sq[j]) / bc2_sqrt + eps        (bc2_sqrt = sqrt(1 - beta2 ** step))
+        param[j] += (neg_step * exp_avg[j]) / denom         (neg_step = -lr / (1 - beta1 ** step))
+    with coeffs[i] = (decay, w1, beta2, omb2, bc2_sqrt, eps, neg_step, sign) (a CPU float32 (n, OPTIM_COEFFS)
+    tensor; the host computes them in double, as torch does with its Python scalars, and rounds to fp32).
+    Every operation is one fp32 rounding, in the order of torch's ``_single_tensor_adam`` (decoupled weight
+    decay; lerp and addcmul as torch's CPU kernels: one fma each), so on the CPU the result equals
+    ``torch.optim.AdamW(foreach=False)`` on fp32 tensors (grad cast to fp32 first) to the bit, except where
+    torch's CPU sqrt (MKL VML for large tensors) is one ulp off: ours is correctly rounded. CUDA gives the same
+    bits as this CPU kernel (correctly rounded __f*_rn operations). Elements in no run are not
+    touched; a run may cover zero padding (zero weight and zero grad stay zero: the update is 0 / eps).
+    param, exp_avg, exp_avg_sq: fp32, and grad: one numel, one device, no two overlapping.
+    CUDA: up to OPTIM_INLINE_RUNS (64) runs travel in the kernel's parameters (no upload, capturable in a CUDA
+    graph); above that they are uploaded through pinned memory on every call, and capturing raises.
+sgd_step(param, grad, momentum_buffer, runs, coeffs)
+    One SGD step over the runs, torch's ``_single_tensor_sgd`` order: g = grad * sign; g = fma(param, wd, g) when
+    wd != 0; with momentum: buf = g on a parameter's first step, else buf = fma(g, 1 - dampening, buf * momentum),
+    then g = fma(buf, momentum, g) (nesterov) or buf; param = fma(g, -lr, param). coeffs[i] = (wd, momentum,
+    1 - dampening, -lr, sign, flags, 0, 0), flags = 1 (momentum: momentum_buffer used) | 2 (first step: buf = g)
+    | 4 (nesterov). momentum_buffer may be None when no run has flag 1.
+
 fp8_quantize(src, dst, scale_inv, amax=None, dst_t=None, eps=1e-12, algo="auto")
     Per-tensor current scaling of one tensor (activations, gradients): amax = max |src| over the whole tensor,
     scale = fp8_max / max(amax, eps) (1 where amax is 0, inf or NaN), dst = saturate(src * scale) as for
@@ -110,6 +137,8 @@ SYMM_REGION_GRANULARITY: int = _C.SYMM_REGION_GRANULARITY  # pool regions are wh
 SYMM_DEFAULT_GROW_BYTES: int = _C.SYMM_DEFAULT_GROW_BYTES  # region added when a pool allocation does not fit
 MIN_NCCL_VERSION: int = _C.MIN_NCCL_VERSION  # runtime NCCL needed by the symmetric collectives (22807 = 2.28.7)
 PACK_INLINE_TABLE_ENTRIES: int = _C.PACK_INLINE_TABLE_ENTRIES  # CUDA pack/unpack: table in the kernel parameters
+OPTIM_INLINE_RUNS: int = _C.OPTIM_INLINE_RUNS  # CUDA adamw_step/sgd_step: runs in the kernel parameters
+OPTIM_COEFFS: int = _C.OPTIM_COEFFS  # columns of adamw_step/sgd_step's coefficient table
 FP8_E4M3_MAX: float = _C.FP8_E4M3_MAX  # largest finite float8_e4m3fn (the kernels saturate to it)
 FP8_E5M2_MAX: float = _C.FP8_E5M2_MAX  # largest finite float8_e5m2
 
@@ -212,3 +241,13 @@ def fp8_transpose(src: torch.Tensor, dst: torch.Tensor) -> None:
 def grad_accumulate(main_grad: torch.Tensor, reduced: torch.Tensor, scale: float, accumulate: bool) -> None:
     _C.grad_accumulate(main_grad, reduced, float(scale), bool(accumulate))
 
+
+
+def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               runs: torch.Tensor, coeffs: torch.Tensor) -> None:
+    _C.adamw_step(param, grad, exp_avg, exp_avg_sq, runs, coeffs)
+
+
+def sgd_step(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor | None, runs: torch.Tensor,
+             coeffs: torch.Tensor) -> None:
+    _C.sgd_step(param, grad, momentum_buffer, runs, coeffs)

@@ -20,6 +20,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _native, dist_ops
 from .collectives import PLAIN_ALL_GATHER, PLAIN_REDUCE_SCATTER, AllGather, ReduceScatter
@@ -44,6 +45,19 @@ class _OptimizerSteps:
     @classmethod
     def _count(cls, optimizer, args, kwargs) -> None:
         cls.count += 1
+
+
+# sharded parameter (info.sharded) -> (weak reference to its ParamGroup, its index): how mfsdp_ext.optim finds
+# the flat buffers behind a parameter without walking modules. Filled by _make_params (again after materialize).
+_OWNERS = WeakIdKeyDictionary()
+
+
+def owner_of(param: torch.Tensor) -> tuple[ParamGroup, int] | None:
+    """(group, index) when ``param`` is (or was: check ``group.infos[index].sharded is param``) the sharded
+    parameter of a live ParamGroup; None for any other tensor."""
+    entry = _OWNERS.get(param)
+    group = entry[0]() if entry is not None else None
+    return None if group is None else (group, entry[1])
 
 
 @dataclass
@@ -201,6 +215,7 @@ class ParamGroup:
         for i, info in enumerate(self.infos):
             info.sharded = nn.Parameter(self.as_dtensor(i, self.main_weight.param_view(i)),
                                         requires_grad=self.requires_grad)
+            _OWNERS[info.sharded] = (weakref.ref(self), i)
             info.unsharded = nn.Parameter(self.unsharded.param_view(i), requires_grad=self.requires_grad)
         self._plan_views()
 

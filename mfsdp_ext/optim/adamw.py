@@ -1,0 +1,71 @@
+"""mfsdp_ext.optim.AdamW: torch.optim.AdamW with one fused kernel per fully_shard ParamGroup (see base.py)."""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.adam import adam
+from torch.optim.optimizer import _get_scalar_dtype
+
+from .. import _native
+from .base import FlatOptimizerMixin
+from .flat_state import FlatState
+
+
+class AdamW(FlatOptimizerMixin, torch.optim.AdamW):
+    """torch.optim.AdamW (same arguments, defaults, param_groups and state_dict) whose fully_shard parameters step
+    in one native kernel per ParamGroup over flat state buffers; other parameters step with torch's AdamW.
+
+    Refused (ValueError): amsgrad, capturable, differentiable, a Tensor lr or betas. ``foreach`` is used for
+    the parameters torch steps; ``fused`` is accepted and ignored (the flat kernel is the fused path).
+    """
+
+    STATE_NAMES = ("exp_avg", "exp_avg_sq")
+    _UNSUPPORTED = (("amsgrad", "use torch.optim.AdamW(amsgrad=True)"),
+                    ("capturable", "the flat kernel keeps steps on the host (torch's non-capturable AdamW); use "
+                                   "capturable=False, or torch.optim.AdamW(capturable=True) for CUDA graphs"),
+                    ("differentiable", "use torch.optim.AdamW(differentiable=True)"))
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
+                         capturable=capturable, differentiable=differentiable, fused=None)
+        self._setup_flat()
+
+    def _init_flat(self, p, flat: FlatState, i: int) -> None:
+        state = self.state[p]
+        state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())  # on the CPU, as torch's non-capturable AdamW
+        for name in self.STATE_NAMES:
+            state[name] = flat.fresh_view(name, i)
+
+    def _flat_key(self, group_index: int, p) -> tuple[int, float]:
+        state = self.state[p]
+        state["step"] += 1
+        return group_index, state["step"].item()
+
+    def _coeffs(self, keys: list[tuple[int, float]]) -> torch.Tensor:
+        """Per run the kernel's coefficients (_native.adamw_step), in double as torch computes its scalars."""
+        rows = []
+        for group_index, step in keys:
+            group = self.param_groups[group_index]
+            lr, (beta1, beta2), wd = group["lr"], group["betas"], group["weight_decay"]
+            bias_correction1, bias_correction2 = 1 - beta1**step, 1 - beta2**step
+            rows.append([1 - lr * wd, 1 - beta1, beta2, 1 - beta2, bias_correction2**0.5, group["eps"],
+                         -(lr / bias_correction1), -1.0 if group["maximize"] else 1.0])
+        return torch.tensor(rows, dtype=torch.float32).reshape(-1, _native.OPTIM_COEFFS)
+
+    def _run_kernel(self, group, flat: FlatState, runs: torch.Tensor, keys: list) -> None:
+        _native.adamw_step(group.main_weight.data, group.main_grad.data, flat.buffer("exp_avg"),
+                           flat.buffer("exp_avg_sq"), runs, self._coeffs(keys))
+
+    def _torch_step(self, group: dict, params: list) -> None:
+        """torch's AdamW step for ``params`` (its state init and its functional implementation)."""
+        params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+        has_complex = self._init_group(dict(group, params=params), params_with_grad, grads, exp_avgs, exp_avg_sqs,
+                                       max_exp_avg_sqs, steps)
+        beta1, beta2 = group["betas"]
+        adam(params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad=False,
+             has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+             eps=group["eps"], maximize=group["maximize"], foreach=group["foreach"], capturable=False,
+             differentiable=False, fused=None, grad_scale=None, found_inf=None, decoupled_weight_decay=True)

@@ -1,0 +1,130 @@
+"""What AdamW and SGD share: the split of each step into flat parameters (one kernel per ParamGroup) and the
+rest (torch's own step), lazy flat state, the refusal of options the kernels do not implement, and a
+load_state_dict that copies loaded values into the flat buffers instead of replacing the state tensors.
+
+A subclass (also a subclass of the torch optimizer it replaces) defines:
+  STATE_NAMES        the per-parameter state tensors kept in flat buffers
+  _init_flat(p, flat, i)          make a new parameter's state (views of its zeroed slots), or none yet
+  _flat_key(group_index, p)       what besides the data its update depends on (merged runs share it); may
+                                  advance per-parameter counters (AdamW's step)
+  _run_kernel(group, flat, runs, keys)   one native launch over the group's buffers
+  _torch_step(group, params)      torch's step for ``params`` (a subset of ``group["params"]``)
+  _after_flat(group_index, p, flat, i)  state bookkeeping after the kernel (SGD's momentum buffer)
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+
+import torch
+
+from .flat_state import FlatState, build_runs, flat_owner, grad_is_main_grad
+
+
+class FlatOptimizerMixin:
+    STATE_NAMES: tuple[str, ...] = ()
+    _UNSUPPORTED: tuple[tuple[str, str], ...] = ()  # (group option, what to use instead) refused when truthy
+
+    def _setup_flat(self) -> None:
+        self._flat_states = weakref.WeakKeyDictionary()  # ParamGroup -> FlatState
+        for group in self.param_groups:
+            self._check_group(group)
+
+    def _check_group(self, group: dict) -> None:
+        name = type(self).__name__
+        for option, instead in self._UNSUPPORTED:
+            if group.get(option):
+                raise ValueError(f"mfsdp_ext.optim.{name} does not implement {option}=True; {instead}")
+        for option in ("lr", "betas", "momentum", "weight_decay"):
+            values = group.get(option, ())
+            if any(isinstance(v, torch.Tensor) for v in (values if isinstance(values, tuple) else (values,))):
+                raise ValueError(f"mfsdp_ext.optim.{name}: {option} must be a float, not a Tensor (the kernel's "
+                                 f"coefficients are computed on the host); LR schedulers work with float lrs, or "
+                                 f"use torch.optim.{name} for a tensor {option}")
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_flat_states"):
+            self._check_group(self.param_groups[-1])
+
+    def _flat(self, group) -> FlatState:
+        flat = self._flat_states.get(group)
+        if flat is None:  # made at the first step (after any materialize), as torch makes state lazily
+            flat = self._flat_states[group] = FlatState(group, self.STATE_NAMES)
+        return flat
+
+    def _state_for(self, p, group, i) -> None:
+        """p's state made on its first step (as torch does), or moved into the flat buffers when it holds other
+        tensors (loaded, or made by torch's step). No empty entry is added to self.state (torch adds none)."""
+        flat = self._flat(group)
+        state = self.state.get(p)
+        if not state:
+            self._init_flat(p, flat, i)
+        else:
+            self._adopt(state, flat, i)
+
+    def _adopt(self, state: dict, flat: FlatState, i: int) -> None:
+        for name in self.STATE_NAMES:
+            if name in state and state[name] is not None:
+                state[name] = flat.adopt(name, i, state[name])
+
+    def _split(self) -> tuple[dict, list[list], list]:
+        """(ParamGroup -> [(index, p, group index)] for the flat kernels, per optimizer group the parameters for
+        torch's step, and the flat parameters among them: they have a grad that is not main_grad's view)."""
+        flat_work, adopt_after = defaultdict(list), []
+        torch_work: list[list] = [[] for _ in self.param_groups]
+        for gi, group in enumerate(self.param_groups):
+            self._check_group(group)
+            for p in group["params"]:
+                owner = flat_owner(p)  # first: a stale parameter (re-materialized group) raises even without grad
+                if p.grad is None:
+                    continue
+                if owner is not None:
+                    self._state_for(p, *owner)
+                if owner is not None and grad_is_main_grad(*owner, p):
+                    flat_work[owner[0]].append((owner[1], p, gi))
+                else:
+                    torch_work[gi].append(p)
+                    if owner is not None:
+                        adopt_after.append((p, owner))
+        return flat_work, torch_work, adopt_after
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        flat_work, torch_work, adopt_after = self._split()
+        for group, params in zip(self.param_groups, torch_work):
+            if params:
+                self._torch_step(group, params)
+        for p, (group, i) in adopt_after:  # torch's step may have made new state tensors (SGD's first buffer)
+            self._adopt(self.state[p], self._flat(group), i)
+        for group, items in flat_work.items():
+            self._step_group(group, items)
+        return loss
+
+    def _step_group(self, group, items: list) -> None:
+        """One kernel launch over the group's flat buffers."""
+        flat = self._flat(group)
+        keyed = [(i, self._flat_key(gi, p)) for i, p, gi in items]
+        runs, keys = build_runs(group, keyed)
+        self._run_kernel(group, flat, runs, keys)
+        for i, p, gi in items:
+            self._after_flat(gi, p, flat, i)
+
+    def _after_flat(self, group_index: int, p, flat: FlatState, i: int) -> None:
+        pass
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, then the loaded state tensors of flat parameters are copied into the flat buffers (torch's
+        load replaces the state tensors, which would detach them from the buffers the kernel steps)."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            self._check_group(group)
+            for p in group["params"]:
+                owner = flat_owner(p)
+                if owner is not None and self.state.get(p):
+                    self._adopt(self.state[p], self._flat(owner[0]), owner[1])
