@@ -216,6 +216,8 @@ class ParamGroup:
             info.sharded = nn.Parameter(self.as_dtensor(i, self.main_weight.param_view(i)),
                                         requires_grad=self.requires_grad)
             _OWNERS[info.sharded] = (weakref.ref(self), i)
+            if self.main_grad_dtype != self.dtype and hasattr(info.sharded, "grad_dtype"):
+                info.sharded.grad_dtype = self.main_grad_dtype  # torch >= 2.13 checks .grad's dtype against it
             info.unsharded = nn.Parameter(self.unsharded.param_view(i), requires_grad=self.requires_grad)
         self._plan_views()
 
