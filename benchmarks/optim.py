@@ -41,6 +41,7 @@ import gpt  # noqa: E402
 from step import CONFIGS, TINY_CONFIGS  # noqa: E402
 
 from mfsdp_ext import _native  # noqa: E402
+from mfsdp_ext.device import cuda_median_ms  # noqa: E402
 from mfsdp_ext.flat_buffer import FlatBuffer  # noqa: E402
 from mfsdp_ext.layout import FlatLayout  # noqa: E402
 
@@ -127,21 +128,15 @@ def separate_params(shards: Shards) -> list[nn.Parameter]:
 
 
 def median_ms(fn, steps: int, warmup: int, device: torch.device) -> float:
+    if device.type == "cuda":
+        return cuda_median_ms(fn, iters=steps, warmup=warmup)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(steps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
