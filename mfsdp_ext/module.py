@@ -95,6 +95,9 @@ class FsdpUnit:
         self.post_backward_hooked = False  # _PostBackward applied to this iteration's inputs
         self.unshard_event = None  # the all-gather stream's event after this unit's gather
         self.gathered_versions: list[Optional[tuple]] = [None] * len(groups)  # weights_version() gathered
+        for g in groups:
+            if g.reduce_when_ready:
+                g.on_grads_ready = self._reduce_early
 
     @property
     def is_root(self) -> bool:
@@ -292,6 +295,12 @@ class FsdpUnit:
             defer_replicas = g.replicate_group is not None and every_microbatch
             g.accumulate_reduced(reduced, defer_replicas, last)
 
+    def _reduce_early(self, g: ParamGroup) -> None:
+        """A reduce_when_ready group has all its gradients: reduce it now, under the rest of the backward."""
+        if self.context is not None and self.context.in_backward and g.has_unsharded_grads():
+            with self.context.device.label(f"mfsdp.reduce {self.name} (ready early)"):
+                self._reduce(g)
+
     # ------------------------------------------------------------------ the root ends the iteration
     def _final_callback(self) -> None:
         """After the whole backward: finish every unit's reduction, wait for the streams, bring units to rest."""
@@ -342,6 +351,8 @@ class FsdpUnit:
         for unit in ctx.units:
             unit.training_state = TrainingState.IDLE
             unit.post_backward_hooked = False
+            for g in unit.groups:
+                g.grads_ready = 0
 
 
 def eager_hook(hook: Callable) -> Callable:

@@ -95,7 +95,7 @@ class ParamGroup:
     def __init__(self, params: list[tuple[str, nn.Parameter, list[ParamPlace]]], mesh,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, main_grad_dtype: torch.dtype,
                  device: torch.device, shard_group: dist.ProcessGroup, replicate_group: dist.ProcessGroup | None,
-                 cache_model_weight: bool | None = None):
+                 cache_model_weight: bool | None = None, reduce_when_ready: bool = False):
         first = params[0][1]
         self.dtype = first.dtype
         self.requires_grad = first.requires_grad
@@ -110,6 +110,11 @@ class ParamGroup:
         self.reduce_dtype = reduce_dtype
         self.main_grad_dtype = main_grad_dtype
         self.stats = GroupStats()
+        # Reduced as soon as all its trainable parameters have their gradient (the unit sets on_grads_ready), not
+        # at the unit's post-backward: parameters used after the unit's inner units (shard_init).
+        self.reduce_when_ready = reduce_when_ready and self.requires_grad
+        self.on_grads_ready = None
+        self.grads_ready = 0
         self.infos = [ParamInfo(fqn, places, p.shape) for fqn, p, places in params]
         self._specs: dict[tuple[int, torch.dtype], DTensorSpec] = {}  # as_dtensor's, per (parameter, dtype)
         self.layout = FlatLayout([p.shape for _, p, _ in params], self.world)
@@ -219,7 +224,28 @@ class ParamGroup:
             if self.main_grad_dtype != self.dtype and hasattr(info.sharded, "grad_dtype"):
                 info.sharded.grad_dtype = self.main_grad_dtype  # torch >= 2.13 checks .grad's dtype against it
             info.unsharded = nn.Parameter(self.unsharded.param_view(i), requires_grad=self.requires_grad)
+            if self.reduce_when_ready:
+                info.unsharded.register_post_accumulate_grad_hook(self._grad_accumulated_hook())
         self._plan_views()
+
+    def _grad_accumulated_hook(self):
+        """The hook holds the group weakly: a tensor's hooks live in C++, where the garbage collector cannot see a
+        cycle through them, and a group kept alive keeps its process groups (and gloo's threads) alive at exit."""
+        group = weakref.ref(self)
+
+        def hook(param: torch.Tensor) -> None:
+            g = group()
+            if g is not None:
+                g._grad_accumulated(param)
+
+        return hook
+
+    def _grad_accumulated(self, param: torch.Tensor) -> None:
+        if self.on_grads_ready is None:
+            return
+        self.grads_ready += 1
+        if self.grads_ready == len(self.trainable()):
+            self.on_grads_ready(self)
 
     def materialize(self, device: torch.device) -> None:
         """Give a meta-device group real (uninitialised) storage on ``device``; values come from init."""

@@ -51,8 +51,9 @@ def make_groups(module: nn.Module, params, mesh: DeviceMesh, device: torch.devic
     DTensor shards (a marked group: replicated over the mesh, as the no_shard strategy holds everything; an FP8
     group: Fp8ParamGroup, the weights of the linear layers ``mp_policy.fp8`` chooses)."""
     fp8 = choose_fp8_weights(module, params, mp_policy, strategy)
+    late = _used_after_inner_units(module, params)
     groups = []
-    for (dtype, requires_grad, marked, is_fp8), members in _group_by_kind(params, fp8).items():
+    for (dtype, requires_grad, marked, is_fp8, is_late), members in _group_by_kind(params, fp8, late).items():
         replicated = marked and shard_group is not None
         if replicated and mesh.ndim != 1:
             raise ValueError(f"no_shard-marked parameters ({members[0][0]}, ...) on a 2-D (HSDP) mesh are not "
@@ -60,7 +61,8 @@ def make_groups(module: nn.Module, params, mesh: DeviceMesh, device: torch.devic
         kwargs = dict(compute_dtype=mp_policy.compute_dtype(dtype), reduce_dtype=mp_policy.reduction_dtype(dtype),
                       main_grad_dtype=mp_policy.main_grad_dtype if dtype == torch.float32 else dtype, device=device,
                       shard_group=None if replicated else shard_group,
-                      replicate_group=mesh.get_group(0) if replicated else replicate_group)
+                      replicate_group=mesh.get_group(0) if replicated else replicate_group,
+                      reduce_when_ready=is_late)
         if is_fp8:
             groups.append(Fp8ParamGroup(members, mesh, fp8_compute=mp_policy.fp8.compute, **kwargs))
         else:
@@ -175,12 +177,27 @@ def move_buffers(module: nn.Module, device: torch.device) -> None:
         stack.extend(c for c in m.children() if not isinstance(c, FsdpModule))
 
 
-def _group_by_kind(params, fp8: set[int]):
-    kinds: dict[tuple[torch.dtype, bool, bool, bool], list] = {}
+def _group_by_kind(params, fp8: set[int], late: set[int]):
+    kinds: dict[tuple[torch.dtype, bool, bool, bool, bool], list] = {}
     for item in params:
         p = item[1]
-        kinds.setdefault((p.dtype, p.requires_grad, is_marked(p), id(p) in fp8), []).append(item)
+        marked = is_marked(p)
+        is_late = id(p) in late and p.requires_grad and not marked  # only trainable sharded ones are reduced early
+        kinds.setdefault((p.dtype, p.requires_grad, marked, id(p) in fp8, is_late), []).append(item)
     return kinds
+
+
+def _used_after_inner_units(module: nn.Module, params) -> set[int]:
+    """ids of the unit's parameters whose module comes after its last inner unit (in module order): computed after
+    every inner unit in forward, their gradients are ready first in backward (a language model's final norm and
+    head). They form groups of their own, reduced as soon as their gradients are (ParamGroup.reduce_when_ready),
+    under the backward of the inner units rather than after it."""
+    inner_units = [m for m in module.modules() if m is not module and isinstance(m, FsdpModule)]
+    if not inner_units:
+        return set()
+    order = {id(m): i for i, m in enumerate(module.modules())}
+    last_inner_end = max(order[id(m)] for unit in inner_units for m in unit.modules())
+    return {id(p) for _, p, places in params if order.get(id(places[0].module), -1) > last_inner_end}
 
 
 # ---------------------------------------------------------------------------------------------- FP8 weights

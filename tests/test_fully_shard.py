@@ -171,6 +171,32 @@ def _case_main_grad_released_after_zero_grad():
     return {"groups": len(groups)}
 
 
+def _case_late_group_reduced_first():
+    """The root's parameters used after the blocks (final norm, aux head) form their own group, reduced as soon as
+    their gradients are ready, before any block's reduction; the embedding's group is reduced last."""
+    torch.manual_seed(4)
+    model = shard_tiny_lm(TinyLM(n_layers=3), fully_shard)
+    from .models import batch, lm_loss
+
+    root = model._mfsdp_unit
+    late = [g for g in root.groups if g.reduce_when_ready]
+    assert len(late) == 1 and [i.fqn for i in late[0].infos] == ["norm.weight", "norm.bias", "aux.weight", "aux.bias"]
+    order = []
+    for m in (*model.blocks, model):
+        unit = m._mfsdp_unit
+        original = unit._reduce
+        unit._reduce = lambda g, unit=unit, original=original: (order.append((unit.name, g.reduce_when_ready)),
+                                                                original(g))
+    for step in range(2):
+        order.clear()
+        tokens, targets = batch(step, 4)
+        lm_loss(model, tokens, targets).backward()
+        assert order[0] == (root.name, True), order
+        assert order[-1] == (root.name, False), order
+        assert len(order) == 5, order
+    return {"order": order}
+
+
 def _case_meta_init():
     """Meta-built + sharded + materialized equals a single process that runs the same init."""
     torch.manual_seed(5)
@@ -394,6 +420,10 @@ def test_unsharded_storage_released(cpu_pool):
 
 def test_main_grad_released_after_zero_grad(cpu_pool):
     print(cpu_pool.run(_case_main_grad_released_after_zero_grad)[0])
+
+
+def test_late_group_reduced_first(cpu_pool):
+    print(cpu_pool.run(_case_late_group_reduced_first)[0])
 
 
 def test_meta_init(cpu_pool):

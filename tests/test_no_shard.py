@@ -48,11 +48,13 @@ def _case_no_shard_parity(microbatches: int):
         assert isinstance(p, DTensor) and p.placements == (Replicate(),), n
         assert torch.equal(p.full_tensor(), frozen_before[n]) and p.grad is None, n
     assert model.blocks[1].fc2.weight.placements == (Replicate(),)
-    # sharded units: gathered in forward and (but the root) in backward, one reduce-scatter per microbatch;
+    # sharded groups: gathered in forward and (but the root's) in backward, one reduce-scatter per microbatch;
     # replicated parameters: gathered never, the trainable ones all-reduced once per step (the frozen ones never)
-    sharded_units, iterations = 3, STEPS * microbatches  # the root, blocks 1 and 2 (block 0 made no unit)
-    assert counts["all_gather_into"] == iterations * (2 * sharded_units - 1) - (iterations - 1), counts
-    assert counts["reduce_scatter_into"] == iterations * sharded_units, counts
+    # sharded groups: blocks 1 and 2 (block 0 made no unit), and the root's two (the embedding; the final norm and
+    # aux head, used after the blocks, reduced as soon as their grads are ready)
+    sharded_groups, root_groups, iterations = 4, 2, STEPS * microbatches
+    assert counts["all_gather_into"] == iterations * (2 * sharded_groups - root_groups) - (iterations - 1), counts
+    assert counts["reduce_scatter_into"] == iterations * sharded_groups, counts
     assert counts["all_reduce"] == STEPS, counts  # block 1's replicated group
     return {"loss_err": loss_err, "param_err": param_err, "counts": dict(counts)}
 

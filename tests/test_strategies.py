@@ -82,22 +82,23 @@ def _case_strategy_matrix():
 
 
 def _check_counts(results):
-    """Collectives per run of STEPS steps, 4 units (root + 3 blocks), one group each."""
-    units = 4
+    """Collectives per run of STEPS steps: 4 units (root + 3 blocks), 5 groups: one per block, two in the root (the
+    embedding, and the final norm and aux head used after the blocks: reduced as soon as their grads are ready)."""
+    groups, root_groups = 5, 2
     for (strategy, k, ac), (_, _, c) in results.items():
         ag, rs, ar = c.get("all_gather_into", 0), c.get("reduce_scatter_into", 0), c.get("all_reduce", 0)
         if strategy == "optim_grads_params":
-            # forward: every unit per microbatch; backward: every unit but the root (kept gathered after forward)
-            # and, from the second iteration on, the last block (kept gathered: backward needs it first)
+            # forward: every group per microbatch; backward: every group but the root's (kept gathered after
+            # forward) and, from the second iteration on, the last block's (kept gathered: backward needs it first)
             iterations = STEPS * k
-            assert ag == iterations * (2 * units - 1) - (iterations - 1), (strategy, k, ac, c)
-            assert rs == STEPS * k * units and ar == 0, (strategy, k, ac, c)
+            assert ag == iterations * (2 * groups - root_groups) - (iterations - 1), (strategy, k, ac, c)
+            assert rs == STEPS * k * groups and ar == 0, (strategy, k, ac, c)
         elif strategy == "optim_grads":
-            assert ag == STEPS * units and rs == STEPS * k * units and ar == 0, (strategy, k, ac, c)
+            assert ag == STEPS * groups and rs == STEPS * k * groups and ar == 0, (strategy, k, ac, c)
         elif strategy == "optim":
-            assert ag == STEPS * units and rs == STEPS * units and ar == 0, (strategy, k, ac, c)
-        else:  # no_shard: nothing to gather, one all-reduce per unit per step
-            assert ag == 0 and rs == 0 and ar == STEPS * units, (strategy, k, ac, c)
+            assert ag == STEPS * groups and rs == STEPS * groups and ar == 0, (strategy, k, ac, c)
+        else:  # no_shard: nothing to gather, one all-reduce per group per step
+            assert ag == 0 and rs == 0 and ar == STEPS * groups, (strategy, k, ac, c)
 
 
 def _case_hsdp(k: int):
@@ -113,10 +114,10 @@ def _case_hsdp(k: int):
     loss_err = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
     param_err = _compare_params(model, ref)
     assert loss_err <= 1e-5 and param_err <= 1e-5, (loss_err, param_err)
-    units = 4
+    groups = 5  # 3 blocks, and the root's two (see _check_counts)
     # reduce-scatter inside each shard group every microbatch; all-reduce across replicas once per step
-    assert counts["reduce_scatter_into"] == STEPS * k * units, counts
-    assert counts["all_reduce"] == STEPS * units, counts
+    assert counts["reduce_scatter_into"] == STEPS * k * groups, counts
+    assert counts["all_reduce"] == STEPS * groups, counts
     placements = {tuple(type(pl).__name__ for pl in p.placements) for p in model.parameters()}
     assert placements == {("Replicate", "Shard")}, placements
     return {"loss_err": loss_err, "param_err": param_err, "counts": dict(counts)}
@@ -254,11 +255,13 @@ def _case_units_inside_checkpoint():
         loss_err = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
         param_err = _compare_params(model, ref)
         assert loss_err <= 1e-5 and param_err <= 1e-5, (reentrant, loss_err, param_err)
-        units = 4  # one reduction each per step; a gather in forward and one for backward but the root's
-        # (non-reentrant: the last block stays gathered for the backward from the second step on, as without
-        # checkpointing; reentrant: the forward ran without grad, so every block is gathered in the recompute)
-        gathers = STEPS * (2 * units - 1) - (0 if reentrant else STEPS - 1)
-        assert counts["reduce_scatter_into"] == STEPS * units and counts["all_gather_into"] == gathers, counts
+        # 5 groups (3 blocks, the root's 2: see _check_counts): one reduction each per step; a gather in forward
+        # and one for backward but the root's (non-reentrant: the last block stays gathered for the backward from
+        # the second step on, as without checkpointing; reentrant: the forward ran without grad, so every block is
+        # gathered in the recompute)
+        groups, root_groups = 5, 2
+        gathers = STEPS * (2 * groups - root_groups) - (0 if reentrant else STEPS - 1)
+        assert counts["reduce_scatter_into"] == STEPS * groups and counts["all_gather_into"] == gathers, counts
         results["reentrant" if reentrant else "non_reentrant"] = (loss_err, param_err, dict(counts))
     return results
 
@@ -312,7 +315,7 @@ def _case_no_sync_accumulation():
     loss_err = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
     param_err = _compare_params(model, ref)
     assert loss_err <= 1e-5 and param_err <= 1e-5, (loss_err, param_err)
-    assert counts["reduce_scatter_into"] == STEPS * 4, counts  # 4 units, once per step
+    assert counts["reduce_scatter_into"] == STEPS * 5, counts  # 5 groups (see _check_counts), once per step
     return {"loss_err": loss_err, "param_err": param_err, "counts": dict(counts)}
 
 
