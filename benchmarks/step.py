@@ -115,6 +115,10 @@ class Variant:
     impl: str  # "ours" | "fsdp2"
     extra: dict  # extra keyword arguments for fully_shard
     fp8: str = ""  # "" | "ours" (Fp8Policy(compute=True)) | "torchao" (torchao float8 training under FSDP2)
+    fused_optimizer: bool = False  # mfsdp_ext.optim.AdamW (one native kernel per flat group) instead of torch's
+
+
+FUSED_IMPLS = {"ours_fused": "ours", "ours_fp8_fused": "ours_fp8"}  # name -> the variant it is, with our AdamW
 
 
 FP8_IMPLS = {"ours_fp8": ("ours", "ours"), "fsdp2_float8": ("fsdp2", "torchao")}  # name -> (impl, fp8)
@@ -150,6 +154,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def make_variants(args) -> List[Variant]:
     variants = []
     for impl in [s.strip() for s in args.impls.split(",") if s.strip()]:
+        fused = impl in FUSED_IMPLS
+        name, impl = impl, FUSED_IMPLS.get(impl, impl)
+        if fused:
+            base, fp8 = FP8_IMPLS.get(impl, (impl, ""))
+            variants.append(Variant(name, base, {}, fp8, fused_optimizer=True))
+            continue
         if impl in FP8_IMPLS:
             base, fp8 = FP8_IMPLS[impl]
             if fp8 == "torchao" and not torchao_available():
@@ -159,7 +169,7 @@ def make_variants(args) -> List[Variant]:
             variants.append(Variant(impl, base, {}, fp8))
             continue
         if impl not in gpt.IMPLS:
-            raise SystemExit(f"unknown impl {impl!r} (choose from {list(gpt.IMPLS) + list(FP8_IMPLS)})")
+            raise SystemExit(f"unknown impl {impl!r} (choose from {list(gpt.IMPLS) + list(FP8_IMPLS) + list(FUSED_IMPLS)})")
         variants.append(Variant(impl, impl, {}))
     for text in args.extra_ours:
         extra = gpt.parse_kv(text)
@@ -345,7 +355,13 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
         model = gpt.build_sharded(cfg, v.impl, device, args.init == "meta", mesh=mesh, mp_policy=mp, **shard_extra)
     if args.init != "meta":
         free_memory(device)  # drop the transient full model (and reset the peak after it)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    if v.fused_optimizer:
+        import mfsdp_ext.optim
+
+        optimizer_class = mfsdp_ext.optim.AdamW
+    else:
+        optimizer_class = torch.optim.AdamW  # foreach on CUDA: as users run it
+    optimizer = optimizer_class(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     gpt.synchronize(device)
     build_s = time.perf_counter() - t_build
     batches = make_batches(bc, device, seed=100 + rank)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU check, in stages so one device call fits its 10-minute limit:
-#   scripts/gpu_check.sh build tests kernels symm units step step6 hostcost memory noshard fp8 fp8train jit hf mainjob
+#   scripts/gpu_check.sh build tests kernels symm units optim step step6 hostcost memory noshard fp8 fp8train jit hf mainjob
 #   scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
 #   scripts/gpu_check.sh build fp8train FP8 weights in fully_shard: GPU tests + step.py's FP8 variants (2 GPUs)
 # Logs and result tables go to $OUT (the device runner's output folder; /tmp/out elsewhere).
@@ -11,7 +11,7 @@ export OUT=$(mktemp -d /tmp/gpu_check.XXXX)
 trap 'tar czf "$FINAL_OUT/gpu_check.tgz" -C "$OUT" . && echo "logs: $FINAL_OUT/gpu_check.tgz"' EXIT
 trap 'exit 143' TERM INT   # a `timeout` around this script still packs the logs
 source "$(dirname "$0")/gpu_env.sh"   # NVLink multicast off, repository root, PYTHONPATH
-stages=${*:-build tests kernels symm units step step6 hostcost memory noshard fp8 fp8train jit hf mainjob}
+stages=${*:-build tests kernels symm units optim step step6 hostcost memory noshard fp8 fp8train jit hf mainjob}
 status=0
 run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures, keep going
     local name=$1; shift
@@ -27,7 +27,10 @@ for stage in $stages; do
         nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
         # always: the machine keeps an older _C between calls, and the build is incremental
         run build env MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e . ;;
-    tests) run tests python3 -m pytest -m gpu -q -s tests/test_gpu.py tests/test_kernels.py tests/test_symm_mem.py ;;
+    tests) run tests python3 -m pytest -m gpu -q -s tests/test_gpu.py tests/test_kernels.py tests/test_symm_mem.py \
+               tests/test_optim.py tests/test_fp8_training.py ;;
+    optim)  # the fused AdamW step over configs 1 and 3's shards vs torch's foreach and fused AdamW, vs the bandwidth bound (1 GPU)
+        run optim timeout -k 10 200 python3 benchmarks/optim.py --configs 1,3 --out "$OUT" ;;
     kernels) run kernels python3 benchmarks/kernels.py --out "$OUT" ;;
     symm) run symm env SKIP_PYTEST=1 bash scripts/gpu_symm.sh ;;  # its tests ran in the tests stage
     units)  # one unit's collectives at configs 1-4's sizes: grouped per parameter vs flat (2 GPUs; 4 if present)
