@@ -26,6 +26,9 @@ from .fp8_tensor import E4M3, Fp8Tensor
 from .param_group import ParamGroup
 
 
+SCALE_ROW = 64  # floats: each GEMM scale 256-byte aligned
+
+
 class Fp8ParamGroup(ParamGroup):
     fp8 = True
 
@@ -49,6 +52,9 @@ class Fp8ParamGroup(ParamGroup):
                                                 for s in self.layout.slots], dtype=torch.int64).reshape(n, 2).to(device)
         self.amax = torch.zeros(n, dtype=torch.float32, device=device)
         self.scale_inv = torch.ones(n, dtype=torch.float32, device=device)
+        # The FP8 GEMM's scales, one per row of SCALE_ROW floats: cuBLASLt refuses (CUBLAS_STATUS_NOT_SUPPORTED) a
+        # scale pointer that is only 4-byte aligned, i.e. scale_inv[i] for i > 0 (measured on H200, torch 2.11)
+        self.gemm_scale_inv = torch.ones(n, SCALE_ROW, dtype=torch.float32, device=device)
         return FlatBuffer(self.layout, E4M3, device, rank=self.rank)
 
     def _make_unsharded(self, device: torch.device) -> FlatBuffer:
@@ -75,6 +81,7 @@ class Fp8ParamGroup(ParamGroup):
             if group is not None and dist.get_world_size(group) > 1:
                 dist_ops.all_reduce(self.amax, group, op=dist.ReduceOp.MAX)
         _native.fp8_cast(self.main_weight.data, self.segments, self.amax, self.model_weight.data, self.scale_inv)
+        self.gemm_scale_inv[:, 0].copy_(self.scale_inv)
         self._synced_version = version
         self.stats.weight_syncs += 1
 
@@ -91,7 +98,7 @@ class Fp8ParamGroup(ParamGroup):
         self.stats.all_gather_bytes += self.gathered_bytes(E4M3)
         if self.fp8_compute:
             # new objects at each gather: a transpose made for the last weights is not reused
-            self.fp8_views = [Fp8Tensor(self.unsharded_fp8.param_view(i), self.scale_inv[i])
+            self.fp8_views = [Fp8Tensor(self.unsharded_fp8.param_view(i), self.gemm_scale_inv[i, 0])
                               for i in range(len(self.infos))]
             return
         self.unsharded.alloc()

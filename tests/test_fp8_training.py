@@ -203,11 +203,20 @@ def _case_compute_memory_and_fallback():
         g = [g for g in model.blocks[0]._mfsdp_unit.groups if g.fp8][0]
         seen["bf16"], seen["fp8"] = g.unsharded.nbytes(), g.unsharded_fp8.nbytes()
         seen["fp8_weight"] = module._fp8_weight is not None
+        # the GEMM's scales: the group's per-parameter scales, each at a multiple of 256 bytes into its own
+        # allocation, 16-byte aligned at least (cuBLASLt refuses a scale pointer inside the scale vector; found on
+        # the GPU, where allocations start 512-byte aligned)
+        base = g.gemm_scale_inv.data_ptr()
+        seen["scales"] = [((v.scale_inv.data_ptr() - base) % 256 + v.scale_inv.data_ptr() % 16, v.scale_inv.item())
+                          for v in g.fp8_views]
+        seen["scale_inv"] = g.scale_inv.tolist()
 
     model.blocks[0].fc1.register_forward_pre_hook(probe)
     tokens, targets = _batch(0, rank_device())
     _loss(model, tokens, targets).backward()
     assert seen["bf16"] == 0 and seen["fp8"] > 0 and seen["fp8_weight"], seen
+    assert [a for a, _ in seen["scales"]] == [0] * len(seen["scale_inv"]), seen
+    assert [v for _, v in seen["scales"]] == seen["scale_inv"], seen
     # 3 tokens: M = 3 is no multiple of 16: each FP8 layer falls back to bf16 (the dequantized FP8 weight),
     # warns once naming itself, and its gradient still reaches the main grads
     model.zero_grad()
