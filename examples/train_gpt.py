@@ -52,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--meta-init", action=argparse.BooleanOptionalAction, default=True,
                    help="build on the meta device, shard, then materialise only the local shards")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--fp8", action="store_true", help="--impl ours: FP8 weights and GEMMs for the blocks' linear "
+                   "layers (MixedPrecisionPolicy(fp8=Fp8Policy(compute=True)); needs bf16 compute)")
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
                    help="default: each implementation's own default")
     p.add_argument("--extra-ours", action="append", default=[], metavar="KEY=VAL",
@@ -59,6 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     training.add_args(p)
     args = p.parse_args(argv)
     training.check_args(p, args)
+    if args.fp8 and (args.impl != "ours" or args.dtype == "fp32"):
+        p.error("--fp8 needs --impl ours and bf16 compute (--dtype bf16, the default on GPU)")
+    if args.optimizer == "fused" and args.impl != "ours":
+        p.error("--optimizer fused needs --impl ours (it steps mfsdp_ext's flat shards)")
     return args
 
 
@@ -77,8 +83,13 @@ def build_model(args, device: torch.device, mesh):
     compute_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32,
                      "auto": torch.bfloat16 if device.type == "cuda" else torch.float32}[args.dtype]
     _, MixedPrecisionPolicy = gpt.load_impl(args.impl)
-    shard_kwargs = dict(mesh=mesh,
-                        mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32))
+    mp_extra = {}
+    if args.fp8:
+        import mfsdp_ext
+
+        mp_extra["fp8"] = mfsdp_ext.Fp8Policy(compute=True)
+    shard_kwargs = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype,
+                                                                  reduce_dtype=torch.float32, **mp_extra))
     if args.reshard_after_forward is not None:
         shard_kwargs["reshard_after_forward"] = args.reshard_after_forward
     if args.impl == "ours":

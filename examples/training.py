@@ -35,6 +35,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float)
     p.add_argument("--warmup", type=int, default=10, help="linear LR warm-up steps (then cosine to 10%%)")
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--optimizer", choices=["torch", "fused"], default="torch",
+                   help="torch.optim.AdamW, or mfsdp_ext.optim.AdamW (one native kernel per flat group; --impl ours)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max grad norm; 0 disables clipping")
     p.add_argument("--data-vocab", type=int, help="tokens used by the corpus (default min(vocab, 1024))")
     p.add_argument("--branching", type=int, default=4, help="successors per token in the Markov chain")
@@ -135,7 +137,12 @@ def run(model, args, device: torch.device, *, impl: str, vocab_size: int, flops_
     loss of a microbatch (default ``model(inputs, targets)``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    optimizer_class = torch.optim.AdamW
+    if getattr(args, "optimizer", "torch") == "fused":
+        import mfsdp_ext.optim
+
+        optimizer_class = mfsdp_ext.optim.AdamW
+    optimizer = optimizer_class(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))
 
     data_vocab = min(args.data_vocab or 1024, vocab_size)
