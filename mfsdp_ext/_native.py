@@ -242,7 +242,6 @@ def grad_accumulate(main_grad: torch.Tensor, reduced: torch.Tensor, scale: float
     _C.grad_accumulate(main_grad, reduced, float(scale), bool(accumulate))
 
 
-
 def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                runs: torch.Tensor, coeffs: torch.Tensor) -> None:
     _C.adamw_step(param, grad, exp_avg, exp_avg_sq, runs, coeffs)
