@@ -34,6 +34,20 @@ class FlatBuffer:
         rank holds (torch.chunk's split, k possibly 0). One as_strided (gradients are viewed again every step)."""
         return self.data.as_strided(*self._view_args[index])
 
+    def param_alias(self, index: int) -> torch.Tensor:
+        """``param_view(index)``'s elements as a tensor at storage offset 0, on a slice of this buffer's storage
+        (same memory; the slice keeps the buffer's allocation alive). A DTensor over it pickles: torch 2.13's
+        torch.save fails on a DTensor whose local tensor starts inside its storage ("invalid python storage")."""
+        if self.data.device.type == "meta":  # no storage to slice (a meta group gets real storage at materialize)
+            return self.param_view(index)
+        shape, stride, offset = self._view_args[index]
+        size = self.data.element_size()
+        numel = 1
+        for d in shape:
+            numel *= d
+        storage = self.data.untyped_storage()[offset * size : (offset + numel) * size]
+        return torch.empty(0, dtype=self.data.dtype, device=self.data.device).set_(storage, 0, shape, stride)
+
     def chunk_slot(self, index: int, rank: int | None = None) -> torch.Tensor:
         """Parameter ``index``'s chunk slot (``chunk_rows`` rows, padding included): in a shard, this rank's;
         in the unsharded buffer, where ``rank``'s chunk lands."""

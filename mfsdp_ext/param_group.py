@@ -218,7 +218,7 @@ class ParamGroup:
 
     def _make_params(self) -> None:
         for i, info in enumerate(self.infos):
-            info.sharded = nn.Parameter(self.as_dtensor(i, self.main_weight.param_view(i)),
+            info.sharded = nn.Parameter(self.as_dtensor(i, self.main_weight.param_alias(i)),
                                         requires_grad=self.requires_grad)
             _OWNERS[info.sharded] = (weakref.ref(self), i)
             if self.main_grad_dtype != self.dtype and hasattr(info.sharded, "grad_dtype"):
