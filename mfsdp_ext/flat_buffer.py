@@ -6,6 +6,8 @@ and tensors that autograd saved keep pointing at the same storage object and sta
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .layout import FlatLayout
@@ -42,10 +44,7 @@ class FlatBuffer:
             return self.param_view(index)
         shape, stride, offset = self._view_args[index]
         size = self.data.element_size()
-        numel = 1
-        for d in shape:
-            numel *= d
-        storage = self.data.untyped_storage()[offset * size : (offset + numel) * size]
+        storage = self.data.untyped_storage()[offset * size : (offset + math.prod(shape)) * size]
         return torch.empty(0, dtype=self.data.dtype, device=self.data.device).set_(storage, 0, shape, stride)
 
     def chunk_slot(self, index: int, rank: int | None = None) -> torch.Tensor:
