@@ -10,12 +10,15 @@ tokens. "block" sums the seven layers of one block (4 x attention + 2 x up + dow
 Variants (same weights, inputs and output gradients):
   bf16                    nn.Linear in bf16 (cuBLAS)
   ours fp8, wgrad fp8     mfsdp_ext Fp8Linear: activation, weight and gradient quantized by the native kernel,
-                          forward / dgrad / wgrad as torch._scaled_mm; the weight quantized on every call
+                          forward / dgrad / wgrad by the native fp8_gemm (cuBLASLt, plan cached per shape),
+                          one native call per forward and per backward; the weight quantized on every call
   ours fp8, wgrad bf16    the same with the weight gradient as a bf16 GEMM
   ... W pre-quantized     the weight's FP8 form and transpose supplied (set_fp8_weight), as fully_shard will
                           gather it once per step: what training will run
   ... grad e4m3           the output gradient in e4m3 instead of the default e5m2 (speed is the same; accuracy)
   ... fused quantizer     the quantizer's one-launch algorithm instead of the default two-pass one
+  previous Linear ...     our quantizer, with the GEMMs as torch._scaled_mm calls from Python (one call per
+                          quantization and GEMM): the FP8 Linear before the native forward / backward calls
   torch-ops fp8           the same GEMMs with the quantization written in torch ops (amax, scale, clamp,
                           .to(float8), .t().contiguous() for the transposed operands): the contrast
 Timing: CUDA events around each call, the GPU first held by a sleep kernel so host overhead does not show
@@ -88,6 +91,35 @@ class TorchOpsFp8Linear(nn.Linear):
         return TorchOpsFp8LinearFn.apply(x, self.weight)
 
 
+class ScaledMmFp8LinearFn(torch.autograd.Function):
+    """Our quantizer, the GEMMs as torch._scaled_mm issued from Python, one call per step: the FP8 Linear before
+    fp8_linear_forward / _backward (native, cuBLASLt plan cache). W pre-quantized (with its transpose)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, wq):
+        x2 = x.reshape(-1, x.shape[-1])
+        xq = quantize(x2, E4M3, transpose=True)
+        y = torch._scaled_mm(xq.data, wq.data.t(), scale_a=xq.scale_inv, scale_b=wq.scale_inv, out_dtype=x.dtype,
+                             use_fast_accum=True)
+        ctx.save_for_backward(xq.data_t, xq.scale_inv)
+        ctx.wq, ctx.shape = wq, x.shape
+        return y.view(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x8t, xs = ctx.saved_tensors
+        wq = ctx.wq
+        dq = quantize(dy.reshape(-1, dy.shape[-1]), E5M2, transpose=True)
+        dx = torch._scaled_mm(dq.data, wq.data_t.t(), scale_a=dq.scale_inv, scale_b=wq.scale_inv, out_dtype=dy.dtype)
+        dw = torch._scaled_mm(dq.data_t, x8t.t(), scale_a=dq.scale_inv, scale_b=xs, out_dtype=dy.dtype)
+        return dx.view(ctx.shape), dw, None
+
+
+class ScaledMmFp8Linear(nn.Linear):
+    def forward(self, x):
+        return ScaledMmFp8LinearFn.apply(x, self.weight, self.wq)
+
+
 # ----------------------------------------------------------------------------------------------
 # variants and measurement
 # ----------------------------------------------------------------------------------------------
@@ -113,6 +145,9 @@ def variants(k: int, n: int, device: str, weight: torch.Tensor) -> dict:
             m = to_fp8_linear(linear(), config=Fp8LinearConfig(wgrad=wgrad, quantize_algo="fused"))
             m.set_fp8_weight(quantize(m.weight.detach(), transpose=True))
             out[f"ours fp8, wgrad {wgrad}, W pre-quantized, fused quantizer"] = m
+    previous = linear(ScaledMmFp8Linear)
+    previous.wq = quantize(previous.weight.detach(), transpose=True)
+    out["previous Linear (torch._scaled_mm calls), wgrad fp8, W pre-quantized"] = previous
     out["torch-ops fp8"] = linear(TorchOpsFp8Linear)
     return out
 
@@ -162,21 +197,22 @@ def write_markdown(path: str, meta: dict, results: list[dict]) -> None:
         lines += [f"## {tokens} tokens", "",
                   "| variant | " + " | ".join(f"{r['shape']} fwd+bwd us" for r in rs) +
                   " | block fwd us | block fwd+bwd us | fwd speedup | fwd+bwd speedup | block TFLOP/s | "
-                  "block fwd+bwd wall us | errors y / dx / dW (w2) |",
-                  "|---|" + "---:|" * (len(rs) + 7)]
+                  "block fwd+bwd wall us | wall speedup | errors y / dx / dW (w2) |",
+                  "|---|" + "---:|" * (len(rs) + 8)]
         block = {}
         for name in names:
             tf = sum(r["variants"][name]["fwd_s"] * r["count"] for r in rs)
             tb = sum(r["variants"][name]["fwd_bwd_s"] * r["count"] for r in rs)
             block[name] = (tf, tb)
         flops = sum(6 * tokens * r["k"] * r["n"] * r["count"] for r in rs)
+        wall = {name: sum(r["variants"][name]["fwd_bwd_wall_s"] * r["count"] for r in rs) for name in names}
         for name in names:
             tf, tb = block[name]
-            tw = sum(r["variants"][name]["fwd_bwd_wall_s"] * r["count"] for r in rs)
+            tw = wall[name]
             e = rs[-1]["variants"][name]["err"]
             per = " | ".join(f"{r['variants'][name]['fwd_bwd_s'] * 1e6:.0f}" for r in rs)
             lines.append(f"| {name} | {per} | {tf * 1e6:.0f} | {tb * 1e6:.0f} | {block['bf16'][0] / tf:.2f}x | "
-                         f"{block['bf16'][1] / tb:.2f}x | {flops / tb / 1e12:.0f} | {tw * 1e6:.0f} | "
+                         f"{block['bf16'][1] / tb:.2f}x | {flops / tb / 1e12:.0f} | {tw * 1e6:.0f} | {wall['bf16'] / tw:.2f}x | "
                          f"{e['y']:.4f} / {e['dx']:.4f} / {e['dw']:.4f} |")
         lines.append("")
     lines += ["## Summary (block, forward + backward, speedup over bf16)", ""]

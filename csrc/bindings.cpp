@@ -7,6 +7,8 @@
 #include "build_info.h"
 #include "cast.h"
 #include "float_formats.h"  // E4M3T / E5M2T::max_value
+#include "fp8_gemm.h"
+#include "fp8_linear.h"
 #include "launch.h"         // kInlineTableEntries, QuantizeAlgo, kOptimInlineRuns, kOptimCoeffs
 #include "optim.h"
 #include "pack.h"
@@ -37,6 +39,15 @@ void register_kernels(py::module_& m) {
         py::arg("amax") = py::none(), py::arg("dst_t") = py::none(), py::arg("eps") = 1e-12,
         py::arg("algo") = static_cast<int64_t>(mfsdp::kQuantizeAuto));
   m.def("fp8_transpose", &mfsdp::fp8_transpose, release(), py::arg("src"), py::arg("dst"));
+  m.def("fp8_gemm", &mfsdp::fp8_gemm, release(), py::arg("a"), py::arg("b"), py::arg("scale_a"), py::arg("scale_b"),
+        py::arg("bias"), py::arg("out_dtype"), py::arg("fast_accum"));
+  m.def("fp8_gemm_calls", &mfsdp::fp8_gemm_calls);
+  m.def("fp8_linear_forward", &mfsdp::fp8_linear_forward, release(), py::arg("x"), py::arg("w8"),
+        py::arg("w_scale_inv"), py::arg("bias"), py::arg("keep_x_t"), py::arg("fast_accum"), py::arg("eps"),
+        py::arg("algo"));
+  m.def("fp8_linear_backward", &mfsdp::fp8_linear_backward, release(), py::arg("dy"), py::arg("grad_dtype"),
+        py::arg("w8t"), py::arg("w_scale_inv"), py::arg("x8t"), py::arg("x_scale_inv"), py::arg("dx_dtype"),
+        py::arg("dw_dtype"), py::arg("eps"), py::arg("algo"));
   m.def("adamw_step", &mfsdp::adamw_step, release(), py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
         py::arg("exp_avg_sq"), py::arg("runs"), py::arg("coeffs"));
   m.def("sgd_step", &mfsdp::sgd_step, release(), py::arg("param"), py::arg("grad"), py::arg("momentum_buffer"),

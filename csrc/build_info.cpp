@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "fp8_gemm.h"
 #include "symm_comm.h"  // MFSDP_SYMM_COMM_ENABLED, nccl.h, kMinNcclVersion
 #include "symm_offset_allocator.h"
 
@@ -27,9 +28,11 @@ py::dict build_info() {
   d["cuda"] = true;
   // the architectures the kernels were compiled for, e.g. "sm_90a" (several joined by "__")
   d["cuda_arch"] = MFSDP_STR(MFSDP_CUDA_ARCHS);
+  d["fp8_gemm"] = std::string(fp8_gemm_cuda_backend());  // what fp8_gemm runs on CUDA tensors
 #else
   d["cuda"] = false;
   d["cuda_arch"] = py::none();
+  d["fp8_gemm"] = py::none();
 #endif
 #ifdef MFSDP_WITH_NCCL
   d["nccl"] = true;

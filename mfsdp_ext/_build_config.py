@@ -9,11 +9,14 @@ same flags:
   * CUDA kernels (csrc/*_cuda.cu, -DMFSDP_WITH_CUDA) when torch has CUDA and nvcc is found (CUDA_HOME);
   * NCCL code (in symm_comm.cpp and build_info.cpp, -DMFSDP_WITH_NCCL, linked with -l:libnccl.so.2) when, in
     addition, nccl.h is found: $NCCL_INCLUDE_DIR, $NCCL_HOME, the ``nvidia.nccl`` Python package, CUDA_HOME, then the system.
+  * fp8_gemm on cuBLASLt (fp8_gemm.cpp, -DMFSDP_WITH_CUBLASLT, linked with libcublasLt.so.N) when, with CUDA,
+    cublasLt.h is found in torch's ``nvidia`` wheels or CUDA_HOME; otherwise fp8_gemm runs torch._scaled_mm.
 
 Environment:
   TORCH_CUDA_ARCH_LIST   CUDA architectures (torch's syntax); default: -gencode=arch=compute_90a,code=sm_90a
   MFSDP_NO_CUDA=1        build the CPU kernels only
   MFSDP_NO_NCCL=1        leave the NCCL code out
+  MFSDP_NO_CUBLASLT=1    fp8_gemm runs torch._scaled_mm instead of its own cuBLASLt call
   MFSDP_PTXAS_VERBOSE=1  print registers / spills of every kernel (-Xptxas -v)
 
 Needs torch importable (it asks torch for CUDA_HOME and its CUDA version); imports nothing of mfsdp_ext.
@@ -29,8 +32,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.cpp_extension import CUDA_HOME
 
+# csrc/README.md: which file holds what
 SOURCES = ("bindings.cpp", "build_info.cpp", "pack.cpp", "pack_cpu.cpp", "cast.cpp", "cast_cpu.cpp", "quantize.cpp",
-           "quantize_cpu.cpp", "optim.cpp", "optim_cpu.cpp", "symm_offset_allocator.cpp", "symm_comm.cpp")  # csrc/README.md: which file holds what
+           "quantize_cpu.cpp", "fp8_gemm.cpp", "fp8_linear.cpp", "optim.cpp", "optim_cpu.cpp",
+           "symm_offset_allocator.cpp", "symm_comm.cpp")
 # Not pack.cu / cast.cu: torch names object files by stem, so they would clash with pack.o / cast.o.
 CUDA_SOURCES = ("pack_cuda.cu", "cast_cuda.cu", "quantize_cuda.cu", "optim_cuda.cu")
 SOURCE_SUFFIXES = (".cpp", ".h", ".cu", ".cuh")  # what csrc/ holds; all of it ships in the wheel and the sdist
@@ -108,6 +113,35 @@ def find_nccl(notes: list[str]) -> tuple[str, str | None] | None:
     return None
 
 
+def _cublaslt_candidates():
+    """(include dir, lib dir) pairs: torch's own cuBLAS wheel (nvidia/cu13, nvidia/cublas) first, then CUDA_HOME."""
+    try:
+        spec = importlib.util.find_spec("nvidia")
+    except (ImportError, ValueError):
+        spec = None
+    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
+        for sub in sorted(os.listdir(loc)) if os.path.isdir(loc) else []:
+            yield os.path.join(loc, sub, "include"), os.path.join(loc, sub, "lib")
+    if CUDA_HOME:
+        yield os.path.join(CUDA_HOME, "include"), os.path.join(CUDA_HOME, "lib64")
+
+
+def find_cublaslt(notes: list[str]) -> tuple[str, str, str] | None:
+    """(include dir, lib dir, library file name) of cuBLASLt, or None (fp8_gemm then runs torch._scaled_mm)."""
+    if os.environ.get("MFSDP_NO_CUBLASLT") == "1":
+        notes.append("MFSDP_NO_CUBLASLT=1: fp8_gemm runs torch._scaled_mm")
+        return None
+    for inc, lib in _cublaslt_candidates():
+        if not os.path.exists(os.path.join(inc, "cublasLt.h")) or not os.path.isdir(lib):
+            continue
+        # the versioned name (libcublasLt.so.13) is what torch has loaded; a wheel ships no unversioned link
+        names = sorted(n for n in os.listdir(lib) if re.fullmatch(r"libcublasLt\.so(\.\d+)?", n))
+        if names:
+            return inc, lib, names[-1]
+    notes.append("cublasLt.h not found: fp8_gemm runs torch._scaled_mm")
+    return None
+
+
 def cuda_arch_flags() -> tuple[list[str], str]:
     """nvcc -gencode flags (empty when TORCH_CUDA_ARCH_LIST is set: torch adds them) and a name list."""
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
@@ -169,6 +203,13 @@ def extension_spec(csrc: str) -> ExtensionSpec:
         if lib:
             spec.link_args += [f"-L{lib}", f"-Wl,-rpath,{lib}"]
         spec.link_args.append("-l:libnccl.so.2")
+    cublaslt = find_cublaslt(notes)
+    if cublaslt is not None:
+        inc, lib, name = cublaslt
+        notes.append(f"cuBLASLt: include {inc}, {lib}/{name}")
+        defines.append("-DMFSDP_WITH_CUBLASLT")
+        spec.include_dirs.append(inc)
+        spec.link_args += [f"-L{lib}", f"-Wl,-rpath,{lib}", f"-l:{name}"]
     spec.cxx_flags += defines
     spec.nvcc_flags += defines
     return spec

@@ -79,6 +79,21 @@ fp8_quantize(src, dst, scale_inv, amax=None, dst_t=None, eps=1e-12, algo="auto")
 fp8_transpose(src, dst)
     dst = src.t() for a 2-D FP8 tensor: dst (cols, rows) contiguous, the same dtype.
 
+These three allocate their outputs (the only ones here that do):
+fp8_gemm(a, b, scale_a, scale_b, bias, out_dtype, fast_accum) -> out
+    out (M, N) = (a.float() * scale_a) @ (b.float() * scale_b).T (+ bias), accumulated in fp32 (``fast_accum``:
+    Hopper's faster, less exact FP8 accumulation), rounded to out_dtype (bfloat16 / float16 / float32). a (M, K),
+    b (N, K): contiguous FP8 (not both e5m2), K contiguous in both; scales: one float32 element each. CUDA:
+    cublasLtMatmul with the algorithm chosen once per shape (``build_info()["fp8_gemm"] == "cublaslt"``), or
+    torch._scaled_mm where the build found no cuBLASLt headers; CPU: torch._scaled_mm (an fp32 emulation on
+    torch builds without it). ``fp8_gemm_calls()``: how many fp8_gemm calls this process has made.
+fp8_linear_forward(x, w8, w_scale_inv, bias, keep_x_t, fast_accum, eps, algo) -> (y, x8t or None, x_scale_inv)
+    fp8_quantize(x) to e4m3 (its transpose x8t (K, M) too when keep_x_t), then y = fp8_gemm(x8, w8, ...) in x's
+    dtype. x (M, K) contiguous float; w8 (N, K) e4m3.
+fp8_linear_backward(dy, grad_dtype, w8t, w_scale_inv, x8t, x_scale_inv, dx_dtype, dw_dtype, eps, algo) -> (dx, dw)
+    fp8_quantize(dy) to grad_dtype (with its transpose when x8t is given), then dx = dy @ W = fp8_gemm(dy8, w8t)
+    when w8t (K, N) is given, dW = dy.T @ x = fp8_gemm(dy8t, x8t) when x8t (K, M) is given; None for the other.
+
 Segment tables: rows sorted and non-overlapping, ``0 <= start_i <= end_i <= src.numel()`` and
 ``end_{i-1} <= start_i``; an empty row is written ``(e, e)`` at its place in order (e.g. clipping each
 parameter's range to the local shard keeps this). CPU tables are checked on every call; a CUDA table is
@@ -236,6 +251,36 @@ def fp8_quantize(src: torch.Tensor, dst: torch.Tensor, scale_inv: torch.Tensor, 
 
 def fp8_transpose(src: torch.Tensor, dst: torch.Tensor) -> None:
     _C.fp8_transpose(src, dst)
+
+
+def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+             bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+             fast_accum: bool = False) -> torch.Tensor:
+    return _C.fp8_gemm(a, b, scale_a, scale_b, bias, out_dtype, bool(fast_accum))
+
+
+def fp8_gemm_calls() -> int:
+    return _C.fp8_gemm_calls()
+
+
+def _algo_code(fn: str, algo: str) -> int:
+    code = QUANTIZE_ALGOS.get(algo)
+    if code is None:
+        raise ValueError(f"mfsdp_ext.{fn}: algo must be one of {sorted(QUANTIZE_ALGOS)}, got {algo!r}")
+    return code
+
+
+def fp8_linear_forward(x: torch.Tensor, w8: torch.Tensor, w_scale_inv: torch.Tensor, bias: torch.Tensor | None,
+                       keep_x_t: bool, fast_accum: bool, eps: float = 1e-12, algo: str = "auto"):
+    return _C.fp8_linear_forward(x, w8, w_scale_inv, bias, bool(keep_x_t), bool(fast_accum), float(eps),
+                                 _algo_code("fp8_linear_forward", algo))
+
+
+def fp8_linear_backward(dy: torch.Tensor, grad_dtype: torch.dtype, w8t: torch.Tensor | None,
+                        w_scale_inv: torch.Tensor | None, x8t: torch.Tensor | None, x_scale_inv: torch.Tensor | None,
+                        dx_dtype: torch.dtype, dw_dtype: torch.dtype, eps: float = 1e-12, algo: str = "auto"):
+    return _C.fp8_linear_backward(dy, grad_dtype, w8t, w_scale_inv, x8t, x_scale_inv, dx_dtype, dw_dtype,
+                                  float(eps), _algo_code("fp8_linear_backward", algo))
 
 
 def grad_accumulate(main_grad: torch.Tensor, reduced: torch.Tensor, scale: float, accumulate: bool) -> None:

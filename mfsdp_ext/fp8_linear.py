@@ -1,24 +1,26 @@
 """FP8 Linear: the forward GEMM and the input gradient (dgrad) in FP8, the weight gradient (wgrad) in FP8 or in
-the compute dtype, on tensors quantized by the native per-tensor current-scaling quantizer
-(``fp8_tensor.quantize``), multiplied by ``torch._scaled_mm``.
+the compute dtype, on tensors quantized by the native per-tensor current-scaling quantizer, multiplied by the
+native ``fp8_gemm`` (cuBLASLt with a per-shape plan cache on CUDA; torch._scaled_mm on CPU). Forward and
+backward each make one native call (``fp8_linear_forward`` / ``fp8_linear_backward``: quantize, then GEMMs):
+in eager mode the host time per layer, not the GPU, decided whether FP8 beat bf16.
 
-    y  = x @ W.T + b      _scaled_mm(x8 (M, K), W8.T)          x8, W8: e4m3
-    dx = dy @ W           _scaled_mm(dy8 (M, N), W8t.T)        dy8: config.grad_dtype; W8t = W8's transpose (K, N)
-    dW = dy.T @ x         _scaled_mm(dy8t (N, M), x8t.T)       wgrad="fp8": the transposes come from the same
+    y  = x @ W.T + b      fp8_gemm(x8 (M, K), W8 (N, K))       x8, W8: e4m3
+    dx = dy @ W           fp8_gemm(dy8 (M, N), W8t (K, N))     dy8: config.grad_dtype; W8t = W8's transpose
+    dW = dy.T @ x         fp8_gemm(dy8t (N, M), x8t (K, M))    wgrad="fp8": the transposes come from the same
                           or dy.T @ x in x's dtype              quantizer passes; wgrad="bf16": x kept as given
 
-Hopper's FP8 GEMMs take the second operand column-major (the contraction dimension contiguous in both), so
-every FP8 operand is passed as a row-major (rows, K) tensor, and the second as ``.t()`` of one.
+Hopper's FP8 GEMMs take both operands with the contraction dimension contiguous, so every FP8 operand is a
+row-major (rows, K) tensor: ``fp8_gemm(a, b) = a @ b.T``.
 
 The weight's FP8 form is an input: ``fp8_linear(..., fp8_weight=Fp8Tensor)`` (FP8 data (N, K), scale_inv and
 optionally its transpose, e.g. gathered in FP8 by fully_shard) or, by default, the weight quantized on every
 call with the same kernel. With ``fp8_weight`` the weight tensor's values are not read: it only receives the
 gradient.
 
-GEMM shapes torch._scaled_mm cannot take (M, K or N not a multiple of 16), GPUs without FP8 GEMMs (below
-sm_89) and unsupported dtypes fall back, in ``Fp8Linear``, to ``F.linear`` with one warning per module naming
-it. On CPU, torch._scaled_mm runs where the torch build has it (torch 2.13's CPU build does); otherwise
-``emulated_scaled_mm`` (dequantize to fp32 and matmul) stands in, so the logic runs and is tested on CPU.
+GEMM shapes FP8 GEMMs cannot take (M, K or N not a multiple of 16), GPUs without FP8 GEMMs (below sm_89) and
+unsupported dtypes fall back, in ``Fp8Linear``, to ``F.linear`` with one warning per module naming it. On CPU,
+torch._scaled_mm runs where the torch build has it (torch 2.13's CPU build does); otherwise the native code
+emulates it (dequantize to fp32 and matmul), so the logic runs and is tested on CPU.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import _native as N
 from ._native import QUANTIZE_ALGOS
 from .fp8_tensor import E4M3, E5M2, Fp8Tensor, quantize
 
@@ -74,46 +77,6 @@ class Fp8LinearConfig:
 
 
 # ----------------------------------------------------------------------------------------------
-# GEMM: torch._scaled_mm, or its emulation where a CPU torch build lacks it
-# ----------------------------------------------------------------------------------------------
-def emulated_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                       out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """EMULATION of torch._scaled_mm for CPU torch builds without it: the FP8 operands are dequantized to fp32
-    and multiplied by an fp32 matmul. Same operands and scales, not the same kernel: for tests only."""
-    out = torch.mm(a.float(), b.float()) * (scale_a.float() * scale_b.float())
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(out_dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_has_scaled_mm() -> bool:
-    """Whether this torch build runs torch._scaled_mm on CPU (e4m3 x e4m3 and e5m2 x e4m3)."""
-    one = torch.ones((), dtype=torch.float32)
-    a = torch.zeros(16, 16, dtype=E4M3)
-    try:
-        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-        torch._scaled_mm(a.to(E5M2), a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    except (RuntimeError, NotImplementedError, AttributeError):
-        return False
-    return True
-
-
-def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-              out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None, fast_accum: bool = False) -> torch.Tensor:
-    """a (M, K) row-major FP8 @ b (K, N) column-major FP8, dequantized by the scales, + bias, in out_dtype."""
-    if a.device.type == "cpu" and not cpu_has_scaled_mm():
-        return emulated_scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)
-    # the GEMM epilogue adds a bias of the output's half dtype; otherwise it is added afterwards
-    fuse_bias = bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32
-    out = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias if fuse_bias else None,
-                           out_dtype=out_dtype, use_fast_accum=fast_accum)
-    if bias is not None and not fuse_bias:
-        out = out + bias.to(out_dtype)
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
 # eligibility
 # ----------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
@@ -137,7 +100,7 @@ def fp8_unsupported_reason(x: torch.Tensor, weight: torch.Tensor) -> Optional[st
     k, n = x.shape[-1], weight.shape[0]
     m = x.numel() // k if k else 0
     if m % 16 or k % 16 or n % 16:
-        return f"GEMM shape M={m}, K={k}, N={n}: torch._scaled_mm needs each to be a multiple of 16"
+        return f"GEMM shape M={m}, K={k}, N={n}: FP8 GEMMs need each to be a multiple of 16"
     return None
 
 
@@ -145,23 +108,26 @@ def fp8_unsupported_reason(x: torch.Tensor, weight: torch.Tensor) -> Optional[st
 # autograd
 # ----------------------------------------------------------------------------------------------
 class _Fp8LinearFn(torch.autograd.Function):
+    """Forward and backward each cross into the native extension once (fp8_linear_forward / _backward: quantize
+    and GEMMs); only the weight's per-call quantization and a bf16 wgrad run as separate calls."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, fp8_weight: Optional[Fp8Tensor], cfg: Fp8LinearConfig, need_dx: bool,
                 need_dw: bool):
         x2 = x.reshape(-1, x.shape[-1])
         fp8_wgrad = need_dw and cfg.wgrad == "fp8"
-        algo = cfg.quantize_algo
-        xq = quantize(x2, E4M3, transpose=fp8_wgrad, eps=cfg.eps, algo=algo)  # x8t only for FP8 wgrad
         w = fp8_weight if fp8_weight is not None else quantize(weight, E4M3, transpose=need_dx, eps=cfg.eps,
-                                                                algo=algo)
-        y = scaled_mm(xq.data, w.data.t(), xq.scale_inv, w.scale_inv, x.dtype, bias=bias, fast_accum=cfg.fast_accum)
+                                                                algo=cfg.quantize_algo)
+        # x8t (x's FP8 transpose) only for FP8 wgrad
+        y, x8t, x_scale_inv = N.fp8_linear_forward(x2, w.data, w.scale_inv, bias, fp8_wgrad, cfg.fast_accum,
+                                                   cfg.eps, cfg.quantize_algo)
         ctx.cfg, ctx.fp8_wgrad = cfg, fp8_wgrad
         ctx.need = (need_dx, need_dw, bias is not None and bias.requires_grad)
         ctx.w = w if need_dx else None  # kept as an object: with fp8_weight, its transpose may be made in backward
         ctx.x_dtype, ctx.x_shape, ctx.w_dtype = x.dtype, x.shape, weight.dtype
         ctx.b_dtype = bias.dtype if bias is not None else None
         if fp8_wgrad:
-            ctx.save_for_backward(xq.data_t, xq.scale_inv)
+            ctx.save_for_backward(x8t, x_scale_inv)
         elif need_dw:
             ctx.save_for_backward(x2)
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -175,19 +141,16 @@ class _Fp8LinearFn(torch.autograd.Function):
             dy2 = dy2.contiguous()
         dx = dw = db = None
         if need_dx or ctx.fp8_wgrad:
-            dyq = quantize(dy2, cfg.grad_dtype, transpose=ctx.fp8_wgrad, eps=cfg.eps, algo=cfg.quantize_algo)
-        if need_dx:
+            x8t, x_scale_inv = ctx.saved_tensors if ctx.fp8_wgrad else (None, None)
             w = ctx.w
-            dx = scaled_mm(dyq.data, w.transposed().t(), dyq.scale_inv, w.scale_inv, ctx.x_dtype)
-            if dx.shape != ctx.x_shape:
+            dx, dw = N.fp8_linear_backward(dy2, cfg.grad_dtype, w.transposed() if need_dx else None,
+                                           w.scale_inv if need_dx else None, x8t, x_scale_inv, ctx.x_dtype,
+                                           ctx.w_dtype, cfg.eps, cfg.quantize_algo)
+            if dx is not None and dx.shape != ctx.x_shape:
                 dx = dx.view(ctx.x_shape)  # a 2-D input gets the GEMM's output itself (autograd can keep it)
-        if need_dw:
-            if ctx.fp8_wgrad:
-                x8t, x_scale_inv = ctx.saved_tensors
-                dw = scaled_mm(dyq.data_t, x8t.t(), dyq.scale_inv, x_scale_inv, ctx.w_dtype)
-            else:
-                (x2,) = ctx.saved_tensors
-                dw = torch.mm(dy2.t(), x2.to(dy2.dtype)).to(ctx.w_dtype)
+        if need_dw and not ctx.fp8_wgrad:
+            (x2,) = ctx.saved_tensors
+            dw = torch.mm(dy2.t(), x2.to(dy2.dtype)).to(ctx.w_dtype)
         if need_db:
             db = dy2.sum(0).to(ctx.b_dtype)
         return dx, dw, db, None, None, None, None

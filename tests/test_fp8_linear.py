@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mfsdp_ext
+from mfsdp_ext import _native as N
 from mfsdp_ext import fp8_linear as FL
 from mfsdp_ext.fp8_tensor import E4M3, E5M2, quantize
 
@@ -70,17 +71,18 @@ def reference(module, x, dy):
 
 
 class GemmCounter:
-    """Counts the FP8 GEMMs (mfsdp_ext.fp8_linear.scaled_mm calls)."""
+    """Counts the FP8 GEMMs (native fp8_gemm calls) made since it was created; ``n = 0`` starts over."""
 
-    def __init__(self, monkeypatch):
-        self.n = 0
-        real = FL.scaled_mm
+    def __init__(self, monkeypatch=None):
+        self._base = N.fp8_gemm_calls()
 
-        def counted(*args, **kwargs):
-            self.n += 1
-            return real(*args, **kwargs)
+    @property
+    def n(self) -> int:
+        return N.fp8_gemm_calls() - self._base
 
-        monkeypatch.setattr(FL, "scaled_mm", counted)
+    @n.setter
+    def n(self, value: int) -> None:
+        self._base = N.fp8_gemm_calls() - value
 
 
 # ----------------------------------------------------------------------------------------------
@@ -297,18 +299,40 @@ def test_config_validation_and_exports():
     assert mfsdp_ext.to_fp8_linear is FL.to_fp8_linear
 
 
-def test_emulated_scaled_mm_matches_torch_on_cpu():
-    if not FL.cpu_has_scaled_mm():
-        pytest.skip("this torch build has no CPU torch._scaled_mm (the emulation is what runs)")
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_gemm_against_float64_of_dequantized_operands(device):
+    """fp8_gemm(a, b) = (a * sa) @ (b * sb).T + bias: each output dtype, bias fused (its dtype) or added after
+    (fp32 output, or another dtype), e5m2 on either side, and the calls counted."""
     g = torch.Generator().manual_seed(5)
-    a = (torch.randn(48, 64, generator=g) * 30).to(E5M2)
-    b = (torch.randn(32, 64, generator=g) * 30).to(E4M3)
-    sa, sb = torch.tensor(0.013), torch.tensor(2.5)
-    bias = torch.randn(32, generator=g).bfloat16()
-    for out_dtype in (torch.float32, torch.bfloat16):
-        got = FL.emulated_scaled_mm(a, b.t(), sa, sb, out_dtype, bias)
-        ref = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, bias=bias.to(out_dtype), out_dtype=out_dtype)
-        assert rel(got, ref) <= (1e-6 if out_dtype == torch.float32 else 2.0**-8)
+    a = (torch.randn(48, 64, generator=g) * 30).to(E5M2).to(device)
+    b = (torch.randn(32, 64, generator=g) * 30).to(E4M3).to(device)
+    sa, sb = torch.tensor(0.013, device=device), torch.tensor(2.5, device=device)
+    ref = (a.double() * 0.013) @ (b.double() * 2.5).t()
+    bias = torch.randn(32, generator=g).to(device)
+    calls = GemmCounter()
+    for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        tol = 1e-6 if out_dtype == torch.float32 else 2.0**-8
+        got = N.fp8_gemm(a, b, sa, sb, None, out_dtype)
+        assert got.dtype == out_dtype and got.shape == (48, 32) and rel(got, ref) <= tol
+        for bias_dtype in (out_dtype, torch.float32):  # fused when it is the output's 16-bit dtype
+            got = N.fp8_gemm(a, b, sa, sb, bias.to(bias_dtype), out_dtype)
+            assert rel(got, ref + bias.to(bias_dtype).double()) <= tol
+    # e4m3 x e5m2 (dgrad / wgrad operand order)
+    got = N.fp8_gemm(b, a, sb, sa, None, torch.bfloat16)
+    assert rel(got, ref.t()) <= 2.0**-8
+    assert calls.n == 10
+    with pytest.raises(TypeError, match="cannot both be float8_e5m2"):
+        N.fp8_gemm(a, a, sa, sa)
+    with pytest.raises(ValueError, match="must share K"):
+        N.fp8_gemm(a, b[:, :32].contiguous(), sa, sb)
+    with pytest.raises(ValueError, match="contiguous 2-D"):
+        N.fp8_gemm(a.t(), b, sa, sb)
+    with pytest.raises(TypeError, match="out_dtype must be"):
+        N.fp8_gemm(a, b, sa, sb, None, torch.float64)
+    with pytest.raises(TypeError, match="one-element float32"):
+        N.fp8_gemm(a, b, sa.double(), sb)
+    with pytest.raises(ValueError, match="bias must be contiguous of shape"):
+        N.fp8_gemm(a, b, sa, sb, bias[:16])
 
 
 # ----------------------------------------------------------------------------------------------
