@@ -42,6 +42,9 @@ void register_kernels(py::module_& m) {
   m.def("fp8_gemm", &mfsdp::fp8_gemm, release(), py::arg("a"), py::arg("b"), py::arg("scale_a"), py::arg("scale_b"),
         py::arg("bias"), py::arg("out_dtype"), py::arg("fast_accum"));
   m.def("fp8_gemm_calls", &mfsdp::fp8_gemm_calls);
+  m.def("fp8_linear", &mfsdp::fp8_linear, release(), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("w8"),
+        py::arg("w_scale_inv"), py::arg("w8t"), py::arg("grad_dtype"), py::arg("need_dx"), py::arg("need_dw"),
+        py::arg("fp8_wgrad"), py::arg("fast_accum"), py::arg("eps"), py::arg("algo"));
   m.def("fp8_linear_forward", &mfsdp::fp8_linear_forward, release(), py::arg("x"), py::arg("w8"),
         py::arg("w_scale_inv"), py::arg("bias"), py::arg("keep_x_t"), py::arg("fast_accum"), py::arg("eps"),
         py::arg("algo"));

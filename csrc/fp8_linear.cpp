@@ -1,6 +1,8 @@
 // fp8_linear_forward / fp8_linear_backward (fp8_linear.h): fp8_quantize (quantize.cpp) and fp8_gemm (fp8_gemm.cpp)
-// in one call each; the checks of the tensors are theirs.
+// in one call each; the checks of the tensors are theirs. fp8_linear: the two as a C++ autograd function.
 #include "fp8_linear.h"
+
+#include <torch/autograd.h>
 
 #include "fp8_gemm.h"
 #include "quantize.h"
@@ -59,6 +61,89 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> fp8_linear_back
   if (need_dx) dx = fp8_gemm(dy8, *w8t, dy_scale_inv, *w_scale_inv, std::nullopt, dx_dtype, false);
   if (need_dw) dw = fp8_gemm(*dy8t, *x8t, dy_scale_inv, *x_scale_inv, std::nullopt, dw_dtype, false);
   return {dx, dw};
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
+  // Optional tensors: autograd takes an absent one for no input at all (an undefined at::Tensor would not do).
+  // bias stays third, so that when present it is autograd's input 2 (needs_input_grad counts present inputs).
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, const at::Tensor& w8, const at::Tensor& w_scale_inv,
+                            const std::optional<at::Tensor>& w8t, at::ScalarType grad_dtype, bool need_dx,
+                            bool need_dw, bool fp8_wgrad, bool fast_accum, double eps, int64_t algo) {
+    const int64_t k = x.size(-1);
+    const at::Tensor x2 = x.reshape({-1, k}).contiguous();
+    const bool keep_x_t = need_dw && fp8_wgrad;
+    auto [y, x8t, x_scale_inv] = fp8_linear_forward(x2, w8, w_scale_inv, bias, keep_x_t, fast_accum, eps, algo);
+    // saved: what backward reads (undefined where it reads nothing)
+    ctx->save_for_backward({need_dx ? *w8t : at::Tensor(), need_dx ? w_scale_inv : at::Tensor(),
+                            keep_x_t ? *x8t : at::Tensor(), keep_x_t ? x_scale_inv : at::Tensor(),
+                            need_dw && !fp8_wgrad ? x2 : at::Tensor()});
+    ctx->saved_data["grad_dtype"] = static_cast<int64_t>(grad_dtype);
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    ctx->saved_data["has_bias"] = bias.has_value();
+    ctx->saved_data["b_dtype"] = static_cast<int64_t>(bias.has_value() ? bias->scalar_type() : x.scalar_type());
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["algo"] = algo;
+    std::vector<int64_t> y_sizes = x.sizes().vec();
+    y_sizes.back() = y.size(1);
+    return y.view(y_sizes);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &w8t = saved[0], &w_scale_inv = saved[1], &x8t = saved[2], &x_scale_inv = saved[3],
+                     &x2 = saved[4];
+    const auto dtype = [ctx](const char* key) { return static_cast<at::ScalarType>(ctx->saved_data[key].toInt()); };
+    const bool need_dx = ctx->needs_input_grad(0) && w8t.defined();
+    const bool need_dw = ctx->needs_input_grad(1);
+    const bool need_db = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);
+    const at::Tensor& dy = grads[0];
+    const at::Tensor dy2 = dy.reshape({-1, dy.size(-1)}).contiguous();
+    at::Tensor dx, dw, db;
+    const bool fp8_dw = need_dw && x8t.defined();
+    if (need_dx || fp8_dw) {
+      auto [dx_opt, dw_opt] = fp8_linear_backward(
+          dy2, dtype("grad_dtype"), need_dx ? std::optional<at::Tensor>(w8t) : std::nullopt,
+          need_dx ? std::optional<at::Tensor>(w_scale_inv) : std::nullopt,
+          fp8_dw ? std::optional<at::Tensor>(x8t) : std::nullopt,
+          fp8_dw ? std::optional<at::Tensor>(x_scale_inv) : std::nullopt, dtype("x_dtype"), dtype("w_dtype"),
+          ctx->saved_data["eps"].toDouble(), ctx->saved_data["algo"].toInt());
+      if (dx_opt) dx = dx_opt->view(ctx->saved_data["x_sizes"].toIntVector());
+      if (dw_opt) dw = *dw_opt;
+    }
+    if (need_dw && !fp8_dw) dw = at::mm(dy2.t(), x2.to(dy2.scalar_type())).to(dtype("w_dtype"));
+    if (need_db) db = dy2.sum(0).to(dtype("b_dtype"));
+    variable_list out(13);  // one per argument of forward after ctx
+    out[0] = dx;
+    out[1] = dw;
+    out[2] = db;
+    return out;
+  }
+};
+
+}  // namespace
+
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                      const at::Tensor& w8, const at::Tensor& w_scale_inv, const std::optional<at::Tensor>& w8t,
+                      at::ScalarType grad_dtype, bool need_dx, bool need_dw, bool fp8_wgrad, bool fast_accum,
+                      double eps, int64_t algo) {
+  TORCH_CHECK_VALUE(x.dim() >= 1 && w8.dim() == 2 && x.size(-1) == w8.size(1),
+                    "mfsdp_ext.fp8_linear: x (..., K) and w8 (N, K) must share K, got sizes ", x.sizes(), " and ",
+                    w8.sizes());
+  TORCH_CHECK_VALUE(!need_dx || (w8t.has_value() && w8t->defined()),
+                    "mfsdp_ext.fp8_linear: an input gradient (need_dx) needs w8t, the weight's FP8 transpose");
+  const auto present = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() && t->defined() ? t : std::optional<at::Tensor>();
+  };
+  return Fp8LinearFunction::apply(x, weight, present(bias), w8, w_scale_inv, present(w8t), grad_dtype, need_dx,
+                                  need_dw, fp8_wgrad, fast_accum, eps, algo);
 }
 
 }  // namespace mfsdp

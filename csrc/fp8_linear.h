@@ -1,6 +1,7 @@
-// The two native calls of an FP8 Linear (mfsdp_ext/fp8_linear.py): each quantizes its input with per-tensor
-// current scaling and runs the FP8 GEMMs that need it, allocating every output here, so that a layer's forward and
-// backward each cross from Python once. Semantics: mfsdp_ext/_native.py (fp8_linear_forward / fp8_linear_backward).
+// The FP8 Linear (mfsdp_ext/fp8_linear.py) as one autograd function in C++: forward and backward each quantize
+// their input with per-tensor current scaling and run the FP8 GEMMs that need it, with no Python in between. In
+// eager training the host time per layer, not the GPU, decided whether FP8 beat bf16. Semantics:
+// mfsdp_ext/_native.py (fp8_linear, fp8_linear_forward / fp8_linear_backward).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -23,5 +24,14 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> fp8_linear_back
     const std::optional<at::Tensor>& w_scale_inv, const std::optional<at::Tensor>& x8t,
     const std::optional<at::Tensor>& x_scale_inv,
     at::ScalarType dx_dtype, at::ScalarType dw_dtype, double eps, int64_t algo);
+
+// y = x @ W.T (+ bias) differentiable in x, weight and bias, computed from w8 (W in e4m3, (N, K)) and, for dgrad,
+// w8t (its transpose (K, N)); weight's values are not read: it receives dW. x: (..., K) float32 / bfloat16 /
+// float16. need_dx / need_dw: whether x / weight get gradients (grad mode and requires_grad, decided by the
+// caller); fp8_wgrad: dW = dy.T @ x in FP8 (x's transpose kept from forward) or in x's dtype (x kept).
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                      const at::Tensor& w8, const at::Tensor& w_scale_inv, const std::optional<at::Tensor>& w8t,
+                      at::ScalarType grad_dtype, bool need_dx, bool need_dw, bool fp8_wgrad, bool fast_accum,
+                      double eps, int64_t algo);
 
 }  // namespace mfsdp

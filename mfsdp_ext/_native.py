@@ -79,7 +79,7 @@ fp8_quantize(src, dst, scale_inv, amax=None, dst_t=None, eps=1e-12, algo="auto")
 fp8_transpose(src, dst)
     dst = src.t() for a 2-D FP8 tensor: dst (cols, rows) contiguous, the same dtype.
 
-These three allocate their outputs (the only ones here that do):
+These four allocate their outputs (the only ones here that do):
 fp8_gemm(a, b, scale_a, scale_b, bias, out_dtype, fast_accum) -> out
     out (M, N) = (a.float() * scale_a) @ (b.float() * scale_b).T (+ bias), accumulated in fp32 (``fast_accum``:
     Hopper's faster, less exact FP8 accumulation), rounded to out_dtype (bfloat16 / float16 / float32). a (M, K),
@@ -93,6 +93,11 @@ fp8_linear_forward(x, w8, w_scale_inv, bias, keep_x_t, fast_accum, eps, algo) ->
 fp8_linear_backward(dy, grad_dtype, w8t, w_scale_inv, x8t, x_scale_inv, dx_dtype, dw_dtype, eps, algo) -> (dx, dw)
     fp8_quantize(dy) to grad_dtype (with its transpose when x8t is given), then dx = dy @ W = fp8_gemm(dy8, w8t)
     when w8t (K, N) is given, dW = dy.T @ x = fp8_gemm(dy8t, x8t) when x8t (K, M) is given; None for the other.
+fp8_linear(x, weight, bias, w8, w_scale_inv, w8t, grad_dtype, need_dx, need_dw, fp8_wgrad, fast_accum, eps, algo)
+    y = x @ W.T (+ bias) as a C++ autograd function: forward = fp8_linear_forward on x (..., K), backward =
+    fp8_linear_backward, plus db = dy.sum(0) and, without fp8_wgrad, dW = dy.T @ x in x's dtype. W is read only
+    as w8 (N, K) e4m3 and w8t (K, N, needed when need_dx); ``weight`` receives dW. need_dx / need_dw: whether x /
+    weight get gradients (the caller decides: grad mode and requires_grad).
 
 Segment tables: rows sorted and non-overlapping, ``0 <= start_i <= end_i <= src.numel()`` and
 ``end_{i-1} <= start_i``; an empty row is written ``(e, e)`` at its place in order (e.g. clipping each
@@ -281,6 +286,14 @@ def fp8_linear_backward(dy: torch.Tensor, grad_dtype: torch.dtype, w8t: torch.Te
                         dx_dtype: torch.dtype, dw_dtype: torch.dtype, eps: float = 1e-12, algo: str = "auto"):
     return _C.fp8_linear_backward(dy, grad_dtype, w8t, w_scale_inv, x8t, x_scale_inv, dx_dtype, dw_dtype,
                                   float(eps), _algo_code("fp8_linear_backward", algo))
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w8: torch.Tensor,
+               w_scale_inv: torch.Tensor, w8t: torch.Tensor | None, grad_dtype: torch.dtype, need_dx: bool,
+               need_dw: bool, fp8_wgrad: bool, fast_accum: bool, eps: float = 1e-12,
+               algo: str = "auto") -> torch.Tensor:
+    return _C.fp8_linear(x, weight, bias, w8, w_scale_inv, w8t, grad_dtype, bool(need_dx), bool(need_dw),
+                         bool(fp8_wgrad), bool(fast_accum), float(eps), _algo_code("fp8_linear", algo))
 
 
 def grad_accumulate(main_grad: torch.Tensor, reduced: torch.Tensor, scale: float, accumulate: bool) -> None:

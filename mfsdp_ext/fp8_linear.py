@@ -105,64 +105,16 @@ def fp8_unsupported_reason(x: torch.Tensor, weight: torch.Tensor) -> Optional[st
 
 
 # ----------------------------------------------------------------------------------------------
-# autograd
+# the layer function
 # ----------------------------------------------------------------------------------------------
-class _Fp8LinearFn(torch.autograd.Function):
-    """Forward and backward each cross into the native extension once (fp8_linear_forward / _backward: quantize
-    and GEMMs); only the weight's per-call quantization and a bf16 wgrad run as separate calls."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, fp8_weight: Optional[Fp8Tensor], cfg: Fp8LinearConfig, need_dx: bool,
-                need_dw: bool):
-        x2 = x.reshape(-1, x.shape[-1])
-        fp8_wgrad = need_dw and cfg.wgrad == "fp8"
-        w = fp8_weight if fp8_weight is not None else quantize(weight, E4M3, transpose=need_dx, eps=cfg.eps,
-                                                                algo=cfg.quantize_algo)
-        # x8t (x's FP8 transpose) only for FP8 wgrad
-        y, x8t, x_scale_inv = N.fp8_linear_forward(x2, w.data, w.scale_inv, bias, fp8_wgrad, cfg.fast_accum,
-                                                   cfg.eps, cfg.quantize_algo)
-        ctx.cfg, ctx.fp8_wgrad = cfg, fp8_wgrad
-        ctx.need = (need_dx, need_dw, bias is not None and bias.requires_grad)
-        ctx.w = w if need_dx else None  # kept as an object: with fp8_weight, its transpose may be made in backward
-        ctx.x_dtype, ctx.x_shape, ctx.w_dtype = x.dtype, x.shape, weight.dtype
-        ctx.b_dtype = bias.dtype if bias is not None else None
-        if fp8_wgrad:
-            ctx.save_for_backward(x8t, x_scale_inv)
-        elif need_dw:
-            ctx.save_for_backward(x2)
-        return y.view(*x.shape[:-1], y.shape[-1])
-
-    @staticmethod
-    def backward(ctx, dy):
-        need_dx, need_dw, need_db = ctx.need
-        cfg = ctx.cfg
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        if not dy2.is_contiguous():
-            dy2 = dy2.contiguous()
-        dx = dw = db = None
-        if need_dx or ctx.fp8_wgrad:
-            x8t, x_scale_inv = ctx.saved_tensors if ctx.fp8_wgrad else (None, None)
-            w = ctx.w
-            dx, dw = N.fp8_linear_backward(dy2, cfg.grad_dtype, w.transposed() if need_dx else None,
-                                           w.scale_inv if need_dx else None, x8t, x_scale_inv, ctx.x_dtype,
-                                           ctx.w_dtype, cfg.eps, cfg.quantize_algo)
-            if dx is not None and dx.shape != ctx.x_shape:
-                dx = dx.view(ctx.x_shape)  # a 2-D input gets the GEMM's output itself (autograd can keep it)
-        if need_dw and not ctx.fp8_wgrad:
-            (x2,) = ctx.saved_tensors
-            dw = torch.mm(dy2.t(), x2.to(dy2.dtype)).to(ctx.w_dtype)
-        if need_db:
-            db = dy2.sum(0).to(ctx.b_dtype)
-        return dx, dw, db, None, None, None, None
-
-
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                fp8_weight: Optional[Fp8Tensor] = None, config: Optional[Fp8LinearConfig] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with FP8 GEMMs (see the module docstring). The caller checks
     ``fp8_unsupported_reason`` first; this function does not fall back. The output has x's dtype.
 
     fp8_weight: the weight's FP8 form (data (N, K) e4m3 contiguous, scale_inv, optional data_t (K, N)) supplied
-    from outside; default: ``weight`` quantized here, on every call."""
+    from outside; default: ``weight`` quantized here, on every call. Its transpose, needed for the input
+    gradient, is made (once, kept in the Fp8Tensor) when x requires grad."""
     cfg = config or Fp8LinearConfig()
     if fp8_weight is not None:
         if (fp8_weight.dtype != E4M3 or tuple(fp8_weight.shape) != tuple(weight.shape)
@@ -170,14 +122,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
             raise ValueError(f"mfsdp_ext.fp8_linear: fp8_weight must be contiguous float8_e4m3fn of the weight's "
                              f"shape {tuple(weight.shape)}, got {fp8_weight.dtype} {tuple(fp8_weight.shape)} "
                              f"with strides {fp8_weight.data.stride()}")
-    elif not weight.is_contiguous():
-        weight = weight.contiguous()
-    if not x.is_contiguous():
-        x = x.contiguous()
     grad = torch.is_grad_enabled()
     need_dx = grad and x.requires_grad
     need_dw = grad and weight.requires_grad
-    return _Fp8LinearFn.apply(x, weight, bias, fp8_weight, cfg, need_dx, need_dw)
+    w = fp8_weight
+    if w is None:
+        w = quantize(weight.detach().contiguous(), E4M3, transpose=need_dx, eps=cfg.eps, algo=cfg.quantize_algo)
+    return N.fp8_linear(x, weight, bias, w.data, w.scale_inv, w.transposed() if need_dx else None, cfg.grad_dtype,
+                        need_dx, need_dw, cfg.wgrad == "fp8", cfg.fast_accum, cfg.eps, cfg.quantize_algo)
 
 
 class _DequantizedWeight(torch.autograd.Function):
