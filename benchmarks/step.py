@@ -50,7 +50,7 @@ import sys
 import time
 import traceback
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Dict, List
 
 import torch
@@ -131,6 +131,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--extra-ours", action="append", default=[], metavar="KEY=VAL[,KEY=VAL]",
                    help="an additional 'ours' column with these fully_shard keywords (repeatable: one column each); "
                         "keys mp.NAME go to MixedPrecisionPolicy, e.g. mp.cache_model_weight=False")
+    p.add_argument("--layers", type=int, default=None,
+                   help="override the configs' layer count (e.g. config 6's 8B shape at 8 layers fits one GPU); "
+                        "the report names the count it ran")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
     p.add_argument("--floor-steps", type=int, default=5)
@@ -613,7 +616,7 @@ def main(argv=None) -> None:
         f"variants={[v.name for v in variants]} configs={config_ids} -> {os.path.join(args.out, stem)}.*")
     results = []
     for n_cfg, cid in enumerate(config_ids):
-        bc = table[cid]
+        bc = table[cid] if args.layers is None else replace(table[cid], n_layers=args.layers)
         n_params = gpt.num_params(gpt.GPT(bc.model_config(), device="meta"))
         log(f"\n== config {cid}: {bc.describe()}, {n_params / 1e6:.0f}M params, "
             f"batch {bc.batch} x seq {bc.seq} x {bc.microbatches} microbatches per rank")
