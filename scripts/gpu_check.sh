@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check, in stages so one device call fits its 10-minute limit:
 #   scripts/gpu_check.sh build tests kernels symm units optim step step6 hostcost memory noshard fp8 fp8train jit hf mainjob
+#   (fp8step: FP8 step rows on any GPU count, not in the default list)
 #   scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
 #   scripts/gpu_check.sh build fp8train FP8 weights in fully_shard: GPU tests + step.py's FP8 variants (2 GPUs)
 # Logs and result tables go to $OUT (the device runner's output folder; /tmp/out elsewhere).
@@ -53,7 +54,15 @@ for stage in $stages; do
     fp8)  # FP8 activation quantizer, FP8 transpose and FP8 Linear: GPU tests, kernel bandwidths, Linear benchmark
         run fp8_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/test_fp8_kernels.py tests/test_fp8_linear.py
         run fp8_kernels timeout -k 10 150 python3 benchmarks/kernels.py --parts quant,transpose --tag fp8 --out "$OUT"
-        run fp8_linear timeout -k 10 150 python3 benchmarks/fp8_linear.py --out "$OUT" ;;
+        run fp8_linear timeout -k 10 150 python3 benchmarks/fp8_linear.py --out "$OUT"
+        run fp8_host_cost timeout -k 10 90 python3 benchmarks/fp8_host_cost.py --out "$OUT" ;;
+    fp8step)  # FP8 step rows on every GPU here: configs 1 and 4; config 6 (8B shape, seq 8192) at 8 layers on one GPU
+        ngpu=$(nvidia-smi -L | wc -l)
+        run fp8step14 timeout -k 10 240 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/step.py --configs 1,4 \
+            --impls ours,ours_fp8,ours_fused,ours_fp8_fused,fsdp2,fsdp2_float8 --out "$OUT/fp8_step"
+        layers=(); [ "$ngpu" -lt 2 ] && layers=(--layers 8)
+        run fp8step6 timeout -k 10 240 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/step.py --configs 6 \
+            "${layers[@]}" --impls ours_fused,ours_fp8_fused --steps 6 --warmup 2 --init meta --out "$OUT/fp8_step6" ;;
     fp8train)  # Fp8Policy in fully_shard: FP8 vs bf16 training, FP8 all-gather bytes; step time vs bf16 / torchao
         run fp8train_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/test_fp8_training.py
         run fp8train_step timeout -k 10 240 torchrun --standalone --nproc-per-node 2 benchmarks/step.py \
