@@ -12,7 +12,11 @@
 
 #ifdef MFSDP_WITH_CUBLASLT
 #include <ATen/cuda/CUDAContextLight.h>  // getCurrentCUDABlasLtHandle
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include <map>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
 #endif
@@ -228,6 +232,28 @@ std::shared_ptr<Plan> cached_plan(const PlanKey& key, cublasLtHandle_t handle, M
   return plan;
 }
 
+// cuBLASLt's workspace of at least `bytes` for `stream`: kept per (device, stream) and grown when a plan needs
+// more (calls on one stream run in order, so they share it; never freed: nothing to tear down at exit). Under
+// graph capture, a fresh allocation held by `holder` (the graph may replay on another stream).
+void* gemm_workspace(size_t bytes, int device, cudaStream_t stream, at::Tensor& holder, const at::Tensor& like) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) (void)cudaGetLastError();
+  if (capture != cudaStreamCaptureStatusNone) {
+    holder = at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
+    return holder.data_ptr();
+  }
+  static std::mutex mu;
+  static std::map<std::pair<int, cudaStream_t>, std::pair<void*, size_t>> spaces;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& space = spaces[{device, stream}];
+  if (space.second < bytes) {
+    if (space.first != nullptr) c10::cuda::CUDACachingAllocator::raw_delete(space.first);
+    space.first = c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(bytes, stream);
+    space.second = bytes;
+  }
+  return space.first;
+}
+
 at::Tensor cublaslt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                          const at::Tensor& scale_b, const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
                          bool fast_accum) {
@@ -247,15 +273,14 @@ at::Tensor cublaslt_gemm(const at::Tensor& a, const at::Tensor& b, const at::Ten
   describe(desc, scale_b, scale_a, fast_accum, fused_bias);
   const std::shared_ptr<Plan> plan = cached_plan(key, handle, desc);
   if (!plan->found) return torch_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, fast_accum);
-  at::Tensor workspace;  // from torch's caching allocator, so it is safe on whatever stream this runs
-  if (plan->workspace > 0) {
-    workspace = at::empty({static_cast<int64_t>(plan->workspace)}, a.options().dtype(at::kByte));
-  }
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(a.device().index()).stream();
+  at::Tensor holder;
+  void* workspace =
+      plan->workspace > 0 ? gemm_workspace(plan->workspace, key.device, stream, holder, a) : nullptr;
   const float alpha = 1.0f, beta = 0.0f;
   check_lt(cublasLtMatmul(handle, desc.d, &alpha, b.data_ptr(), plan->la, a.data_ptr(), plan->lb, &beta,
-                          out.data_ptr(), plan->ld, out.data_ptr(), plan->ld, &plan->algo,
-                          plan->workspace > 0 ? workspace.data_ptr() : nullptr, plan->workspace,
-                          at::cuda::getCurrentCUDAStream(a.device().index()).stream()),
+                          out.data_ptr(), plan->ld, out.data_ptr(), plan->ld, &plan->algo, workspace,
+                          plan->workspace, stream),
            "cublasLtMatmul");
   return fuse ? out : add_bias(out, bias);
 }

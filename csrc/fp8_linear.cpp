@@ -79,8 +79,13 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     const at::Tensor x2 = x.reshape({-1, k}).contiguous();
     const bool keep_x_t = need_dw && fp8_wgrad;
     auto [y, x8t, x_scale_inv] = fp8_linear_forward(x2, w8, w_scale_inv, bias, keep_x_t, fast_accum, eps, algo);
-    // saved: what backward reads (undefined where it reads nothing)
-    ctx->save_for_backward({need_dx ? *w8t : at::Tensor(), need_dx ? w_scale_inv : at::Tensor(),
+    // saved: what backward reads (undefined where it reads nothing). For dgrad, the weight's transpose when the
+    // caller has one, else the FP8 weight itself, transposed in backward: a transpose made here would stay alive
+    // from forward to backward, though fully_shard frees the gathered weight in between (its saved view is
+    // valid again after the backward's all-gather).
+    const bool has_t = w8t.has_value();
+    ctx->saved_data["w_transposed"] = has_t;
+    ctx->save_for_backward({need_dx ? (has_t ? *w8t : w8) : at::Tensor(), need_dx ? w_scale_inv : at::Tensor(),
                             keep_x_t ? *x8t : at::Tensor(), keep_x_t ? x_scale_inv : at::Tensor(),
                             need_dw && !fp8_wgrad ? x2 : at::Tensor()});
     ctx->saved_data["grad_dtype"] = static_cast<int64_t>(grad_dtype);
@@ -98,10 +103,10 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &w8t = saved[0], &w_scale_inv = saved[1], &x8t = saved[2], &x_scale_inv = saved[3],
+    const at::Tensor &w_saved = saved[0], &w_scale_inv = saved[1], &x8t = saved[2], &x_scale_inv = saved[3],
                      &x2 = saved[4];
     const auto dtype = [ctx](const char* key) { return static_cast<at::ScalarType>(ctx->saved_data[key].toInt()); };
-    const bool need_dx = ctx->needs_input_grad(0) && w8t.defined();
+    const bool need_dx = ctx->needs_input_grad(0) && w_saved.defined();
     const bool need_dw = ctx->needs_input_grad(1);
     const bool need_db = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);
     const at::Tensor& dy = grads[0];
@@ -109,6 +114,14 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     at::Tensor dx, dw, db;
     const bool fp8_dw = need_dw && x8t.defined();
     if (need_dx || fp8_dw) {
+      at::Tensor w8t;
+      if (need_dx) {
+        w8t = w_saved;
+        if (!ctx->saved_data["w_transposed"].toBool()) {
+          w8t = at::empty({w_saved.size(1), w_saved.size(0)}, w_saved.options());
+          fp8_transpose(w_saved, w8t);
+        }
+      }
       auto [dx_opt, dw_opt] = fp8_linear_backward(
           dy2, dtype("grad_dtype"), need_dx ? std::optional<at::Tensor>(w8t) : std::nullopt,
           need_dx ? std::optional<at::Tensor>(w_scale_inv) : std::nullopt,
@@ -137,8 +150,6 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const std::
   TORCH_CHECK_VALUE(x.dim() >= 1 && w8.dim() == 2 && x.size(-1) == w8.size(1),
                     "mfsdp_ext.fp8_linear: x (..., K) and w8 (N, K) must share K, got sizes ", x.sizes(), " and ",
                     w8.sizes());
-  TORCH_CHECK_VALUE(!need_dx || (w8t.has_value() && w8t->defined()),
-                    "mfsdp_ext.fp8_linear: an input gradient (need_dx) needs w8t, the weight's FP8 transpose");
   const auto present = [](const std::optional<at::Tensor>& t) {
     return t.has_value() && t->defined() ? t : std::optional<at::Tensor>();
   };

@@ -181,6 +181,10 @@ int launch(const Fp8TransposeParams& p, void* stream);
 int launch(const OptimStepParams& p, void* stream);
 // words of Fp8QuantizeParams::workspace for the two-pass quantizer on the current device
 int64_t fp8_quantize_workspace_words();
+// A two-pass workspace of the current device kept for `stream` (allocated once, never freed): calls on one stream
+// run in order, so they can share it. Not under graph capture (a graph may replay on another stream). nullptr
+// with *err set on failure.
+uint32_t* fp8_quantize_stream_workspace(void* stream, int* err);
 }  // namespace cuda
 
 }  // namespace mfsdp

@@ -68,12 +68,19 @@ void fp8_quantize(const at::Tensor& src, const at::Tensor& dst, const at::Tensor
   at::Tensor workspace;  // CUDA two-pass: the partial amax of each block of its first kernel
 #ifdef MFSDP_WITH_CUDA
   if (src.is_cuda()) {
-    // the fused kernel's counters belong to the stream, and a captured graph may replay on any stream
-    if (p.algo == kQuantizeFused && cuda_stream_is_capturing(src)) p.algo = kQuantizeTwoPass;
-    if (p.algo != kQuantizeFused) {
-      c10::cuda::CUDAGuard guard(src.device());  // the size follows the device's SM count
+    // the workspaces kept per stream (the fused kernel's counters, two-pass partials) belong to the stream, and a
+    // captured graph may replay on any stream: under capture, two-pass with a workspace of its own
+    c10::cuda::CUDAGuard guard(src.device());  // the sizes follow the device's SM count
+    const bool capturing = cuda_stream_is_capturing(src);
+    if (p.algo == kQuantizeFused && capturing) p.algo = kQuantizeTwoPass;
+    if (p.algo != kQuantizeFused && capturing) {
       workspace = at::empty({cuda::fp8_quantize_workspace_words()}, src.options().dtype(at::kInt));
       p.workspace = reinterpret_cast<uint32_t*>(workspace.data_ptr<int32_t>());
+    } else if (p.algo != kQuantizeFused) {
+      int err = 0;
+      p.workspace = cuda::fp8_quantize_stream_workspace(cuda_stream(src), &err);
+      TORCH_CHECK(p.workspace != nullptr, "mfsdp_ext.fp8_quantize: workspace allocation failed: ",
+                  cudaGetErrorString(static_cast<cudaError_t>(err)));
     }
   }
 #endif

@@ -19,6 +19,7 @@
 
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <utility>
 
 #include "fp8_scaling.h"
@@ -497,25 +498,28 @@ int launch_dependent(Kernel kernel, int blocks, cudaStream_t stream, Args... arg
   return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
 
-// The fused kernel's workspace for the current device and `stream`: allocated and zeroed (on the stream) on
-// first use, left zeroed by every launch. Kept for the life of the process.
-uint32_t* fused_workspace(cudaStream_t stream, int* err) {
+// A workspace of `words` uint32 for the current device and `stream` (one per `kind`): allocated and zeroed (on the
+// stream) on first use, kept for the life of the process.
+uint32_t* stream_workspace(int kind, int64_t words, cudaStream_t stream, int* err) {
   static std::mutex mu;
-  static std::map<std::pair<int, cudaStream_t>, uint32_t*> spaces;
+  static std::map<std::tuple<int, int, cudaStream_t>, uint32_t*> spaces;
   int dev = 0;
   *err = static_cast<int>(cudaGetDevice(&dev));
   if (*err != 0) return nullptr;
   std::lock_guard<std::mutex> lock(mu);
-  auto it = spaces.find({dev, stream});
+  auto it = spaces.find({kind, dev, stream});
   if (it != spaces.end()) return it->second;
   void* p = nullptr;
-  const size_t bytes = static_cast<size_t>(kWsWords) * sizeof(uint32_t);
+  const size_t bytes = static_cast<size_t>(words) * sizeof(uint32_t);
   *err = static_cast<int>(cudaMalloc(&p, bytes));
   if (*err == 0) *err = static_cast<int>(cudaMemsetAsync(p, 0, bytes, stream));
   if (*err != 0) return nullptr;
-  spaces.emplace(std::make_pair(dev, stream), static_cast<uint32_t*>(p));
+  spaces.emplace(std::make_tuple(kind, dev, stream), static_cast<uint32_t*>(p));
   return static_cast<uint32_t*>(p);
 }
+
+// The fused kernel's workspace: left zeroed by every launch.
+uint32_t* fused_workspace(cudaStream_t stream, int* err) { return stream_workspace(0, kWsWords, stream, err); }
 
 template <class In, class F8>
 int launch_fused(const void* src, int64_t numel, int64_t cols, void* dst, void* dst_t, float* scale_inv,
@@ -576,6 +580,10 @@ int launch_two_pass(const void* src, int64_t numel, int64_t cols, void* dst, voi
 }  // namespace
 
 int64_t fp8_quantize_workspace_words() { return static_cast<int64_t>(num_sms()) * 32; }  // >= blocks of any grid
+
+uint32_t* fp8_quantize_stream_workspace(void* stream, int* err) {
+  return stream_workspace(1, fp8_quantize_workspace_words(), static_cast<cudaStream_t>(stream), err);
+}
 
 // kQuantizeFused: one launch; anything else: two-pass. The caller never asks for fused under graph capture.
 int launch(const Fp8QuantizeParams& p, void* stream) {

@@ -34,7 +34,7 @@ class Fp8ParamGroup(ParamGroup):
 
     def __init__(self, params, mesh, *, fp8_compute: bool, **kwargs):
         self.fp8_compute = fp8_compute
-        self.fp8_views: list[Fp8Tensor] | None = None  # compute=True: the gathered weights, made at each gather
+        self.fp8_views: list[Fp8Tensor] | None = None  # compute=True: the gathered weights' FP8 views, made once
         if kwargs.get("compute_dtype") not in (torch.bfloat16, torch.float16):
             raise ValueError(f"FP8 weights need a bfloat16 or float16 compute dtype, got {kwargs.get('compute_dtype')}")
         bad = [f"{fqn} ({p.dtype})" for fqn, p, _ in params if p.dtype != torch.float32]
@@ -59,6 +59,7 @@ class Fp8ParamGroup(ParamGroup):
 
     def _make_unsharded(self, device: torch.device) -> FlatBuffer:
         self.unsharded_fp8 = FlatBuffer(self.layout, E4M3, device)
+        self.fp8_views = None  # views of the previous buffer (materialize makes a new one)
         # compute=True: allocated here only for the parameter views to be made (a view needs the storage), freed
         # at the end of __init__ (free_unsharded) and never allocated again: see the module docstring
         return FlatBuffer(self.layout, self.compute_dtype, device)
@@ -97,9 +98,12 @@ class Fp8ParamGroup(ParamGroup):
         self.stats.all_gathers += 1
         self.stats.all_gather_bytes += self.gathered_bytes(E4M3)
         if self.fp8_compute:
-            # new objects at each gather: a transpose made for the last weights is not reused
-            self.fp8_views = [Fp8Tensor(self.unsharded_fp8.param_view(i), self.gemm_scale_inv[i, 0])
-                              for i in range(len(self.infos))]
+            if self.fp8_views is None:
+                # made once (at the first gather: a meta-initialised group has real storage by then) and kept: the
+                # views stay valid across free / alloc, and they carry no transpose (Fp8Linear's backward makes
+                # its own), so nothing in them belongs to one gather
+                self.fp8_views = [Fp8Tensor(self.unsharded_fp8.param_view(i), self.gemm_scale_inv[i, 0])
+                                  for i in range(len(self.infos))]
             return
         self.unsharded.alloc()
         with torch.autograd._unsafe_preserve_version_counter(self.unsharded.data):

@@ -113,8 +113,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     ``fp8_unsupported_reason`` first; this function does not fall back. The output has x's dtype.
 
     fp8_weight: the weight's FP8 form (data (N, K) e4m3 contiguous, scale_inv, optional data_t (K, N)) supplied
-    from outside; default: ``weight`` quantized here, on every call. Its transpose, needed for the input
-    gradient, is made (once, kept in the Fp8Tensor) when x requires grad."""
+    from outside; default: ``weight`` quantized here, on every call. The input gradient uses its transpose
+    ``data_t`` when it has one; otherwise backward transposes the FP8 weight (not kept between forward and
+    backward: fully_shard frees the gathered weight in between)."""
     cfg = config or Fp8LinearConfig()
     if fp8_weight is not None:
         if (fp8_weight.dtype != E4M3 or tuple(fp8_weight.shape) != tuple(weight.shape)
@@ -128,7 +129,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     w = fp8_weight
     if w is None:
         w = quantize(weight.detach().contiguous(), E4M3, transpose=need_dx, eps=cfg.eps, algo=cfg.quantize_algo)
-    return N.fp8_linear(x, weight, bias, w.data, w.scale_inv, w.transposed() if need_dx else None, cfg.grad_dtype,
+    return N.fp8_linear(x, weight, bias, w.data, w.scale_inv, w.data_t if need_dx else None, cfg.grad_dtype,
                         need_dx, need_dw, cfg.wgrad == "fp8", cfg.fast_accum, cfg.eps, cfg.quantize_algo)
 
 
