@@ -56,11 +56,13 @@ for stage in $stages; do
         run fp8_kernels timeout -k 10 150 python3 benchmarks/kernels.py --parts quant,transpose --tag fp8 --out "$OUT"
         run fp8_linear timeout -k 10 150 python3 benchmarks/fp8_linear.py --out "$OUT"
         run fp8_host_cost timeout -k 10 90 python3 benchmarks/fp8_host_cost.py --out "$OUT" ;;
-    fp8step)  # FP8 step rows on every GPU here: configs 1 and 4; config 6 (8B shape, seq 8192) at 8 layers on one GPU
+    fp8step)  # FP8 step rows on every GPU here: configs 1, 2 and 4; config 6 (8B shape, seq 8192) on one GPU at 16
+              # of its 32 layers (8 below 100 GiB of GPU memory: ~80 GiB peak at 16)
         ngpu=$(nvidia-smi -L | wc -l)
-        run fp8step14 timeout -k 10 240 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/step.py --configs 1,4 \
-            --impls ours,ours_fp8,ours_fused,ours_fp8_fused,fsdp2,fsdp2_float8 --out "$OUT/fp8_step"
-        layers=(); [ "$ngpu" -lt 2 ] && layers=(--layers 8)
+        gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+        run fp8step124 timeout -k 10 240 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/step.py \
+            --configs 1,2,4 --impls ours,ours_fp8,ours_fused,ours_fp8_fused,fsdp2,fsdp2_float8 --out "$OUT/fp8_step"
+        layers=(); [ "$ngpu" -lt 2 ] && layers=(--layers $([ "$gib" -gt 102400 ] && echo 16 || echo 8))
         run fp8step6 timeout -k 10 240 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/step.py --configs 6 \
             "${layers[@]}" --impls ours_fused,ours_fp8_fused --steps 6 --warmup 2 --init meta --out "$OUT/fp8_step6" ;;
     fp8train)  # Fp8Policy in fully_shard: FP8 vs bf16 training, FP8 all-gather bytes; step time vs bf16 / torchao
