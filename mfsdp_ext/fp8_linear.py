@@ -1,8 +1,9 @@
 """FP8 Linear: the forward GEMM and the input gradient (dgrad) in FP8, the weight gradient (wgrad) in FP8 or in
 the compute dtype, on tensors quantized by the native per-tensor current-scaling quantizer, multiplied by the
-native ``fp8_gemm`` (cuBLASLt with a per-shape plan cache on CUDA; torch._scaled_mm on CPU). Forward and
-backward each make one native call (``fp8_linear_forward`` / ``fp8_linear_backward``: quantize, then GEMMs):
-in eager mode the host time per layer, not the GPU, decided whether FP8 beat bf16.
+native ``fp8_gemm`` (cuBLASLt with a per-shape plan cache on CUDA; torch._scaled_mm on CPU). The layer is one
+C++ autograd function (``_native.fp8_linear``): forward and backward each run in native code (quantize, then the
+GEMMs) with no Python in between, because in eager mode the host time per layer, not the GPU, decided whether FP8
+beat bf16.
 
     y  = x @ W.T + b      fp8_gemm(x8 (M, K), W8 (N, K))       x8, W8: e4m3
     dx = dy @ W           fp8_gemm(dy8 (M, N), W8t (K, N))     dy8: config.grad_dtype; W8t = W8's transpose
