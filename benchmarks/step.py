@@ -76,15 +76,18 @@ class BenchConfig:
     head_dim: int = 128
     n_kv_heads: int = 0  # 0: as many as query heads
     activation_checkpointing: bool = False  # per block
+    ac_every: int = 1  # checkpoint one block in every ac_every
 
     def model_config(self) -> gpt.GPTConfig:
         return gpt.GPTConfig(n_layers=self.n_layers, dim=self.dim, n_heads=self.dim // self.head_dim,
                              n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim, vocab_size=self.vocab,
-                             max_seq_len=self.seq, activation_checkpointing=self.activation_checkpointing)
+                             max_seq_len=self.seq, activation_checkpointing=self.activation_checkpointing,
+                             ac_every=self.ac_every)
 
     def describe(self) -> str:
+        ac = "" if not self.activation_checkpointing else " AC" if self.ac_every == 1 else f" AC 1/{self.ac_every}"
         return (f"L{self.n_layers} d{self.dim} ffn{self.ffn_dim}" + (f" kv{self.n_kv_heads}" if self.n_kv_heads else "")
-                + (f" vocab{self.vocab}" if self.vocab != 32000 else "") + (" AC" if self.activation_checkpointing else ""))
+                + (f" vocab{self.vocab}" if self.vocab != 32000 else "") + ac)
 
 
 CONFIGS: Dict[int, BenchConfig] = {
@@ -134,6 +137,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None,
                    help="override the configs' layer count (e.g. config 6's 8B shape at 8 layers fits one GPU); "
                         "the report names the count it ran")
+    p.add_argument("--ac-every", type=int, default=None, metavar="N",
+                   help="activation checkpointing of one block in every N (0: none) instead of the configs' own; "
+                        "the report names it")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
     p.add_argument("--floor-steps", type=int, default=5)
@@ -270,7 +276,12 @@ def measure_floor(bc: BenchConfig, world: int, dtype: torch.dtype, device: torch
         one = _unsharded_model(gpt.GPTConfig(**{**cfg.to_dict(), "n_layers": 1}), dtype, device)
         root = _unsharded_model(gpt.GPTConfig(**{**cfg.to_dict(), "n_layers": 0}), dtype, device)
         t1, t0 = _fwd_bwd_ms(one, batches, steps, device), _fwd_bwd_ms(root, batches, steps, device)
-        fwd_bwd = t0 + cfg.n_layers * (t1 - t0)
+        n_ac = len(range(0, cfg.n_layers, cfg.ac_every)) if cfg.activation_checkpointing else 0
+        t1_plain = t1
+        if 0 < n_ac < cfg.n_layers:  # some blocks are not checkpointed: time a plain block too
+            one.layers[0].activation_checkpointing = False
+            t1_plain = _fwd_bwd_ms(one, batches, steps, device)
+        fwd_bwd = t0 + n_ac * (t1 - t0) + (cfg.n_layers - n_ac) * (t1_plain - t0)
         full_shapes = [p.shape for p in root.parameters()] + [p.shape for p in one.layers[0].parameters()] * cfg.n_layers
         del one, root
     free_memory(device)
@@ -623,6 +634,8 @@ def main(argv=None) -> None:
     results = []
     for n_cfg, cid in enumerate(config_ids):
         bc = table[cid] if args.layers is None else replace(table[cid], n_layers=args.layers)
+        if args.ac_every is not None:
+            bc = replace(bc, activation_checkpointing=args.ac_every > 0, ac_every=max(args.ac_every, 1))
         n_params = gpt.num_params(gpt.GPT(bc.model_config(), device="meta"))
         log(f"\n== config {cid}: {bc.describe()}, {n_params / 1e6:.0f}M params, "
             f"batch {bc.batch} x seq {bc.seq} x {bc.microbatches} microbatches per rank")

@@ -49,8 +49,11 @@ class GPTConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     activation_checkpointing: bool = False
+    ac_every: int = 1  # with activation_checkpointing: blocks 0, ac_every, 2 * ac_every, ... are checkpointed
 
     def __post_init__(self) -> None:
+        if self.ac_every < 1:
+            raise ValueError(f"ac_every must be >= 1, got {self.ac_every}")
         if self.ffn_dim <= 0:
             self.ffn_dim = 256 * math.ceil(int(8 * self.dim / 3) / 256)
         if self.dim % self.n_heads:
@@ -194,6 +197,8 @@ class GPT(nn.Module):
         self.tok_emb = Embedding(cfg.vocab_size, cfg.dim, cfg.init_std, device)
         self.pos_emb = None if cfg.rope else Embedding(cfg.max_seq_len, cfg.dim, cfg.init_std, device)
         self.layers = nn.ModuleList(Block(cfg, device) for _ in range(cfg.n_layers))
+        for i, block in enumerate(self.layers):
+            block.activation_checkpointing = cfg.activation_checkpointing and i % cfg.ac_every == 0
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
         if cfg.tie_embeddings:
             self.lm_head = None
