@@ -58,6 +58,9 @@ for stage in $stages; do
         run fp8_host_cost timeout -k 10 90 python3 benchmarks/fp8_host_cost.py --out "$OUT" ;;
     fp8step)  # FP8 step rows on every GPU here: configs 1, 2 and 4; config 6 (8B shape, seq 8192) on one GPU at 16
               # of its 32 layers (8 below 100 GiB of GPU memory: ~80 GiB peak at 16)
+        # torchao for fsdp2_float8: the GPU machine cannot download; carry a wheel (`pip download --no-deps torchao
+        # -d .whl`, then the device call's carry [".whl"])
+        for w in .whl/torchao-*.whl; do [ -f "$w" ] && python3 -m pip install -q --no-deps "$w"; done
         ngpu=$(nvidia-smi -L | wc -l)
         gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
         run fp8step124 timeout -k 10 240 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/step.py \
