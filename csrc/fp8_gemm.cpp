@@ -6,19 +6,19 @@
 #include "fp8_gemm.h"
 
 #include <atomic>
-#include <memory>
-#include <mutex>
-#include <unordered_map>
 
 #ifdef MFSDP_WITH_CUBLASLT
 #include <ATen/cuda/CUDAContextLight.h>  // getCurrentCUDABlasLtHandle
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
 #include <map>
-#include <c10/cuda/CUDAGuard.h>
-#include <cublasLt.h>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
 #endif
 
 namespace mfsdp {
