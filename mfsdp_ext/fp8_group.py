@@ -4,7 +4,9 @@ Buffers, beside ParamGroup's main_weight (fp32 shard) and main_grad:
   model_weight     shard        float8_e4m3fn, cast once per optimizer step with per-parameter current scaling:
                                 segment_amax over this rank's rows of each parameter, one all-reduce(MAX) of the
                                 amax vector (shard group, and replicate group under HSDP) so every rank uses the
-                                same scale, then fp8_cast; ``scale_inv`` (fp32, one per parameter) kept
+                                same scale, then fp8_cast; ``scale_inv`` (fp32, one per parameter) kept.
+                                keep_fp8_shard=False (cache_model_weight=False): the amax once per step, the
+                                fp8_cast at every all-gather into storage freed right after it
   unsharded_fp8    param-major  float8_e4m3fn: what the all-gather fills (half the bytes of bf16)
   unsharded        param-major  compute dtype. compute=False: fp8_dequantize'd from unsharded_fp8 after every
                                 gather (one native pass), then unsharded_fp8 is freed. compute=True: never
@@ -32,8 +34,12 @@ SCALE_ROW = 64  # floats: each GEMM scale 256-byte aligned
 class Fp8ParamGroup(ParamGroup):
     fp8 = True
 
-    def __init__(self, params, mesh, *, fp8_compute: bool, **kwargs):
+    def __init__(self, params, mesh, *, fp8_compute: bool, keep_fp8_shard: bool = True, **kwargs):
+        """keep_fp8_shard: keep the FP8 model-weight shard from one optimizer step to the next (cast once per step),
+        or (False) cast it from the main weight at every all-gather, with the step's scales, and free it after."""
         self.fp8_compute = fp8_compute
+        self.keep_fp8_shard = keep_fp8_shard
+        self._scales_pending = False  # keep_fp8_shard=False: the GEMM scales follow at this version's first cast
         self.fp8_views: list[Fp8Tensor] | None = None  # compute=True: the gathered weights' FP8 views, made once
         if kwargs.get("compute_dtype") not in (torch.bfloat16, torch.float16):
             raise ValueError(f"FP8 weights need a bfloat16 or float16 compute dtype, got {kwargs.get('compute_dtype')}")
@@ -81,20 +87,36 @@ class Fp8ParamGroup(ParamGroup):
         for group in (self.shard_group, self.replicate_group):
             if group is not None and dist.get_world_size(group) > 1:
                 dist_ops.all_reduce(self.amax, group, op=dist.ReduceOp.MAX)
-        _native.fp8_cast(self.main_weight.data, self.segments, self.amax, self.model_weight.data, self.scale_inv)
-        self.gemm_scale_inv[:, 0].copy_(self.scale_inv)
         self._synced_version = version
+        if self.keep_fp8_shard:
+            self._cast_fp8_shard()
+            self.gemm_scale_inv[:, 0].copy_(self.scale_inv)
+        else:
+            self._scales_pending = True
+
+    def _cast_fp8_shard(self) -> None:
+        """main_weight -> model_weight with the scales of the amax vector (the same bits at every call)."""
+        _native.fp8_cast(self.main_weight.data, self.segments, self.amax, self.model_weight.data, self.scale_inv)
         self.stats.weight_syncs += 1
 
     def all_gather(self, op=None) -> None:
         """Gather every rank's FP8 shard into unsharded_fp8 (plain collectives only: ``op`` is not used), then
         dequantize it into the compute-dtype buffer (compute=False) or make the layers' FP8 views (compute=True)."""
         self.unsharded_fp8.alloc()
+        if not self.keep_fp8_shard:
+            self.model_weight.alloc()
+            self._cast_fp8_shard()
+            if self._scales_pending:  # once per version: the GEMMs of this step's forward save these scales
+                self.gemm_scale_inv[:, 0].copy_(self.scale_inv)
+                self._scales_pending = False
         with torch.autograd._unsafe_preserve_version_counter(self.unsharded_fp8.data):
             if self.world == 1:  # one rank: the shard layout is the unsharded layout
                 self.unsharded_fp8.data.copy_(self.model_weight.data)
             else:
                 dist_ops.all_gather_into(self.fp8_gather_outputs, self.fp8_gather_inputs, self.shard_group)
+        if not self.keep_fp8_shard:
+            # freed in the all-gather stream's order (this runs on it): reused only after the collective
+            self.model_weight.free()
         self.stats.all_gathers += 1
         self.stats.all_gather_bytes += self.gathered_bytes(E4M3)
         if self.fp8_compute:
@@ -114,6 +136,8 @@ class Fp8ParamGroup(ParamGroup):
     def free_unsharded(self) -> None:
         self.unsharded_fp8.free()
         self.unsharded.free()
+        if not self.keep_fp8_shard:  # the per-gather FP8 shard (allocated at construction)
+            self.model_weight.free()
 
     def unsharded_nbytes(self) -> int:
         """Bytes of gathered storage held now (the FP8 and the compute-dtype buffer)."""

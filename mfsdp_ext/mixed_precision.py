@@ -56,8 +56,9 @@ class MixedPrecisionPolicy:
         forward and backward of each), then the copy from there on. Measured on 4 H200 (benchmarks/results/
         step_4gpu_no_weight_cache.md): without microbatches the copy buys nothing (70.9 vs 70.0 ms, 57.7 vs
         57.7 ms) and costs 0.4-0.9 GiB; with 4 microbatches it saves 2.5% (152.1 vs 155.9 ms). Strategies that
-        keep the weights gathered (no_shard, optim, optim_grads) never need the copy. FP8 groups always keep
-        their FP8 shard (1 byte per parameter / world size).
+        keep the weights gathered (no_shard, optim, optim_grads) never need the copy. FP8 groups keep their FP8
+        shard (1 byte per parameter / world size) unless this is False: then they cast it at every all-gather
+        (with the scales computed once per step) and free it after the gather.
     fp8: an ``Fp8Policy``: FP8 weights for the chosen linear layers (needs param_dtype bfloat16 or float16 and
         float32 main weights). None: no FP8.
     """

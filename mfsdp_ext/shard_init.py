@@ -64,7 +64,8 @@ def make_groups(module: nn.Module, params, mesh: DeviceMesh, device: torch.devic
                       replicate_group=mesh.get_group(0) if replicated else replicate_group,
                       reduce_when_ready=is_late)
         if is_fp8:
-            groups.append(Fp8ParamGroup(members, mesh, fp8_compute=mp_policy.fp8.compute, **kwargs))
+            groups.append(Fp8ParamGroup(members, mesh, fp8_compute=mp_policy.fp8.compute,
+                                        keep_fp8_shard=mp_policy.cache_model_weight is not False, **kwargs))
         else:
             groups.append(ParamGroup(members, mesh, **kwargs, cache_model_weight=False
                                      if strategy.keeps_weights_gathered or marked else mp_policy.cache_model_weight))

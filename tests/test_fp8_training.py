@@ -172,6 +172,27 @@ def _case_training_tracks_bf16(compute: bool, strategy: str = "optim_grads_param
     return {"max_rel_loss_diff": err, "losses": losses, "bf16": ref_losses}
 
 
+def _case_fp8_shard_cast_per_gather(compute: bool):
+    """cache_model_weight=False: the FP8 shard is cast at every all-gather (scales once per step) and freed after
+    it. Same scales, same casts: the losses equal those of keeping the shard, bit for bit (with microbatches and
+    activation checkpointing, whose recompute gathers again), and no FP8 shard outlives a gather."""
+    def run(cache):
+        model = shard_tiny_lm(_tiny_lm(seed=1, checkpointing="non_reentrant"), fully_shard,
+                              mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, cache_model_weight=cache,
+                                                             fp8=Fp8Policy(compute=compute)))
+        return model, _train(model, microbatches=2)
+
+    kept, kept_losses = run(None)
+    model, losses = run(False)
+    assert losses == kept_losses, (losses, kept_losses)
+    for g in _fp8_groups(kept):
+        assert g.model_weight.nbytes() > 0 and g.stats.weight_syncs == STEPS
+    for g in _fp8_groups(model):
+        assert g.model_weight.nbytes() == 0, g.model_weight.nbytes()
+        assert g.stats.weight_syncs == g.stats.all_gathers > STEPS, (g.stats.weight_syncs, g.stats.all_gathers)
+    return {"losses": losses, "casts": [g.stats.weight_syncs for g in _fp8_groups(model)]}
+
+
 # ---------------------------------------------------------------------------------------------- (c) bytes
 def _case_all_gather_bytes_half(compute: bool):
     def build(policy):
@@ -306,6 +327,11 @@ def test_all_gather_bytes_half(pool2, compute):
 @pytest.mark.parametrize("compute", [False, True], ids=["dequantize", "fp8_compute"])
 def test_cast_once_per_step_microbatches_and_checkpointing(pool2, compute):
     print(pool2.run(_case_training_tracks_bf16, compute, "optim_grads_params", "non_reentrant", 2)[0])
+
+
+@pytest.mark.parametrize("compute", [False, True], ids=["dequantize", "fp8_compute"])
+def test_fp8_shard_cast_per_gather(pool2, compute):
+    print(pool2.run(_case_fp8_shard_cast_per_gather, compute)[0])
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim"])
