@@ -337,6 +337,19 @@ def test_fp8_gemm_against_float64_of_dequantized_operands(device):
         N.fp8_gemm(a, b, sa, sb, bias[:16])
 
 
+def test_native_linear_bad_input():
+    x, w = torch.randn(16, 32), torch.randn(48, 32)
+    wq = quantize(w, transpose=True)
+    with pytest.raises(ValueError, match="must share K"):
+        N.fp8_linear(x[:, :16], w, None, wq.data, wq.scale_inv, wq.data_t, E5M2, False, False, True, True)
+    with pytest.raises(TypeError, match="w8 must be float8_e4m3fn"):
+        N.fp8_linear(x, w, None, quantize(w, E5M2).data, wq.scale_inv, None, E5M2, False, False, True, True)
+    with pytest.raises(ValueError, match="algo must be one of"):
+        N.fp8_linear(x, w, None, wq.data, wq.scale_inv, None, E5M2, False, False, True, True, algo="fast")
+    with pytest.raises(ValueError, match="x8t needs x_scale_inv"):
+        N.fp8_linear_backward(torch.randn(16, 48), E5M2, None, None, wq.data_t, None, torch.float32, torch.float32)
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU only: the kernels a forward / backward runs
 # ----------------------------------------------------------------------------------------------
