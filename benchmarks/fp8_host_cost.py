@@ -17,8 +17,8 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
-import time
 
 import torch
 import torch.nn as nn
@@ -27,25 +27,17 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
-import kernels as K  # noqa: E402  (gpu_tag)
+import kernels as K  # noqa: E402  (gpu_tag, time_host)
 from mfsdp_ext import _native as N  # noqa: E402
 from mfsdp_ext.fp8_linear import to_fp8_linear  # noqa: E402
 from mfsdp_ext.fp8_tensor import E4M3, E5M2, quantize  # noqa: E402
 
 
 def host_us(fn, reps: int) -> float:
-    """Median over 5 rounds of the host time per call of ``reps`` back-to-back calls."""
+    """Median over 5 rounds of kernels.py's time_host (``reps`` back-to-back calls), in microseconds."""
     for _ in range(20):
         fn()
-    torch.cuda.synchronize()
-    rounds = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        rounds.append((time.perf_counter() - t0) / reps * 1e6)
-        torch.cuda.synchronize()
-    return sorted(rounds)[2]
+    return statistics.median(K.time_host(fn, reps) for _ in range(5)) * 1e6
 
 
 def pieces(size: int) -> dict:

@@ -336,7 +336,7 @@ def _case_state_dict_crossing(kind: str):
     _train(a, oa, range(k))
     ot = _make(kind, False, a)
     saved = io.BytesIO()
-    torch.save(oa.state_dict(), saved)  # the flat views pickle (and deepcopy) as compact copies
+    torch.save(oa.state_dict(), saved)  # the flat views pickle: offset-0 aliases of their slots (param_alias)
     saved.seek(0)
     ot.load_state_dict(torch.load(saved, weights_only=False))
     _train(a, ot, range(k, 2 * k))

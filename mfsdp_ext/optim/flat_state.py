@@ -64,7 +64,9 @@ class FlatState:
         """Parameter i's state ``name``: a DTensor like the parameter, a view of the flat buffer (made once)."""
         key = (name, i)
         if key not in self._views:
-            self._views[key] = _copyable(self._group_ref().as_dtensor(i, self._buffer(name).param_view(i)))
+            # param_alias: the slot as a tensor at storage offset 0 (same memory), which torch can deepcopy and
+            # pickle inside a DTensor, as the parameters themselves are made
+            self._views[key] = self._group_ref().as_dtensor(i, self._buffer(name).param_alias(i))
         return self._views[key]
 
     def fresh_view(self, name: str, i: int) -> DTensor:
@@ -78,22 +80,6 @@ class FlatState:
         if value is not view:
             view._local_tensor.copy_(_local_part(self._group_ref(), i, value, view))
         return view
-
-
-def _copyable(view: DTensor) -> DTensor:
-    """torch (2.13) can neither deepcopy nor pickle (torch.save) a DTensor whose local tensor starts inside its
-    storage, as these views do: both go through a compact copy instead (made only when copied or saved; DCP
-    reads the view itself)."""
-    ref = weakref.ref(view)
-
-    def compact() -> DTensor:
-        v = ref()
-        return DTensor.from_local(v._local_tensor.clone(), v.device_mesh, v.placements, run_check=False,
-                                  shape=v.shape, stride=v.stride())
-
-    view.__deepcopy__ = lambda memo: compact()
-    view.__reduce_ex__ = lambda protocol: compact().__reduce_ex__(protocol)
-    return view
 
 
 def _local_part(group: ParamGroup, i: int, value: torch.Tensor, view: DTensor) -> torch.Tensor:
