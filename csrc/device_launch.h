@@ -5,6 +5,11 @@
 
 #include <ATen/ATen.h>
 
+#include <cstring>
+#include <initializer_list>
+#include <string>
+#include <utility>
+
 #include "launch.h"
 
 #ifdef MFSDP_WITH_CUDA
@@ -26,6 +31,29 @@ inline bool cuda_stream_is_capturing(const at::Tensor& t) {
     return false;
   }
   return st != cudaStreamCaptureStatusNone;
+}
+
+// A kernel's table too large for its parameters, to like's device through pinned memory: `parts` (host pointer,
+// bytes) back to back, each a whole number of int64 words. copy_ records the copy on the host allocator, so the
+// pinned block is not reused before the copy ran; the returned tensor keeps the device copy alive until the
+// kernel is queued. Not under CUDA graph capture (the table is uploaded on every call): `what` names the limit.
+inline at::Tensor upload_table(std::initializer_list<std::pair<const void*, size_t>> parts, const at::Tensor& like,
+                               const char* fn, const char* what) {
+  c10::cuda::CUDAGuard guard(like.device());
+  TORCH_CHECK_VALUE(!cuda_stream_is_capturing(like), "mfsdp_ext.", fn, " of ", what,
+                    " cannot be captured in a CUDA graph: its table is uploaded on every call");
+  size_t bytes = 0;
+  for (const auto& part : parts) bytes += part.second;
+  const auto words = static_cast<int64_t>(bytes / sizeof(int64_t));
+  at::Tensor host = at::empty({words}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  auto* h = static_cast<char*>(host.data_ptr());
+  for (const auto& part : parts) {
+    std::memcpy(h, part.first, part.second);
+    h += part.second;
+  }
+  at::Tensor dev = at::empty({words}, at::TensorOptions().dtype(at::kLong).device(like.device()));
+  dev.copy_(host, /*non_blocking=*/true);
+  return dev;
 }
 #endif
 

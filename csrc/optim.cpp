@@ -3,7 +3,6 @@
 // kernel's parameters up to kOptimInlineRuns and are uploaded through pinned memory above that.
 #include "optim.h"
 
-#include <cstring>
 
 #include "device_launch.h"
 #include "optim_math.h"
@@ -43,31 +42,19 @@ int64_t check_step(const at::Tensor& param, const at::Tensor& grad, const at::Te
   return n;
 }
 
-#ifdef MFSDP_WITH_CUDA
-// More runs than the kernel's parameters hold: runs and coefficients go to the device through pinned memory
-// (copy_ records the copy on the host allocator, so the pinned block is not reused before the copy ran).
-at::Tensor upload_runs(OptimStepParams& p, const at::Tensor& like, const char* fn) {
-  c10::cuda::CUDAGuard guard(like.device());
-  TORCH_CHECK_VALUE(!cuda_stream_is_capturing(like), "mfsdp_ext.", fn, " of more than ", kOptimInlineRuns,
-                    " runs cannot be captured in a CUDA graph: its run table is uploaded on every call");
-  const int64_t n = p.num_runs, words = 2 * n + (kOptimCoeffs / 2) * n;
-  at::Tensor host = at::empty({words}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  int64_t* h = host.data_ptr<int64_t>();
-  std::memcpy(h, p.host_runs, static_cast<size_t>(2 * n) * sizeof(int64_t));
-  std::memcpy(h + 2 * n, p.host_coeffs, static_cast<size_t>(kOptimCoeffs * n) * sizeof(float));
-  at::Tensor dev = at::empty({words}, at::TensorOptions().dtype(at::kLong).device(like.device()));
-  dev.copy_(host, /*non_blocking=*/true);
-  p.device_runs = dev.data_ptr<int64_t>();
-  p.device_coeffs = reinterpret_cast<const float*>(p.device_runs + 2 * n);
-  return dev;
-}
-#endif
 
 void run_step(OptimStepParams& p, const at::Tensor& like, const char* fn) {
   if (p.num_runs == 0 || p.numel == 0 || like.is_meta()) return;
 #ifdef MFSDP_WITH_CUDA
   at::Tensor device_runs;  // alive until the kernel is queued; the allocator orders its reuse after it
-  if (like.is_cuda() && p.num_runs > kOptimInlineRuns) device_runs = upload_runs(p, like, fn);
+  if (like.is_cuda() && p.num_runs > kOptimInlineRuns) {  // runs then coefficients, in one upload
+    const int64_t n = p.num_runs;
+    const std::string what = "more than " + std::to_string(kOptimInlineRuns) + " runs";
+    device_runs = upload_table({{p.host_runs, 2 * n * sizeof(int64_t)}, {p.host_coeffs, kOptimCoeffs * n * sizeof(float)}},
+                               like, fn, what.c_str());
+    p.device_runs = device_runs.data_ptr<int64_t>();
+    p.device_coeffs = reinterpret_cast<const float*>(p.device_runs + 2 * n);
+  }
 #endif
   run_kernel(like, fn, p);
 }

@@ -8,33 +8,34 @@ namespace mfsdp {
 namespace cpu {
 namespace {
 
+// fn(the run's coefficients, first, end) for every run; the elements between runs are not touched
+template <class Fn>
+void for_each_run(const OptimStepParams& p, Fn fn) {
+  walk_segments(
+      p.host_runs, p.num_runs, p.numel,
+      [&](int64_t i, int64_t a, int64_t b) { fn(p.host_coeffs + kOptimCoeffs * i, a, b); },
+      [](int64_t, int64_t) {});
+}
+
 template <class G>
 void adamw_runs(const OptimStepParams& p) {
   const auto* g = static_cast<const typename G::raw*>(p.grad);
-  walk_segments(
-      p.host_runs, p.num_runs, p.numel,
-      [&](int64_t i, int64_t a, int64_t b) {
-        const float* c = p.host_coeffs + kOptimCoeffs * i;
-        for (int64_t j = a; j < b; ++j) adamw_update(p.param[j], G::load(g[j]), p.state0[j], p.state1[j], c);
-      },
-      [](int64_t, int64_t) {});
+  for_each_run(p, [&](const float* c, int64_t a, int64_t b) {
+    for (int64_t j = a; j < b; ++j) adamw_update(p.param[j], G::load(g[j]), p.state0[j], p.state1[j], c);
+  });
 }
 
 template <class G>
 void sgd_runs(const OptimStepParams& p) {
   const auto* g = static_cast<const typename G::raw*>(p.grad);
-  walk_segments(
-      p.host_runs, p.num_runs, p.numel,
-      [&](int64_t i, int64_t a, int64_t b) {
-        const float* c = p.host_coeffs + kOptimCoeffs * i;
-        if (static_cast<int>(c[kSgdFlags]) & kSgdMomentum) {
-          for (int64_t j = a; j < b; ++j) sgd_update(p.param[j], G::load(g[j]), p.state0[j], c);
-        } else {
-          float unused = 0.0f;
-          for (int64_t j = a; j < b; ++j) sgd_update(p.param[j], G::load(g[j]), unused, c);
-        }
-      },
-      [](int64_t, int64_t) {});
+  for_each_run(p, [&](const float* c, int64_t a, int64_t b) {
+    if (static_cast<int>(c[kSgdFlags]) & kSgdMomentum) {
+      for (int64_t j = a; j < b; ++j) sgd_update(p.param[j], G::load(g[j]), p.state0[j], c);
+    } else {
+      float unused = 0.0f;
+      for (int64_t j = a; j < b; ++j) sgd_update(p.param[j], G::load(g[j]), unused, c);
+    }
+  });
 }
 
 }  // namespace

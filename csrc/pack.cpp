@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <array>
-#include <cstring>
 
 #include "device_launch.h"
 #include "tensor_checks.h"
@@ -33,21 +32,6 @@ std::vector<int64_t> make_copy_table(const std::vector<Entry>& entries) {
   return table;
 }
 
-#ifdef MFSDP_WITH_CUDA
-// A table too large for the kernel's parameters goes to the device through pinned memory; copy_ records the
-// copy on the host allocator, so the pinned block is not reused before the copy ran.
-at::Tensor upload_copy_table(const std::vector<int64_t>& table, const at::Tensor& like, const char* fn) {
-  c10::cuda::CUDAGuard guard(like.device());
-  TORCH_CHECK_VALUE(!cuda_stream_is_capturing(like), "mfsdp_ext.", fn, " of more than ", kInlineTableEntries,
-                    " tensors cannot be captured in a CUDA graph: its tensor table is uploaded on every call");
-  const int64_t words = static_cast<int64_t>(table.size());
-  at::Tensor host = at::empty({words}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  std::memcpy(host.data_ptr<int64_t>(), table.data(), static_cast<size_t>(words) * sizeof(int64_t));
-  at::Tensor dev = at::empty({words}, at::TensorOptions().dtype(at::kLong).device(like.device()));
-  dev.copy_(host, /*non_blocking=*/true);
-  return dev;
-}
-#endif
 
 // Runs all entries (source dtype `in`, destination dtype `out`, on like's device) as one kernel.
 void run_entries(const std::vector<Entry>& entries, DType in, DType out, float scale, bool use_scale,
@@ -60,7 +44,8 @@ void run_entries(const std::vector<Entry>& entries, DType in, DType out, float s
 #ifdef MFSDP_WITH_CUDA
   at::Tensor device_table;  // alive until the kernel is queued; the allocator orders its reuse after it
   if (like.is_cuda() && n > kInlineTableEntries) {
-    device_table = upload_copy_table(table, like, fn);
+    const std::string what = "more than " + std::to_string(kInlineTableEntries) + " tensors";
+    device_table = upload_table({{table.data(), table.size() * sizeof(int64_t)}}, like, fn, what.c_str());
     p.device_table = device_table.data_ptr<int64_t>();
   }
 #endif
