@@ -134,6 +134,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--extra-ours", action="append", default=[], metavar="KEY=VAL[,KEY=VAL]",
                    help="an additional 'ours' column with these fully_shard keywords (repeatable: one column each); "
                         "keys mp.NAME go to MixedPrecisionPolicy, e.g. mp.cache_model_weight=False")
+    p.add_argument("--extra-ours-fp8", action="append", default=[], metavar="KEY=VAL[,KEY=VAL]",
+                   help="the same for an additional 'ours_fp8' column")
     p.add_argument("--layers", type=int, default=None,
                    help="override the configs' layer count (e.g. config 6's 8B shape at 8 layers fits one GPU); "
                         "the report names the count it ran")
@@ -180,9 +182,11 @@ def make_variants(args) -> List[Variant]:
         if impl not in gpt.IMPLS:
             raise SystemExit(f"unknown impl {impl!r} (choose from {list(gpt.IMPLS) + list(FP8_IMPLS) + list(FUSED_IMPLS)})")
         variants.append(Variant(impl, impl, {}))
-    for text in args.extra_ours:
-        extra = gpt.parse_kv(text)
-        variants.append(Variant("ours(" + ",".join(f"{k}={v}" for k, v in extra.items()) + ")", "ours", extra))
+    for base_name, fp8, texts in (("ours", "", args.extra_ours), ("ours_fp8", "ours", args.extra_ours_fp8)):
+        for text in texts:
+            extra = gpt.parse_kv(text)
+            name = base_name + "(" + ",".join(f"{k}={v}" for k, v in extra.items()) + ")"
+            variants.append(Variant(name, "ours", extra, fp8))
     return variants
 
 
