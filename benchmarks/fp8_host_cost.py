@@ -1,6 +1,6 @@
 """Host time per call of the FP8 Linear's pieces (one GPU): what eager FP8 training pays on the CPU per layer.
 
-    python benchmarks/fp8_host_cost.py [--out DIR] [--reps N]
+    python benchmarks/fp8_host_cost.py [--out DIR] [--reps N] [--profile]
 
 Each piece runs on a tiny problem (64 x 64 x 64: the GPU finishes long before the host issues the next call), many
 times back to back; host microseconds per call = wall time / calls, the GPU synchronised once at the end. So the
@@ -8,7 +8,9 @@ figures are the host's Python, dispatcher, allocator and driver (launch) time, n
 kernel launch (torch's ``add_`` of a one-element tensor), a one-element ``torch.empty``, our quantizer (two-pass,
 fused), ``torch._scaled_mm``, our ``fp8_gemm`` (cuBLASLt, plan cached), bf16 ``F.linear``, the native FP8 Linear
 forward and backward calls, and whole layers forward + backward: nn.Linear bf16 vs Fp8Linear with the weight
-pre-quantized (as fully_shard supplies it). Results: <out>/fp8_host_cost_<gpu>.md and .json.
+pre-quantized (as fully_shard supplies it). Results: <out>/fp8_host_cost_<gpu>.md and .json. --profile: also
+the torch.profiler table of 100 calls of each whole layer (host time by op and CUDA runtime call, self time first)
+in <out>/fp8_host_profile_<gpu>.txt: where the FP8 layer's extra host time goes.
 """
 
 from __future__ import annotations
@@ -86,11 +88,29 @@ def pieces(size: int) -> dict:
     }
 
 
+def profile_layers(cases: dict, path: str, calls: int = 100) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with open(path, "w") as f:
+        for label, fn in cases.items():
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    fn()
+                torch.cuda.synchronize()
+            f.write(f"== {label}: {calls} calls (host times are totals over them)\n")
+            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n")
+    print(f"wrote {path}", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--reps", type=int, default=300)
     p.add_argument("--size", type=int, default=64)
+    p.add_argument("--profile", action="store_true", help="also profile the two whole layers (see the docstring)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/fp8_host_cost.py needs a CUDA GPU", file=sys.stderr)
@@ -117,6 +137,9 @@ def main() -> int:
     with open(js, "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     print(f"wrote {md}, {js}", flush=True)
+    if args.profile:
+        cases = {k: v for k, v in pieces(args.size).items() if k.startswith("layer")}
+        profile_layers(cases, os.path.join(args.out, f"fp8_host_profile_{tag}.txt"))
     return 0
 
 

@@ -56,9 +56,12 @@ class MixedPrecisionPolicy:
         forward and backward of each), then the copy from there on. Measured on 4 H200 (benchmarks/results/
         step_4gpu_no_weight_cache.md): without microbatches the copy buys nothing (70.9 vs 70.0 ms, 57.7 vs
         57.7 ms) and costs 0.4-0.9 GiB; with 4 microbatches it saves 2.5% (152.1 vs 155.9 ms). Strategies that
-        keep the weights gathered (no_shard, optim, optim_grads) never need the copy. FP8 groups keep their FP8
-        shard (1 byte per parameter / world size) unless this is False: then they cast it at every all-gather
-        (with the scales computed once per step) and free it after the gather.
+        keep the weights gathered (no_shard, optim, optim_grads) never need the copy. FP8 groups follow the
+        same rule for their FP8 shard (1 byte per parameter / world size): True keeps it, cast once per step;
+        False casts it at every all-gather (with the scales computed once per step) and frees it after the
+        gather; None does that until a third gather of the same weights, then keeps it. Measured on one H200
+        (benchmarks/results/step_1gpu_fp8_cache.md): casting per gather matches FSDP2 + float8's peak (17.82,
+        35.11 GiB) where keeping costs 0.8-1.5 GiB more, at the same speed in config 1 and 2% slower in config 4.
     fp8: an ``Fp8Policy``: FP8 weights for the chosen linear layers (needs param_dtype bfloat16 or float16 and
         float32 main weights). None: no FP8.
     """

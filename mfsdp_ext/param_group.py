@@ -83,7 +83,8 @@ class ParamInfo:
 class GroupStats:
     """Counters that tests and benchmarks read."""
 
-    weight_syncs: int = 0
+    weight_syncs: int = 0  # casts of the main weight into the model-weight dtype
+    scale_syncs: int = 0  # FP8 groups: amax + all-reduce + scales (once per weights version)
     all_gathers: int = 0
     all_gather_bytes: int = 0  # bytes the all-gathers received (the gathered chunks of every rank; 0 on one rank)
     reduces: int = 0

@@ -65,7 +65,7 @@ def make_groups(module: nn.Module, params, mesh: DeviceMesh, device: torch.devic
                       reduce_when_ready=is_late)
         if is_fp8:
             groups.append(Fp8ParamGroup(members, mesh, fp8_compute=mp_policy.fp8.compute,
-                                        keep_fp8_shard=mp_policy.cache_model_weight is not False, **kwargs))
+                                        keep_fp8_shard=mp_policy.cache_model_weight, **kwargs))
         else:
             groups.append(ParamGroup(members, mesh, **kwargs, cache_model_weight=False
                                      if strategy.keeps_weights_gathered or marked else mp_policy.cache_model_weight))

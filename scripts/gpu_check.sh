@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check, in stages so one device call fits its 10-minute limit:
 #   scripts/gpu_check.sh build tests kernels symm units optim step step6 hostcost memory noshard fp8 fp8train jit hf mainjob
-#   (fp8step, fp8cache: FP8 step rows on any GPU count, not in the default list)
+#   (fp8step, fp8cache: FP8 step rows on any GPU count; fp8host: the FP8 layer's host time; not in the default list)
 #   scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
 #   scripts/gpu_check.sh build fp8train FP8 weights in fully_shard: GPU tests + step.py's FP8 variants (2 GPUs)
 # Logs and result tables go to $OUT (the device runner's output folder; /tmp/out elsewhere).
@@ -68,12 +68,16 @@ for stage in $stages; do
         layers=(); [ "$ngpu" -lt 2 ] && layers=(--layers $([ "$gib" -gt 102400 ] && echo 16 || echo 8))
         run fp8step6 timeout -k 10 240 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/step.py --configs 6 \
             "${layers[@]}" --impls ours_fused,ours_fp8_fused --steps 6 --warmup 2 --init meta --out "$OUT/fp8_step6" ;;
-    fp8cache)  # FP8 shard kept between gathers (default) vs cast at each gather (cache_model_weight=False):
-               # peak and step time against FSDP2 + float8, configs 1 and 4 on every GPU here (torchao: see fp8step)
+    fp8cache)  # the FP8 shard: default (cache_model_weight=None: cast per gather, kept from a third gather on),
+               # kept (True), cast per gather (False): peak and step time against FSDP2 + float8, configs 1, 4 and 5
+               # (4 microbatches) on every GPU here (torchao: see fp8step)
         for w in .whl/torchao-*.whl; do [ -f "$w" ] && python3 -m pip install -q --no-deps "$w"; done
-        run fp8cache timeout -k 10 240 torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \
-            benchmarks/step.py --configs 1,4 --impls ours_fp8,ours_fp8_fused,fsdp2_float8 \
-            --extra-ours-fp8 mp.cache_model_weight=False --out "$OUT/fp8_cache" ;;
+        run fp8cache timeout -k 10 300 torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \
+            benchmarks/step.py --configs 1,4,5 --impls ours_fp8,ours_fp8_fused,fsdp2_float8 --steps 8 --warmup 2 \
+            --extra-ours-fp8 mp.cache_model_weight=True --extra-ours-fp8 mp.cache_model_weight=False \
+            --out "$OUT/fp8_cache" ;;
+    fp8host)  # host time per FP8 Linear piece, and the profile of the whole layers (1 GPU)
+        run fp8_host_cost timeout -k 10 120 python3 benchmarks/fp8_host_cost.py --profile --out "$OUT" ;;
     fp8train)  # Fp8Policy in fully_shard: FP8 vs bf16 training, FP8 all-gather bytes; step time vs bf16 / torchao
         run fp8train_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/test_fp8_training.py
         run fp8train_step timeout -k 10 240 torchrun --standalone --nproc-per-node 2 benchmarks/step.py \

@@ -161,8 +161,12 @@ def _case_training_tracks_bf16(compute: bool, strategy: str = "optim_grads_param
     assert losses != ref_losses, "the FP8 run computed exactly what the bf16 run did: FP8 weights unused?"
     assert err <= FP8_LOSS_TOL, (err, losses, ref_losses)
     assert losses[-1] < losses[0], losses  # it learns
-    syncs = [g.stats.weight_syncs for g in groups]
-    assert syncs == [STEPS] * len(groups), syncs  # cast once per optimizer step, whatever the microbatches
+    # scales once per optimizer step, whatever the microbatches; the cast per gather until the shard is kept
+    # (cache_model_weight=None keeps it from a third gather of the same weights on), then once per step
+    assert [g.stats.scale_syncs for g in groups] == [STEPS] * len(groups), [g.stats.scale_syncs for g in groups]
+    for g in groups:
+        casts, gathers = g.stats.weight_syncs, g.stats.all_gathers
+        assert (STEPS <= casts <= gathers) if g.keep_fp8_shard else casts == gathers, (casts, gathers)
     if compute:  # the compute-dtype gathered buffer of FP8 weights is never allocated
         assert all(g.unsharded.nbytes() == 0 for g in groups)
     for p in model.parameters():
@@ -174,23 +178,34 @@ def _case_training_tracks_bf16(compute: bool, strategy: str = "optim_grads_param
 
 def _case_fp8_shard_cast_per_gather(compute: bool):
     """cache_model_weight=False: the FP8 shard is cast at every all-gather (scales once per step) and freed after
-    it. Same scales, same casts: the losses equal those of keeping the shard, bit for bit (with microbatches and
-    activation checkpointing, whose recompute gathers again), and no FP8 shard outlives a gather."""
-    def run(cache):
+    it. Same scales, same casts: the losses equal those of keeping the shard (True), bit for bit (with microbatches
+    and activation checkpointing, whose recompute gathers again), and no FP8 shard outlives a gather. None (auto):
+    per gather without microbatches, kept from a third gather of the same weights on, the same losses."""
+    def run(cache, microbatches=2):
         model = shard_tiny_lm(_tiny_lm(seed=1, checkpointing="non_reentrant"), fully_shard,
                               mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, cache_model_weight=cache,
                                                              fp8=Fp8Policy(compute=compute)))
-        return model, _train(model, microbatches=2)
+        return model, _train(model, microbatches=microbatches)
 
-    kept, kept_losses = run(None)
-    model, losses = run(False)
-    assert losses == kept_losses, (losses, kept_losses)
+    kept, kept_losses = run(True)
     for g in _fp8_groups(kept):
         assert g.model_weight.nbytes() > 0 and g.stats.weight_syncs == STEPS
-    for g in _fp8_groups(model):
-        assert g.model_weight.nbytes() == 0, g.model_weight.nbytes()
-        assert g.stats.weight_syncs == g.stats.all_gathers > STEPS, (g.stats.weight_syncs, g.stats.all_gathers)
-    return {"losses": losses, "casts": [g.stats.weight_syncs for g in _fp8_groups(model)]}
+    for cache, microbatches in ((False, 2), (None, 1)):
+        model, losses = run(cache, microbatches)
+        if microbatches == 2:
+            assert losses == kept_losses, (losses, kept_losses)
+        for g in _fp8_groups(model):
+            assert not g.keep_fp8_shard and g.model_weight.nbytes() == 0, (cache, g.model_weight.nbytes())
+            assert g.stats.weight_syncs == g.stats.all_gathers > STEPS, (g.stats.weight_syncs, g.stats.all_gathers)
+    _, one_microbatch_kept = run(True, 1)
+    assert losses == one_microbatch_kept, (losses, one_microbatch_kept)
+    auto, auto_losses = run(None, 2)
+    assert auto_losses == kept_losses, (auto_losses, kept_losses)
+    for g in _fp8_groups(auto):
+        # cast per gather in the first step's first microbatch (forward, backward), kept from the third gather on
+        assert g.keep_fp8_shard and g.model_weight.nbytes() > 0
+        assert STEPS < g.stats.weight_syncs < g.stats.all_gathers, (g.stats.weight_syncs, g.stats.all_gathers)
+    return {"losses": kept_losses, "auto_casts": [g.stats.weight_syncs for g in _fp8_groups(auto)]}
 
 
 # ---------------------------------------------------------------------------------------------- (c) bytes
@@ -272,7 +287,7 @@ def _case_bad_configs():
 
 def _case_meta_init_and_summary():
     """Built on the meta device, sharded with FP8 weights, materialised and initialised shard by shard: trains,
-    casts once per step; the unit summary names the FP8 groups."""
+    scales once per step; the unit summary names the FP8 groups."""
     from mfsdp_ext import reset_parameters, summary
 
     torch.manual_seed(0)
@@ -282,7 +297,7 @@ def _case_meta_init_and_summary():
     model.to_empty(device=rank_device())
     reset_parameters(model)
     losses = _train(model, steps=3)
-    assert all(g.stats.weight_syncs == 3 for g in _fp8_groups(model)) and losses[-1] < losses[0], losses
+    assert all(g.stats.scale_syncs == 3 for g in _fp8_groups(model)) and losses[-1] < losses[0], losses
     lines = summary.unit_lines(model, [m._mfsdp_unit for m in model.modules() if isinstance(m, FsdpModule)])
     assert sum("fp8 e4m3 (FP8 GEMMs)" in line for line in lines) == 2, lines
     return lines
