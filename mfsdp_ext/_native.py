@@ -127,7 +127,9 @@ def _load_extension():
     aot_error = None
     installed = importlib.util.find_spec(f"{__package__}._C")
     # only one beside this file: an editable install of another checkout can answer for mfsdp_ext._C too
-    if installed is not None and os.path.dirname(installed.origin) == os.path.dirname(os.path.abspath(__file__)):
+    # (real paths: a sys.path entry such as "benchmarks/.." leaves ".." in the origin)
+    if installed is not None and (os.path.dirname(os.path.realpath(installed.origin))
+                                  == os.path.dirname(os.path.realpath(__file__))):
         try:
             from . import _C as module
 
