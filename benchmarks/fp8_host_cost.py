@@ -7,8 +7,8 @@ times back to back; host microseconds per call = wall time / calls, the GPU sync
 figures are the host's Python, dispatcher, allocator and driver (launch) time, not GPU time. Pieces: an empty
 kernel launch (torch's ``add_`` of a one-element tensor), a one-element ``torch.empty``, our quantizer (two-pass,
 fused), ``torch._scaled_mm``, our ``fp8_gemm`` (cuBLASLt, plan cached), bf16 ``F.linear``, the native FP8 Linear
-forward and backward calls, and whole layers forward + backward: nn.Linear bf16 vs Fp8Linear with the weight
-pre-quantized (as fully_shard supplies it). Results: <out>/fp8_host_cost_<gpu>.md and .json. --profile: also
+forward and backward calls, and whole layers, forward alone (with the graph built) and forward + backward:
+nn.Linear bf16 vs Fp8Linear with the weight pre-quantized (as fully_shard supplies it). Results: <out>/fp8_host_cost_<gpu>.md and .json. --profile: also
 the torch.profiler table of 100 calls of each whole layer (host time by op and CUDA runtime call, self time first)
 in <out>/fp8_host_profile_<gpu>.txt: where the FP8 layer's extra host time goes.
 """
@@ -62,6 +62,10 @@ def pieces(size: int) -> dict:
             module(xin).backward(dy)
         return step
 
+    def forward_only(module):  # the graph is built (x requires grad) and dropped: forward's share of the layer
+        xin = x.detach().requires_grad_()
+        return lambda: module(xin)
+
     lin = nn.Linear(size, size, bias=False, device=dev, dtype=torch.bfloat16)
     fp8 = to_fp8_linear(nn.Linear(size, size, bias=False, device=dev, dtype=torch.bfloat16))
     fp8.set_fp8_weight(quantize(fp8.weight.detach(), transpose=True))
@@ -83,6 +87,8 @@ def pieces(size: int) -> dict:
             x, wq.data, wq.scale_inv, None, True, True),
         "fp8_linear_backward (native: quantize + 2 GEMMs)": lambda: N.fp8_linear_backward(
             dy, E5M2, wq.data_t, wq.scale_inv, fwd_out[1], fwd_out[2], torch.bfloat16, torch.bfloat16),
+        "layer fwd: nn.Linear bf16": forward_only(lin),
+        "layer fwd: Fp8Linear, W pre-quantized": forward_only(fp8),
         "layer fwd+bwd: nn.Linear bf16": layer(lin),
         "layer fwd+bwd: Fp8Linear, W pre-quantized": layer(fp8),
     }
@@ -138,7 +144,7 @@ def main() -> int:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     print(f"wrote {md}, {js}", flush=True)
     if args.profile:
-        cases = {k: v for k, v in pieces(args.size).items() if k.startswith("layer")}
+        cases = {k: v for k, v in pieces(args.size).items() if k.startswith("layer fwd+bwd")}
         profile_layers(cases, os.path.join(args.out, f"fp8_host_profile_{tag}.txt"))
     return 0
 
