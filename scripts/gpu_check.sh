@@ -73,7 +73,7 @@ for stage in $stages; do
                # (4 microbatches) on every GPU here (torchao: see fp8step)
         for w in .whl/torchao-*.whl; do [ -f "$w" ] && python3 -m pip install -q --no-deps "$w"; done
         run fp8cache timeout -k 10 300 torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \
-            benchmarks/step.py --configs 1,4,5 --impls ours_fp8,ours_fp8_fused,fsdp2_float8 --steps 8 --warmup 2 \
+            benchmarks/step.py --configs 1,4,5 --impls ours_fp8,ours_fp8_fused,fsdp2_float8 --steps 14 --warmup 3 \
             --extra-ours-fp8 mp.cache_model_weight=True --extra-ours-fp8 mp.cache_model_weight=False \
             --out "$OUT/fp8_cache" ;;
     fp8host)  # host time per FP8 Linear piece, and the profile of the whole layers (1 GPU)
