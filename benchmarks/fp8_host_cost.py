@@ -9,7 +9,7 @@ kernel launch (torch's ``add_`` of a one-element tensor), a one-element ``torch.
 fused), ``torch._scaled_mm``, our ``fp8_gemm`` (cuBLASLt, plan cached), bf16 ``F.linear``, the native FP8 Linear
 forward and backward calls, and whole layers, forward alone (with the graph built) and forward + backward:
 nn.Linear bf16 vs Fp8Linear with the weight pre-quantized (as fully_shard supplies it). Results: <out>/fp8_host_cost_<gpu>.md and .json. --profile: also
-the torch.profiler table of 100 calls of each whole layer (host time by op and CUDA runtime call, self time first)
+the torch.profiler table of 100 calls of each whole layer, forward alone and forward + backward (host time by op and CUDA runtime call, self time first)
 in <out>/fp8_host_profile_<gpu>.txt: where the FP8 layer's extra host time goes.
 """
 
@@ -144,7 +144,7 @@ def main() -> int:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     print(f"wrote {md}, {js}", flush=True)
     if args.profile:
-        cases = {k: v for k, v in pieces(args.size).items() if k.startswith("layer fwd+bwd")}
+        cases = {k: v for k, v in pieces(args.size).items() if k.startswith("layer")}
         profile_layers(cases, os.path.join(args.out, f"fp8_host_profile_{tag}.txt"))
     return 0
 

@@ -174,6 +174,10 @@ def test_supplied_fp8_weight_matches_per_call_quantization(device, with_transpos
     wq_t = quantize(lin.weight.detach().t().contiguous())
     with pytest.raises(ValueError, match="with strides"):
         FL.fp8_linear(x, lin.weight, fp8_weight=FL.Fp8Tensor(wq_t.data.t(), wq_t.scale_inv))
+    # the layer checks what it is given when it is given it (not at every forward)
+    with pytest.raises(ValueError, match="fp8_weight must be contiguous float8_e4m3fn of the weight's shape"):
+        lin.set_fp8_weight(quantize(lin.weight.detach()[:16]))
+    assert lin._fp8_weight is None
 
 
 @pytest.mark.parametrize("device", DEVICES)
