@@ -8,9 +8,10 @@ figures are the host's Python, dispatcher, allocator and driver (launch) time, n
 kernel launch (torch's ``add_`` of a one-element tensor), a one-element ``torch.empty``, our quantizer (two-pass,
 fused), ``torch._scaled_mm``, our ``fp8_gemm`` (cuBLASLt, plan cached), bf16 ``F.linear``, the native FP8 Linear
 forward and backward calls, and whole layers, forward alone (with the graph built) and forward + backward:
-nn.Linear bf16 vs Fp8Linear with the weight pre-quantized (as fully_shard supplies it). Results: <out>/fp8_host_cost_<gpu>.md and .json. --profile: also
-the torch.profiler table of 100 calls of each whole layer, forward alone and forward + backward (host time by op and CUDA runtime call, self time first)
-in <out>/fp8_host_profile_<gpu>.txt: where the FP8 layer's extra host time goes.
+nn.Linear bf16 vs Fp8Linear with the weight pre-quantized (as fully_shard supplies it). Results:
+<out>/fp8_host_cost_<gpu>.md and .json. --profile: also the torch.profiler table of 100 calls of each whole layer,
+forward alone and forward + backward (host time by op and CUDA runtime call, self time first), in
+<out>/fp8_host_profile_<gpu>.txt: where the FP8 layer's extra host time goes.
 """
 
 from __future__ import annotations
