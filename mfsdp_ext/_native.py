@@ -270,11 +270,6 @@ def fp8_gemm_calls() -> int:
     return _C.fp8_gemm_calls()
 
 
-def quantize_algo_code(algo: str) -> int:
-    """The native code of a quantizer algorithm name (QUANTIZE_ALGOS), for callers of the raw _C functions."""
-    return _algo_code("fp8_quantize", algo)
-
-
 def _algo_code(fn: str, algo: str) -> int:
     code = QUANTIZE_ALGOS.get(algo)
     if code is None:

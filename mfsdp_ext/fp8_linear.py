@@ -85,26 +85,17 @@ def _cuda_capability(index: int) -> tuple:
     return torch.cuda.get_device_capability(index)
 
 
-@functools.lru_cache(maxsize=None)
-def _device_dtype_reason(device: torch.device, x_dtype: torch.dtype, w_dtype: torch.dtype) -> Optional[str]:
-    """The part of fp8_unsupported_reason that depends on device and dtypes only (asked once per layer call: kept)."""
-    if device.type == "cuda":
-        cap = _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
-        if cap < (8, 9):
-            return f"the GPU is sm_{cap[0]}{cap[1]}; FP8 GEMMs need sm_89 or newer"
-    elif device.type != "cpu":
-        return f"device type {device.type!r} is not supported (CUDA or CPU)"
-    if x_dtype not in COMPUTE_DTYPES or w_dtype not in COMPUTE_DTYPES:
-        return (f"input dtype {x_dtype} / weight dtype {w_dtype}: FP8 quantization takes float32, bfloat16 "
-                "or float16")
-    return None
-
-
 def fp8_unsupported_reason(x: torch.Tensor, weight: torch.Tensor) -> Optional[str]:
     """Why ``fp8_linear(x, weight)`` cannot run as FP8 GEMMs, or None when it can."""
-    reason = _device_dtype_reason(x.device, x.dtype, weight.dtype)
-    if reason is not None:
-        return reason
+    if x.device.type == "cuda":
+        cap = _cuda_capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
+        if cap < (8, 9):
+            return f"the GPU is sm_{cap[0]}{cap[1]}; FP8 GEMMs need sm_89 or newer"
+    elif x.device.type != "cpu":
+        return f"device type {x.device.type!r} is not supported (CUDA or CPU)"
+    if x.dtype not in COMPUTE_DTYPES or weight.dtype not in COMPUTE_DTYPES:
+        return (f"input dtype {x.dtype} / weight dtype {weight.dtype}: FP8 quantization takes float32, bfloat16 "
+                "or float16")
     if weight.dim() != 2 or x.dim() == 0:
         return f"input {tuple(x.shape)} / weight {tuple(weight.shape)} is not a linear layer's shape"
     k, n = x.shape[-1], weight.shape[0]
@@ -138,24 +129,17 @@ def _check_fp8_weight(fp8_weight: Fp8Tensor, weight: torch.Tensor) -> None:
                          f"with strides {fp8_weight.data.stride()}")
 
 
-@functools.lru_cache(maxsize=None)
-def _native_config(cfg: "Fp8LinearConfig") -> tuple:
-    """(grad_dtype, fp8 wgrad, fast_accum, eps, quantizer algorithm code) of a config: the config is frozen."""
-    return cfg.grad_dtype, cfg.wgrad == "fp8", cfg.fast_accum, float(cfg.eps), N.quantize_algo_code(cfg.quantize_algo)
-
-
 def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 fp8_weight: Optional[Fp8Tensor], cfg: "Fp8LinearConfig") -> torch.Tensor:
-    """fp8_linear once fp8_weight is checked: what every Fp8Linear forward runs (its host time counts)."""
+    """fp8_linear once fp8_weight is checked (Fp8Linear checks it in set_fp8_weight, not at every forward)."""
     grad = torch.is_grad_enabled()
     need_dx = grad and x.requires_grad
     need_dw = grad and weight.requires_grad
-    grad_dtype, fp8_wgrad, fast_accum, eps, algo = _native_config(cfg)
     w = fp8_weight
     if w is None:
-        w = quantize(weight.detach().contiguous(), E4M3, transpose=need_dx, eps=eps, algo=cfg.quantize_algo)
-    return N._C.fp8_linear(x, weight, bias, w.data, w.scale_inv, w.data_t if need_dx else None, grad_dtype,
-                           need_dx, need_dw, fp8_wgrad, fast_accum, eps, algo)
+        w = quantize(weight.detach().contiguous(), E4M3, transpose=need_dx, eps=cfg.eps, algo=cfg.quantize_algo)
+    return N.fp8_linear(x, weight, bias, w.data, w.scale_inv, w.data_t if need_dx else None, cfg.grad_dtype,
+                        need_dx, need_dw, cfg.wgrad == "fp8", cfg.fast_accum, cfg.eps, cfg.quantize_algo)
 
 
 class _DequantizedWeight(torch.autograd.Function):
@@ -181,18 +165,16 @@ class Fp8LinearMixin:
     _fp8_name: Optional[str] = None
     _fp8_warned: bool = False
     _fp8_weight: Optional[Fp8Tensor] = None
-    _fp8_checked: Optional[Fp8Tensor] = None  # the last fp8_weight set_fp8_weight checked
     # True where the weight's values live only in _fp8_weight (fully_shard's FP8 groups with compute=True: the
     # gathered weight is FP8 and the parameter only receives the gradient): the fallback dequantizes it
     _fp8_weight_only: bool = False
 
     def set_fp8_weight(self, fp8_weight: Optional[Fp8Tensor]) -> None:
         """Use this FP8 form of the weight (e.g. gathered in FP8) instead of quantizing the weight on every call;
-        None: back to quantizing per call. Its transpose is made (once) when a backward needs it. Checked here,
-        once per Fp8Tensor (fully_shard hands the same ones back at every gather), not at every forward."""
-        if fp8_weight is not None and fp8_weight is not self._fp8_checked:
+        None: back to quantizing per call. Its transpose is made (once) when a backward needs it. Checked here
+        (the error names the problem where it arises), not at every forward."""
+        if fp8_weight is not None:
             _check_fp8_weight(fp8_weight, self.weight)
-            self._fp8_checked = fp8_weight
         self._fp8_weight = fp8_weight
 
     def _fp8_fallback_warning(self, reason: str) -> None:
