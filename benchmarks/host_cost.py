@@ -84,7 +84,8 @@ def instrument(impl: str, timer: HookTimer) -> None:
     timer.wrap(FSDPState, "_root_post_backward_final_callback", "final_callback")
 
 
-def measure(impl: str, shape: dict, device: torch.device, mesh, steps: int, warmup: int) -> dict:
+def measure(impl: str, shape: dict, device: torch.device, mesh, steps: int, warmup: int,
+            pyprofile: str | None = None) -> dict:
     cfg = gpt.GPTConfig(n_layers=shape["n_layers"], dim=shape["dim"], n_heads=shape["n_heads"],
                         ffn_dim=shape["ffn_dim"], vocab_size=shape["vocab_size"], max_seq_len=shape["seq"])
     fully_shard_fn, MixedPrecisionPolicy = gpt.load_impl(impl)
@@ -97,7 +98,13 @@ def measure(impl: str, shape: dict, device: torch.device, mesh, steps: int, warm
     units = cfg.n_layers + 1
     per_step: list[dict] = []
     walls = []
+    profiler = None
     for i in range(warmup + steps):
+        if i == warmup and pyprofile and dist.get_rank() == 0:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
         timer.seconds.clear()
         gpt.synchronize(device)
         t0 = time.perf_counter()
@@ -108,6 +115,16 @@ def measure(impl: str, shape: dict, device: torch.device, mesh, steps: int, warm
             per_step.append(dict(timer.seconds))
         for p in model.parameters():
             p.grad = None
+    if profiler is not None:
+        import io
+        import pstats
+
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(60)
+        with open(pyprofile, "w") as f:
+            f.write(f"cProfile of {steps} forward + backward steps, {impl}, rank 0 (times inflated by the profiler)\n")
+            f.write(text.getvalue())
     hooks = sorted(per_step[0])
     result = {h: statistics.median(s.get(h, 0.0) for s in per_step) * 1e6 / units for h in hooks}
     result["total"] = statistics.median(sum(s.values()) for s in per_step) * 1e6 / units
@@ -124,6 +141,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--out", default=None)
+    p.add_argument("--pyprofile", default=None, metavar="FILE",
+                   help="with --impl: cProfile the timed steps on rank 0, the top functions by own time to FILE")
     args = p.parse_args()
     if args.impl is None:  # run each implementation in a fresh interpreter under the same launcher settings
         import subprocess
@@ -143,7 +162,7 @@ def main() -> None:
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     try:
         torch.set_num_threads(1)
-        result = measure(args.impl, SHAPES[args.shape], device, mesh, args.steps, args.warmup)
+        result = measure(args.impl, SHAPES[args.shape], device, mesh, args.steps, args.warmup, args.pyprofile)
         result.update(device=str(torch.cuda.get_device_name()) if device.type == "cuda" else "cpu",
                       world=dist.get_world_size())
         if dist.get_rank() == 0:
