@@ -21,19 +21,29 @@ class DeviceHandle:
     def __init__(self, device: torch.device):
         self.device = device
         self.has_streams = device.type == "cuda"
+        self.index = (device.index if device.index is not None else torch.cuda.current_device()) \
+            if self.has_streams else None
 
     def new_stream(self) -> Optional[torch.cuda.Stream]:
         return torch.cuda.Stream(self.device) if self.has_streams else None
 
     def current_stream(self) -> Optional[torch.cuda.Stream]:
-        return torch.cuda.current_stream(self.device) if self.has_streams else None
+        """torch.cuda.current_stream(device) without its argument parsing, which took most of its host time (it
+        is asked ~9 times per unit per step; measured with benchmarks/host_cost.py --pyprofile)."""
+        if not self.has_streams:
+            return None
+        stream_id, index, device_type = torch._C._cuda_getCurrentStream(self.index)
+        return torch.cuda.Stream(stream_id=stream_id, device_index=index, device_type=device_type)
 
     def use_stream(self, stream: Optional[torch.cuda.Stream]) -> contextlib.AbstractContextManager:
         """Make ``stream`` current inside the block, after it waited for the work issued so far on the current one."""
         if stream is None:
             return contextlib.nullcontext()
-        stream.wait_stream(self.current_stream())
-        return torch.cuda.stream(stream)
+        current = self.current_stream()
+        stream.wait_stream(current)
+        if torch._C._cuda_getDevice() != self.index:  # restoring must also give the caller its device back
+            return torch.cuda.stream(stream)
+        return _OnStream(stream, current)
 
     def record_event(self, stream: Optional[torch.cuda.Stream]) -> Optional[torch.cuda.Event]:
         return stream.record_event() if stream is not None else None
@@ -57,6 +67,23 @@ class DeviceHandle:
     def label(name: str) -> contextlib.AbstractContextManager:
         """A named range while a profiler records (a few microseconds each, so none otherwise)."""
         return record_function(name) if _profiler_enabled() else contextlib.nullcontext()
+
+
+class _OnStream:
+    """``torch.cuda.stream(stream)`` where the current device is the stream's, given that device's current stream
+    (what that context manager looks up again on entry, with device checks this case does not need)."""
+
+    __slots__ = ("stream", "previous")
+
+    def __init__(self, stream: torch.cuda.Stream, previous: torch.cuda.Stream):
+        self.stream, self.previous = stream, previous
+
+    def __enter__(self):
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc):
+        torch.cuda.set_stream(self.previous)
+        return False
 
 
 def cuda_median_ms(fn, iters: int = 10, warmup: int = 2) -> float:

@@ -28,7 +28,7 @@ for stage in $stages; do
         nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
         # always: the machine keeps an older _C between calls, and the build is incremental
         run build env MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e . ;;
-    tests) run tests python3 -m pytest -m gpu -q -s tests/test_gpu.py tests/test_kernels.py tests/test_symm_mem.py \
+    tests) run tests python3 -m pytest -m gpu -q -s tests/test_gpu.py tests/test_kernels.py tests/test_symm_mem.py tests/test_device.py \
                tests/test_optim.py tests/test_fp8_training.py ;;
     optim)  # the fused AdamW step over configs 1 and 3's shards vs torch's foreach and fused AdamW, vs the bandwidth bound (1 GPU)
         run optim timeout -k 10 200 python3 benchmarks/optim.py --configs 1,3 --out "$OUT" ;;
