@@ -100,22 +100,18 @@ class Fp8ParamGroup(ParamGroup):
 
     def note_gather(self, version: tuple) -> None:
         """keep_fp8_shard=None: a run that gathers the same weights only twice per step (forward and backward) casts
-        at each gather and holds no FP8 shard between gathers (FSDP2 + float8's memory; measured on one H200 at the
-        same speed in config 1, 2% slower in config 4); at a third gather (microbatches) the shard is kept from
-        then on, cast once per step. Called before this gather's sync_model_weight and all_gather."""
-        if not self.keep_when_regathered:
+        at each gather and holds no FP8 shard between gathers (FSDP2 + float8's memory, at 0-3% of step time on
+        one H200: benchmarks/results/step_1gpu_fp8_cache.md); at a third gather (microbatches) the shard is kept
+        from then on, cast once per step. Called before this gather's sync_model_weight and all_gather."""
+        if not self.keep_when_regathered or not self._gathered_third_time(version):
             return
-        if version != self._gathered_version:
-            self._gathered_version, self._gathers_of_version = version, 0
-        self._gathers_of_version += 1
-        if self._gathers_of_version > 2:
-            self.keep_fp8_shard, self.keep_when_regathered = True, False
-            if self._synced_version == version:  # this version's amax exists: cast the shard kept from now on
-                self.model_weight.alloc()
-                self._cast_fp8_shard()
-                if self._scales_pending:
-                    self.gemm_scale_inv[:, 0].copy_(self.scale_inv)
-                    self._scales_pending = False
+        self.keep_fp8_shard, self.keep_when_regathered = True, False
+        if self._synced_version == version:  # this version's amax exists: cast the shard kept from now on
+            self.model_weight.alloc()
+            self._cast_fp8_shard()
+            if self._scales_pending:
+                self.gemm_scale_inv[:, 0].copy_(self.scale_inv)
+                self._scales_pending = False
 
     def _cast_fp8_shard(self) -> None:
         """main_weight -> model_weight with the scales of the amax vector (the same bits at every call)."""

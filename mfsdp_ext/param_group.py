@@ -314,21 +314,25 @@ class ParamGroup:
             live.append((ref, tensor._version))
         self._aliases = live
 
-    def note_gather(self, version: tuple) -> None:
-        """A training gather (not evaluation). cache_model_weight=None: start keeping the compute-dtype shard once
-        the same weights are gathered a third time (a step of one microbatch gathers twice: forward and backward).
-        From then on each further gather saves a cast; a run without microbatches never pays the copy's memory."""
-        if not self.cache_when_regathered:
-            return
+    def _gathered_third_time(self, version: tuple) -> bool:
+        """Count a training gather of ``version``: True at the third of the same weights (a step of one microbatch
+        gathers twice: forward and backward)."""
         if version != self._gathered_version:
             self._gathered_version, self._gathers_of_version = version, 0
         self._gathers_of_version += 1
-        if self._gathers_of_version > 2:
-            self.cache_model_weight = True
-            self.model_weight = self._make_model_weight(self.device)
-            self.cast_in_slot = self.cache_when_regathered = False
-            self._synced_version = None
-            self.gather_inputs = self._gather_inputs()  # the all-gather now sends the copy
+        return self._gathers_of_version > 2
+
+    def note_gather(self, version: tuple) -> None:
+        """A training gather (not evaluation). cache_model_weight=None: start keeping the compute-dtype shard once
+        the same weights are gathered a third time. From then on each further gather saves a cast; a run without
+        microbatches never pays the copy's memory."""
+        if not self.cache_when_regathered or not self._gathered_third_time(version):
+            return
+        self.cache_model_weight = True
+        self.model_weight = self._make_model_weight(self.device)
+        self.cast_in_slot = self.cache_when_regathered = False
+        self._synced_version = None
+        self.gather_inputs = self._gather_inputs()  # the all-gather now sends the copy
 
     def sync_model_weight(self, version: tuple) -> None:
         """Cast main_weight into model_weight (one fused kernel) unless it was cast at this weights_version()."""
