@@ -60,8 +60,8 @@ class MixedPrecisionPolicy:
         same rule for their FP8 shard (1 byte per parameter / world size): True keeps it, cast once per step;
         False casts it at every all-gather (with the scales computed once per step) and frees it after the
         gather; None does that until a third gather of the same weights, then keeps it. Measured on one H200
-        (benchmarks/results/step_1gpu_fp8_cache.md): casting per gather matches FSDP2 + float8's peak (17.82,
-        35.11 GiB) where keeping costs 0.8-1.5 GiB more, at the same speed in config 1 and 2% slower in config 4.
+        (benchmarks/results/step_1gpu_fp8_cache.md): without microbatches None has FSDP2 + float8's peak, where
+        keeping the FP8 shard costs 0.77 / 1.51 GiB more (configs 1 / 4), at 0-3% of step time.
     fp8: an ``Fp8Policy``: FP8 weights for the chosen linear layers (needs param_dtype bfloat16 or float16 and
         float32 main weights). None: no FP8.
     """
