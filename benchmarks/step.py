@@ -135,7 +135,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="an additional 'ours' column with these fully_shard keywords (repeatable: one column each); "
                         "keys mp.NAME go to MixedPrecisionPolicy, e.g. mp.cache_model_weight=False")
     p.add_argument("--extra-ours-fp8", action="append", default=[], metavar="KEY=VAL[,KEY=VAL]",
-                   help="the same for an additional 'ours_fp8' column")
+                   help="the same for an additional 'ours_fp8' column; keys fp8.NAME go to its Fp8LinearConfig, "
+                        "e.g. fp8.quantize_algo=fused")
     p.add_argument("--layers", type=int, default=None,
                    help="override the configs' layer count (e.g. config 6's 8B shape at 8 layers fits one GPU); "
                         "the report names the count it ran")
@@ -355,14 +356,16 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
     cfg = bc.model_config()
     t_build = time.perf_counter()
     torch.manual_seed(0)
-    # keys "mp.NAME" go to MixedPrecisionPolicy (e.g. mp.cache_model_weight=False), the rest to fully_shard
+    # keys "mp.NAME" go to MixedPrecisionPolicy (e.g. mp.cache_model_weight=False), the rest to fully_shard;
+    # keys "fp8.NAME" go to the FP8 layers' Fp8LinearConfig (e.g. fp8.quantize_algo=fused)
     mp_extra = {k[3:]: val for k, val in v.extra.items() if k.startswith("mp.")}
-    shard_extra = {k: val for k, val in v.extra.items() if not k.startswith("mp.")}
+    linear_extra = {k[4:]: val for k, val in v.extra.items() if k.startswith("fp8.")}
+    shard_extra = {k: val for k, val in v.extra.items() if not k.startswith(("mp.", "fp8."))}
     after_step = None
     if v.fp8 == "ours":
         import mfsdp_ext
 
-        mp_extra["fp8"] = mfsdp_ext.Fp8Policy(compute=True)
+        mp_extra["fp8"] = mfsdp_ext.Fp8Policy(compute=True, linear_config=mfsdp_ext.Fp8LinearConfig(**linear_extra))
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, **mp_extra)
     # --init full: the full model on every rank, same seed: identical initial weights for every variant
     if v.fp8 == "torchao":
