@@ -10,12 +10,15 @@ microseconds per sequence; also one current_stream call alone.
 """
 
 import os
+import statistics
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+import kernels as K  # noqa: E402  (time_host)
 from mfsdp_ext.device import DeviceHandle  # noqa: E402
 
 
@@ -35,17 +38,10 @@ def handle_sequence(h: DeviceHandle, side: torch.cuda.Stream):
 
 
 def median_us(fn, calls: int) -> float:
+    """Median over 7 rounds of kernels.py's time_host (``calls`` back-to-back calls), in microseconds."""
     for _ in range(calls // 2):
         fn()
-    torch.cuda.synchronize()
-    rounds = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        rounds.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return sorted(rounds)[3]
+    return statistics.median(K.time_host(fn, calls) for _ in range(7)) * 1e6
 
 
 def main() -> int:

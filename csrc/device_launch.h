@@ -7,7 +7,6 @@
 
 #include <cstring>
 #include <initializer_list>
-#include <string>
 #include <utility>
 
 #include "launch.h"

@@ -10,15 +10,14 @@
 #ifdef MFSDP_WITH_CUBLASLT
 #include <ATen/cuda/CUDAContextLight.h>  // getCurrentCUDABlasLtHandle
 #include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <cublasLt.h>
-#include <cuda_runtime_api.h>
 
 #include <map>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+
+#include "device_launch.h"  // cuda_stream_is_capturing (and the CUDA guard / stream headers)
 #endif
 
 namespace mfsdp {
@@ -75,7 +74,8 @@ at::Tensor torch_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::T
                            bool fast_accum) {
   if (a.is_cpu() && !cpu_has_scaled_mm()) {
     // EMULATION for CPU torch builds without _scaled_mm: same operands and scales, fp32 arithmetic
-    at::Tensor out = at::mm(a.to(at::kFloat), b.to(at::kFloat).t()).mul_(scale_a.to(at::kFloat) * scale_b.to(at::kFloat));
+    at::Tensor out =
+        at::mm(a.to(at::kFloat), b.to(at::kFloat).t()).mul_(scale_a.to(at::kFloat) * scale_b.to(at::kFloat));
     if (bias.has_value()) out.add_(bias->to(at::kFloat));
     return out.to(out_dtype);
   }
@@ -236,9 +236,7 @@ std::shared_ptr<Plan> cached_plan(const PlanKey& key, cublasLtHandle_t handle, M
 // more (calls on one stream run in order, so they share it; never freed: nothing to tear down at exit). Under
 // graph capture, a fresh allocation held by `holder` (the graph may replay on another stream).
 void* gemm_workspace(size_t bytes, int device, cudaStream_t stream, at::Tensor& holder, const at::Tensor& like) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) (void)cudaGetLastError();
-  if (capture != cudaStreamCaptureStatusNone) {
+  if (cuda_stream_is_capturing(like)) {  // `stream` is like's current stream
     holder = at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
     return holder.data_ptr();
   }

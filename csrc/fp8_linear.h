@@ -26,9 +26,10 @@ std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>> fp8_linear_back
     at::ScalarType dx_dtype, at::ScalarType dw_dtype, double eps, int64_t algo);
 
 // y = x @ W.T (+ bias) differentiable in x, weight and bias, computed from w8 (W in e4m3, (N, K)); dgrad uses w8t
-// (its transpose (K, N)) when given, else transposes w8 in backward; weight's values are not read: it receives dW. x: (..., K) float32 / bfloat16 /
-// float16. need_dx / need_dw: whether x / weight get gradients (grad mode and requires_grad, decided by the
-// caller); fp8_wgrad: dW = dy.T @ x in FP8 (x's transpose kept from forward) or in x's dtype (x kept).
+// (its transpose (K, N)) when given, else transposes w8 in backward; weight's values are not read: it receives
+// dW. x: (..., K) float32 / bfloat16 / float16. need_dx / need_dw: whether x / weight get gradients (grad mode
+// and requires_grad, decided by the caller); fp8_wgrad: dW = dy.T @ x in FP8 (x's transpose kept from forward) or
+// in x's dtype (x kept).
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                       const at::Tensor& w8, const at::Tensor& w_scale_inv, const std::optional<at::Tensor>& w8t,
                       at::ScalarType grad_dtype, bool need_dx, bool need_dw, bool fp8_wgrad, bool fast_accum,

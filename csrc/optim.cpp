@@ -3,6 +3,7 @@
 // kernel's parameters up to kOptimInlineRuns and are uploaded through pinned memory above that.
 #include "optim.h"
 
+#include <string>
 
 #include "device_launch.h"
 #include "optim_math.h"
@@ -42,7 +43,6 @@ int64_t check_step(const at::Tensor& param, const at::Tensor& grad, const at::Te
   return n;
 }
 
-
 void run_step(OptimStepParams& p, const at::Tensor& like, const char* fn) {
   if (p.num_runs == 0 || p.numel == 0 || like.is_meta()) return;
 #ifdef MFSDP_WITH_CUDA
@@ -50,8 +50,9 @@ void run_step(OptimStepParams& p, const at::Tensor& like, const char* fn) {
   if (like.is_cuda() && p.num_runs > kOptimInlineRuns) {  // runs then coefficients, in one upload
     const int64_t n = p.num_runs;
     const std::string what = "more than " + std::to_string(kOptimInlineRuns) + " runs";
-    device_runs = upload_table({{p.host_runs, 2 * n * sizeof(int64_t)}, {p.host_coeffs, kOptimCoeffs * n * sizeof(float)}},
-                               like, fn, what.c_str());
+    device_runs = upload_table(
+        {{p.host_runs, 2 * n * sizeof(int64_t)}, {p.host_coeffs, kOptimCoeffs * n * sizeof(float)}}, like, fn,
+        what.c_str());
     p.device_runs = device_runs.data_ptr<int64_t>();
     p.device_coeffs = reinterpret_cast<const float*>(p.device_runs + 2 * n);
   }

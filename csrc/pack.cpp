@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <string>
 
 #include "device_launch.h"
 #include "tensor_checks.h"
@@ -31,7 +32,6 @@ std::vector<int64_t> make_copy_table(const std::vector<Entry>& entries) {
   }
   return table;
 }
-
 
 // Runs all entries (source dtype `in`, destination dtype `out`, on like's device) as one kernel.
 void run_entries(const std::vector<Entry>& entries, DType in, DType out, float scale, bool use_scale,

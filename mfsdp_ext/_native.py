@@ -96,8 +96,8 @@ fp8_linear_backward(dy, grad_dtype, w8t, w_scale_inv, x8t, x_scale_inv, dx_dtype
 fp8_linear(x, weight, bias, w8, w_scale_inv, w8t, grad_dtype, need_dx, need_dw, fp8_wgrad, fast_accum, eps, algo)
     y = x @ W.T (+ bias) as a C++ autograd function: forward = fp8_linear_forward on x (..., K), backward =
     fp8_linear_backward, plus db = dy.sum(0) and, without fp8_wgrad, dW = dy.T @ x in x's dtype. W is read only
-    as w8 (N, K) e4m3 and, for dx, w8t (K, N) when given, else backward transposes w8; ``weight`` receives dW. need_dx / need_dw: whether x /
-    weight get gradients (the caller decides: grad mode and requires_grad).
+    as w8 (N, K) e4m3 and, for dx, w8t (K, N) when given, else backward transposes w8; ``weight`` receives dW.
+    need_dx / need_dw: whether x / weight get gradients (the caller decides: grad mode and requires_grad).
 
 Segment tables: rows sorted and non-overlapping, ``0 <= start_i <= end_i <= src.numel()`` and
 ``end_{i-1} <= start_i``; an empty row is written ``(e, e)`` at its place in order (e.g. clipping each

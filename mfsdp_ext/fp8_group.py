@@ -42,7 +42,7 @@ class Fp8ParamGroup(ParamGroup):
         self.fp8_compute = fp8_compute
         self.keep_fp8_shard = bool(keep_fp8_shard)
         self.keep_when_regathered = keep_fp8_shard is None
-        self._scales_pending = False  # keep_fp8_shard=False: the GEMM scales follow at this version's first cast
+        self._scales_pending = False  # new scales computed: gemm_scale_inv follows at this version's first cast
         self.fp8_views: list[Fp8Tensor] | None = None  # compute=True: the gathered weights' FP8 views, made once
         if kwargs.get("compute_dtype") not in (torch.bfloat16, torch.float16):
             raise ValueError(f"FP8 weights need a bfloat16 or float16 compute dtype, got {kwargs.get('compute_dtype')}")
@@ -92,11 +92,9 @@ class Fp8ParamGroup(ParamGroup):
                 dist_ops.all_reduce(self.amax, group, op=dist.ReduceOp.MAX)
         self._synced_version = version
         self.stats.scale_syncs += 1
+        self._scales_pending = True
         if self.keep_fp8_shard:
             self._cast_fp8_shard()
-            self.gemm_scale_inv[:, 0].copy_(self.scale_inv)
-        else:
-            self._scales_pending = True
 
     def note_gather(self, version: tuple) -> None:
         """keep_fp8_shard=None: a run that gathers the same weights only twice per step (forward and backward) casts
@@ -109,14 +107,15 @@ class Fp8ParamGroup(ParamGroup):
         if self._synced_version == version:  # this version's amax exists: cast the shard kept from now on
             self.model_weight.alloc()
             self._cast_fp8_shard()
-            if self._scales_pending:
-                self.gemm_scale_inv[:, 0].copy_(self.scale_inv)
-                self._scales_pending = False
 
     def _cast_fp8_shard(self) -> None:
-        """main_weight -> model_weight with the scales of the amax vector (the same bits at every call)."""
+        """main_weight -> model_weight with the scales of the amax vector (the same bits at every call); the first
+        cast of a weights version also gives the GEMMs its scales (the layers' FP8 views read gemm_scale_inv)."""
         _native.fp8_cast(self.main_weight.data, self.segments, self.amax, self.model_weight.data, self.scale_inv)
         self.stats.weight_syncs += 1
+        if self._scales_pending:
+            self.gemm_scale_inv[:, 0].copy_(self.scale_inv)
+            self._scales_pending = False
 
     def all_gather(self, op=None) -> None:
         """Gather every rank's FP8 shard into unsharded_fp8 (plain collectives only: ``op`` is not used), then
@@ -125,9 +124,6 @@ class Fp8ParamGroup(ParamGroup):
         if not self.keep_fp8_shard:
             self.model_weight.alloc()
             self._cast_fp8_shard()
-            if self._scales_pending:  # once per version: the GEMMs of this step's forward save these scales
-                self.gemm_scale_inv[:, 0].copy_(self.scale_inv)
-                self._scales_pending = False
         with torch.autograd._unsafe_preserve_version_counter(self.unsharded_fp8.data):
             if self.world == 1:  # one rank: the shard layout is the unsharded layout
                 self.unsharded_fp8.data.copy_(self.model_weight.data)

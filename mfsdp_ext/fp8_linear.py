@@ -123,7 +123,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
 
 
 def _check_fp8_weight(fp8_weight: Fp8Tensor, weight: torch.Tensor) -> None:
-    if fp8_weight.dtype != E4M3 or tuple(fp8_weight.shape) != tuple(weight.shape) or not fp8_weight.data.is_contiguous():
+    if (fp8_weight.dtype != E4M3 or tuple(fp8_weight.shape) != tuple(weight.shape)
+            or not fp8_weight.data.is_contiguous()):
         raise ValueError(f"mfsdp_ext.fp8_linear: fp8_weight must be contiguous float8_e4m3fn of the weight's "
                          f"shape {tuple(weight.shape)}, got {fp8_weight.dtype} {tuple(fp8_weight.shape)} "
                          f"with strides {fp8_weight.data.stride()}")
@@ -171,8 +172,8 @@ class Fp8LinearMixin:
 
     def set_fp8_weight(self, fp8_weight: Optional[Fp8Tensor]) -> None:
         """Use this FP8 form of the weight (e.g. gathered in FP8) instead of quantizing the weight on every call;
-        None: back to quantizing per call. Its transpose is made (once) when a backward needs it. Checked here
-        (the error names the problem where it arises), not at every forward."""
+        None: back to quantizing per call. Without its transpose (``data_t``), backward transposes it. Checked
+        here (the error names the problem where it arises), not at every forward."""
         if fp8_weight is not None:
             _check_fp8_weight(fp8_weight, self.weight)
         self._fp8_weight = fp8_weight
