@@ -251,8 +251,11 @@ class FsdpUnit:
 
     # ------------------------------------------------------------------ backward hooks
     def _pre_backward(self, grad):
-        if self.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+        if self.training_state is TrainingState.PRE_BACKWARD:
             return grad
+        # From POST_BACKWARD: a module called several times whose earlier call's inputs needed no grad carries its
+        # _PostBackward on a later call's inputs, and autograd runs that before the earlier call's backward (and
+        # accumulates the parameters' gradients once, after all uses). Gather again; the final callback reduces.
         self.training_state = TrainingState.PRE_BACKWARD
         ctx = self.context
         if not ctx.in_backward:

@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
@@ -319,6 +320,67 @@ def _case_no_sync_accumulation():
     return {"loss_err": loss_err, "param_err": param_err, "counts": dict(counts)}
 
 
+class _Reuse(nn.Module):
+    """One block called twice in a forward, in three patterns: `chain` (block(other(block(x)))), `siamese` (two
+    independent calls on inputs that need grad) and `late` (the first call on a raw input, which needs no grad:
+    only the second call's inputs carry the unit's post-backward, which autograd runs before the first call's
+    backward; the unit is then gathered again and reduced in the final callback).
+    """
+
+    def __init__(self, pattern: str, d: int = 16):
+        super().__init__()
+        self.pattern = pattern
+        self.inp, self.head = nn.Linear(d, d), nn.Linear(d, 1)
+        self.block = nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d))
+        self.other = nn.Sequential(nn.Linear(d, d), nn.Tanh())
+
+    def forward(self, a, b):
+        if self.pattern == "chain":
+            return self.head(self.block(self.other(self.block(self.inp(a))))).square().mean()
+        if self.pattern == "siamese":
+            return (self.head(self.block(self.inp(a))) * self.head(self.block(self.inp(b)))).mean()
+        return (self.head(self.block(a)).square().mean() + self.head(self.block(self.inp(b))).square().mean())
+
+
+def _case_module_called_twice(strategy: str, pattern: str, microbatches: int):
+    """Gradients equal a single-process model's for every strategy, also under microbatches (deferred
+    reductions), and the block is reduced once per backward: autograd accumulates a parameter's gradient once,
+    after all its uses."""
+    torch.manual_seed(21)
+    model = _Reuse(pattern)
+    ref = copy.deepcopy(model).to(rank_device())
+    fully_shard(model.block, sharding_strategy=strategy)
+    fully_shard(model.other, sharding_strategy=strategy)
+    fully_shard(model, sharding_strategy=strategy)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    per_rank = 4
+    block_group = model.block._mfsdp_unit.groups[0]
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        a = torch.randn(world * per_rank * microbatches, 16, generator=g).to(rank_device())
+        b = torch.randn(world * per_rank * microbatches, 16, generator=g).to(rank_device())
+        reduces = block_group.stats.reduces
+        for k in range(microbatches):
+            rows = slice((k * world + rank) * per_rank, (k * world + rank + 1) * per_rank)
+            with microbatch(model, is_first=k == 0, is_last=k == microbatches - 1):
+                (model(a[rows], b[rows]) / microbatches).backward()
+        ref_loss = sum(ref(a[r * per_rank:(r + 1) * per_rank], b[r * per_rank:(r + 1) * per_rank])
+                       for r in range(world * microbatches))
+        (ref_loss / (world * microbatches)).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            if q.grad is None:  # a module the pattern does not use
+                assert p.grad is None, (pattern, strategy, name)
+                continue
+            err = rel_err(p.grad.full_tensor(), q.grad)
+            assert err <= 1e-5, (pattern, strategy, step, name, err)
+        if strategy in ("optim_grads", "optim_grads_params"):  # reduced at every microbatch's backward
+            assert block_group.stats.reduces - reduces == microbatches, (
+                pattern, strategy, block_group.stats.reduces - reduces)
+        opt.step(), opt.zero_grad(), ref_opt.step(), ref_opt.zero_grad()
+    return _compare_params(model, ref)
+
+
 # ----------------------------------------------------------------------------------------------- pytest
 def test_strategy_matrix(cpu_pool):
     for line in cpu_pool.run(_case_strategy_matrix)[0].items():
@@ -366,3 +428,10 @@ def test_unit_summary(cpu_pool):
 
 def test_no_sync_accumulation(cpu_pool):
     print(cpu_pool.run(_case_no_sync_accumulation)[0])
+
+
+@pytest.mark.parametrize("pattern", ["chain", "siamese", "late"])
+def test_module_called_twice_in_forward(cpu_pool, pattern):
+    for strategy, k in itertools.product(STRATEGIES, [1, 2]):
+        err = cpu_pool.run(_case_module_called_twice, strategy, pattern, k)[0]
+        assert err <= 1e-5, (strategy, k, err)
