@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import replaced_params
 from .fp8_group import Fp8ParamGroup
 from .fp8_linear import Fp8LinearConfig, Fp8LinearMixin, _fp8_class
 from .marks import is_marked
@@ -71,8 +72,9 @@ def make_groups(module: nn.Module, params, mesh: DeviceMesh, device: torch.devic
         else:
             groups.append(ParamGroup(members, mesh, **kwargs, cache_model_weight=cache))
     owner = type(module).__name__
-    for _, p, _ in params:
+    for fqn, p, _ in params:
         _OWNER_NAMES[p] = owner  # the original Parameter: a use of it outside this unit is caught later
+        replaced_params.note_replaced(p, f"'{fqn}' of a {owner}")
     for g in groups:
         for info in g.infos:
             _OWNER_NAMES[info.sharded] = owner

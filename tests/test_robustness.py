@@ -269,6 +269,36 @@ def _case_bad_input_errors():
     return msgs
 
 
+def _case_optimizer_built_before_fully_shard():
+    """An optimizer built before fully_shard holds parameters the model no longer uses: its first step raises
+    (torch's and ours), naming one; so does a step after add_param_group brings one in. One built after steps."""
+    import mfsdp_ext.optim
+
+    torch.manual_seed(3)
+    model = TinyLM()
+    stale = {"torch": torch.optim.AdamW(model.parameters()), "ours": mfsdp_ext.optim.AdamW(model.parameters())}
+    stale_norm = model.norm.weight
+    shard_tiny_lm(model, fully_shard)
+    tokens, targets = batch(0, 4)
+    lm_loss(model, tokens, targets).backward()
+    msgs = {}
+    for name, opt in stale.items():
+        with pytest.raises(RuntimeError, match="before fully_shard") as err:
+            opt.step()
+        msgs[name] = str(err.value)
+        assert "Build the optimizer after fully_shard" in msgs[name], msgs
+    fresh = torch.optim.AdamW(model.parameters())
+    trained = [p for p in model.parameters() if p.grad is not None]
+    before = [p.detach().full_tensor().clone() for p in trained]
+    fresh.step()  # checked once, then skipped while its parameter list stays the same
+    fresh.step()
+    assert trained and all(not torch.equal(b, p.detach().full_tensor()) for b, p in zip(before, trained))
+    fresh.add_param_group({"params": [stale_norm]})
+    with pytest.raises(RuntimeError, match="before fully_shard"):
+        fresh.step()
+    return msgs
+
+
 # ----------------------------------------------------------------------------------------------- pytest
 
 @pytest.mark.parametrize("where,microbatches,strategy", [
@@ -288,6 +318,10 @@ def test_hand_written_update_seen(cpu_pool):
 
 def test_bad_input_errors(cpu_pool):
     print(cpu_pool.run(_case_bad_input_errors)[0])
+
+
+def test_optimizer_built_before_fully_shard(cpu_pool):
+    print(cpu_pool.run(_case_optimizer_built_before_fully_shard)[0])
 
 
 def test_evaluation_between_steps(cpu_pool):
