@@ -324,7 +324,8 @@ class _Reuse(nn.Module):
     """One block called twice in a forward, in three patterns: `chain` (block(other(block(x)))), `siamese` (two
     independent calls on inputs that need grad) and `late` (the first call on a raw input, which needs no grad:
     only the second call's inputs carry the unit's post-backward, which autograd runs before the first call's
-    backward; the unit is then gathered again and reduced in the final callback).
+    backward; the unit is then gathered again and reduced in the final callback). `whole`: one call per forward,
+    and the loss takes two forwards of the whole model (the root called twice).
     """
 
     def __init__(self, pattern: str, d: int = 16):
@@ -335,6 +336,8 @@ class _Reuse(nn.Module):
         self.other = nn.Sequential(nn.Linear(d, d), nn.Tanh())
 
     def forward(self, a, b):
+        if self.pattern == "whole":
+            return self.head(self.block(self.other(self.inp(a)))).square().mean()
         if self.pattern == "chain":
             return self.head(self.block(self.other(self.block(self.inp(a))))).square().mean()
         if self.pattern == "siamese":
@@ -354,6 +357,10 @@ def _case_module_called_twice(strategy: str, pattern: str, microbatches: int):
     fully_shard(model, sharding_strategy=strategy)
     rank, world = dist.get_rank(), dist.get_world_size()
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def loss_of(m, a, b):
+        return m(a, b) * m(b, a) if pattern == "whole" else m(a, b)
+
     per_rank = 4
     block_group = model.block._mfsdp_unit.groups[0]
     for step in range(3):
@@ -364,8 +371,8 @@ def _case_module_called_twice(strategy: str, pattern: str, microbatches: int):
         for k in range(microbatches):
             rows = slice((k * world + rank) * per_rank, (k * world + rank + 1) * per_rank)
             with microbatch(model, is_first=k == 0, is_last=k == microbatches - 1):
-                (model(a[rows], b[rows]) / microbatches).backward()
-        ref_loss = sum(ref(a[r * per_rank:(r + 1) * per_rank], b[r * per_rank:(r + 1) * per_rank])
+                (loss_of(model, a[rows], b[rows]) / microbatches).backward()
+        ref_loss = sum(loss_of(ref, a[r * per_rank:(r + 1) * per_rank], b[r * per_rank:(r + 1) * per_rank])
                        for r in range(world * microbatches))
         (ref_loss / (world * microbatches)).backward()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
@@ -430,7 +437,7 @@ def test_no_sync_accumulation(cpu_pool):
     print(cpu_pool.run(_case_no_sync_accumulation)[0])
 
 
-@pytest.mark.parametrize("pattern", ["chain", "siamese", "late"])
+@pytest.mark.parametrize("pattern", ["chain", "siamese", "late", "whole"])
 def test_module_called_twice_in_forward(cpu_pool, pattern):
     for strategy, k in itertools.product(STRATEGIES, [1, 2]):
         err = cpu_pool.run(_case_module_called_twice, strategy, pattern, k)[0]
