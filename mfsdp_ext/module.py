@@ -14,6 +14,7 @@ A forward while the context is in backward is an activation-checkpoint recompute
 from __future__ import annotations
 
 import functools
+import warnings
 from enum import Enum
 from typing import Any, Callable, Optional
 
@@ -21,10 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .collectives import PLAIN_ALL_GATHER, PLAIN_REDUCE_SCATTER
-from . import finite_grads, same_model, summary
+from . import finite_grads, same_model, summary, tensor_tree
 from .context import FsdpContext
 from .mixed_precision import MixedPrecisionPolicy
 from .param_group import ParamGroup
@@ -217,9 +217,12 @@ class FsdpUnit:
             self.show_sharded_params()  # evaluation: nothing will need the gathered weights
         else:
             ctx.record_forward_end(self)
+            hooked = self._hook_pre_backward(output)
             if self.reshard_after_forward and not self.is_root and not ctx.needed_first_in_backward(self):
-                self.reshard()
-            self._hook_pre_backward(output)
+                if hooked or not self._has_trainable_params():
+                    self.reshard()
+                else:  # keep the weights: this unit's backward may still need them, with no hook to gather them
+                    self._warn_no_grad_output(output)
         if self.mp_policy.output_dtype is not None:
             output = _cast_floating(output, self.mp_policy.output_dtype)
         return output
@@ -231,7 +234,7 @@ class FsdpUnit:
         hook = torch.is_grad_enabled() and not self.post_backward_hooked
         if dtype is None and not hook:
             return args, kwargs
-        flat, spec = tree_flatten((args, kwargs))
+        flat, rebuild = tensor_tree.flatten((args, kwargs))
         if dtype is not None:
             flat = [t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() and t.dtype != dtype else t
                     for t in flat]
@@ -241,13 +244,31 @@ class FsdpUnit:
             for i, t in zip(idx, outs):
                 flat[i] = t
             self.post_backward_hooked = True
-        return tree_unflatten(flat, spec)
+        return rebuild(flat)
 
-    def _hook_pre_backward(self, output) -> None:
-        flat, _ = tree_flatten(output)
-        for t in flat:
+    def _hook_pre_backward(self, output) -> bool:
+        """Hook the output tensors that require grad (gather again before this unit's backward); False if none."""
+        hooked = False
+        for t in tensor_tree.flatten(output)[0]:
             if torch.is_tensor(t) and t.requires_grad:
                 t.register_hook(self._pre_backward)
+                hooked = True
+        return hooked
+
+    def _has_trainable_params(self) -> bool:
+        return any(g.requires_grad and g.trainable() for g in self.groups)
+
+    def _warn_no_grad_output(self, output) -> None:
+        if getattr(self, "_warned_no_grad_output", False):
+            return
+        self._warned_no_grad_output = True
+        warnings.warn(
+            f"mfsdp_ext: unit '{self.name}' has trainable parameters but its output ({type(output).__name__}) holds "
+            "no tensor that requires grad where fully_shard looks (tensors in tuples, lists, dicts, dataclasses and "
+            "pytree-registered classes). If its output tensors are inside another class, the backward cannot "
+            "gather the weights again, so they stay gathered after this forward (more memory; gradients stay "
+            "right). Return a supported container, or register the class with torch.utils._pytree. (Warned once "
+            "per unit.)", stacklevel=2)
 
     # ------------------------------------------------------------------ backward hooks
     def _pre_backward(self, grad):
@@ -375,9 +396,9 @@ def eager_hook(hook: Callable) -> Callable:
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    flat, spec = tree_flatten(tree)
-    flat = [t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() and t.dtype != dtype else t for t in flat]
-    return tree_unflatten(flat, spec)
+    flat, rebuild = tensor_tree.flatten(tree)
+    return rebuild([t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() and t.dtype != dtype else t
+                    for t in flat])
 
 
 class FsdpModule:

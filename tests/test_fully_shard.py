@@ -6,6 +6,7 @@ The ``_case_*`` functions run on every rank of a pool (tests/dist_pool.py); they
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -407,6 +408,68 @@ def _case_errors():
     return msgs
 
 
+@dataclasses.dataclass
+class _Hidden:  # a dataclass output / input, as FSDP2 walks them
+    h: torch.Tensor
+    note: str = "kept"
+
+
+class _Opaque:  # a class neither pytree nor dataclasses can look into
+    def __init__(self, h):
+        self.h = h
+
+
+class _ContainerBlock(nn.Module):
+    def __init__(self, wrap, d: int = 8):
+        super().__init__()
+        self.wrap, self.lin = wrap, nn.Linear(d, d)
+
+    def forward(self, x):
+        x = x.h if isinstance(x, (_Hidden, _Opaque)) else x
+        return self.wrap(torch.tanh(self.lin(x)))
+
+
+def _case_output_containers(kind: str):
+    """Units that return their output inside a dataclass (walked, as FSDP2 does: hooked and resharded) or inside
+    an opaque class (a warning; the weights stay gathered for its backward) train with the single-process
+    gradients; a dataclass input is cast to the compute dtype."""
+    import warnings
+
+    wrap = {"dataclass": _Hidden, "opaque": _Opaque}[kind]
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(8, 8), _ContainerBlock(wrap), _ContainerBlock(wrap), nn.Linear(8, 1))
+    model[3].register_forward_pre_hook(lambda m, args: (args[0].h,))
+    ref = copy.deepcopy(model).to(rank_device())
+    for block in (model[1], model[2]):
+        fully_shard(block)
+    fully_shard(model)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(2):
+        x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(step)).to(rank_device())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = model(x[4 * rank:4 * (rank + 1)]).square().mean()
+        kept_gathered = model[1]._mfsdp_unit.groups[0].unsharded.nbytes() > 0
+        loss.backward()
+        warned = [str(w.message) for w in caught if "holds no tensor that requires grad" in str(w.message)]
+        assert bool(warned) == (kind == "opaque" and step == 0), warned  # once per unit
+        assert kept_gathered == (kind == "opaque"), kind  # a walked output is resharded after forward
+        (ref(x).square().mean()).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            err = rel_err(p.grad.full_tensor(), q.grad)
+            assert err <= 1e-5, (kind, step, name, err)
+        model.zero_grad(), ref.zero_grad()
+        assert model[1]._mfsdp_unit.groups[0].unsharded.nbytes() == 0  # at rest after the backward
+    # a dataclass input is cast to param_dtype, its other fields kept
+    block = _ContainerBlock(_Hidden).to(rank_device())
+    fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    seen = []
+    block.register_forward_pre_hook(lambda m, args: seen.append((args[0].note, args[0].h.dtype)))
+    out = block(_Hidden(torch.randn(2, 8, device=rank_device()), note="n"))
+    assert seen == [("n", torch.bfloat16)] and out.h.dtype == torch.bfloat16, (seen, out)
+    return {"kind": kind, "warned": kind == "opaque"}
+
+
 # ----------------------------------------------------------------------------------------------- pytest
 def test_fp32_parity_nested_tied(cpu_pool):
     print(cpu_pool.run(_case_fp32_parity)[0])
@@ -463,3 +526,8 @@ def test_state_dict_roundtrip(cpu_pool, tmp_path):
 
 def test_clear_errors(cpu_pool):
     print(cpu_pool.run(_case_errors)[0])
+
+
+@pytest.mark.parametrize("kind", ["dataclass", "opaque"])
+def test_output_containers(cpu_pool, kind):
+    print(cpu_pool.run(_case_output_containers, kind)[0])

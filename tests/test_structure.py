@@ -14,7 +14,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mfsdp_ext"
 LAYERS = [
     ["_C", "_build_config"],
     ["_jit"],
-    ["_native", "layout", "mixed_precision", "device", "states", "marks", "dtensor_norms", "replaced_params"],
+    ["_native", "layout", "mixed_precision", "device", "states", "marks", "dtensor_norms", "replaced_params",
+     "tensor_tree"],
     ["flat_buffer", "dist_ops", "symmetric.comm", "fp8_tensor"],
     ["collectives", "fp8_linear"],
     ["symmetric.collectives"],
