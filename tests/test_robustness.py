@@ -218,7 +218,7 @@ def _case_resting_memory_flat(steps: int = 50):
     model = shard_tiny_lm(TinyLM(vocab=512, dim=256, ffn=1024), fully_shard, mp_policy=BF16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rank, world = dist.get_rank(), dist.get_world_size()
-    at_rest = []
+    at_rest, after_eval = [], []
     for step in range(steps):
         tokens, targets = batch(step, GLOBAL_BATCH, vocab=512, device=rank_device())
         tokens, targets = tokens.chunk(world)[rank], targets.chunk(world)[rank]
@@ -240,11 +240,13 @@ def _case_resting_memory_flat(steps: int = 50):
             with torch.no_grad():
                 model(tokens)
         torch.cuda.synchronize()
-        if not failed:
-            at_rest.append(torch.cuda.memory_allocated())
+        if not failed:  # an evaluation's forward frees the gradient shards zero_grad let go of: its own series
+            (after_eval if step % 7 == 6 else at_rest).append(torch.cuda.memory_allocated())
     settled = at_rest[2:]  # optimizer state and main grads exist from the first steps on
     assert max(settled) == min(settled), [b - settled[0] for b in settled]
-    return {"bytes at rest (first, last)": (at_rest[0], at_rest[-1]), "steps": steps}
+    assert max(after_eval) == min(after_eval) <= min(settled), (after_eval, settled[0])
+    return {"bytes at rest (first, last)": (at_rest[0], at_rest[-1]), "after an evaluation": after_eval[-1],
+            "steps": steps}
 
 
 def _case_bad_input_errors():

@@ -18,6 +18,7 @@ import weakref
 from collections import defaultdict
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .flat_state import FlatState, build_runs, flat_owner, grad_is_main_grad
 
@@ -98,8 +99,11 @@ class FlatOptimizerMixin:
                 loss = closure()
         flat_work, torch_work, adopt_after = self._split()
         for group, params in zip(self.param_groups, torch_work):
-            if params:
-                self._torch_step(group, params)
+            # DTensors and plain tensors apart: torch's foreach kernels (its CUDA default) refuse a mix
+            for kind in (True, False):
+                subset = [p for p in params if isinstance(p, DTensor) == kind]
+                if subset:
+                    self._torch_step(group, subset)
         for p, (group, i) in adopt_after:  # torch's step may have made new state tensors (SGD's first buffer)
             self._adopt(self.state[p], self._flat(group), i)
         for group, items in flat_work.items():
