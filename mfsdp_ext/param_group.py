@@ -202,9 +202,9 @@ class ParamGroup:
         _native.pack(local, offsets, self.main_weight.data)
 
     def placements(self) -> tuple:
-        if self.mesh.ndim == 2:
-            return (Replicate(), Shard(0))  # HSDP
-        return (Shard(0),) if self.shard_group is not None else (Replicate(),)  # no_shard: replicated
+        if self.replicated:  # no_shard: every rank of the mesh holds every row
+            return (Replicate(),) * self.mesh.ndim
+        return (Replicate(), Shard(0)) if self.mesh.ndim == 2 else (Shard(0),)  # HSDP or 1-D
 
     def as_dtensor(self, i: int, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's torch.chunk rows of parameter i) as the DTensor it is. Gradients are wrapped

@@ -56,13 +56,10 @@ def make_groups(module: nn.Module, params, mesh: DeviceMesh, device: torch.devic
     groups = []
     for (dtype, requires_grad, marked, is_fp8, is_late), members in _group_by_kind(params, fp8, late).items():
         replicated = marked and shard_group is not None
-        if replicated and mesh.ndim != 1:
-            raise ValueError(f"no_shard-marked parameters ({members[0][0]}, ...) on a 2-D (HSDP) mesh are not "
-                             "supported yet; leave them unmarked there")
         kwargs = dict(compute_dtype=mp_policy.compute_dtype(dtype), reduce_dtype=mp_policy.reduction_dtype(dtype),
                       main_grad_dtype=mp_policy.main_grad_dtype if dtype == torch.float32 else dtype, device=device,
                       shard_group=None if replicated else shard_group,
-                      replicate_group=mesh.get_group(0) if replicated else replicate_group,
+                      replicate_group=_whole_mesh_group(mesh) if replicated else replicate_group,
                       reduce_when_ready=is_late)
         # a copy of the model weight (bf16 or FP8 shard) saves a cast per gather: none where weights stay gathered
         cache = False if strategy.keeps_weights_gathered or marked else mp_policy.cache_model_weight
@@ -87,6 +84,16 @@ def _default_mesh() -> DeviceMesh:
     if device_type not in _DEFAULT_MESH:
         _DEFAULT_MESH[device_type] = init_device_mesh(device_type, (dist.get_world_size(),))
     return _DEFAULT_MESH[device_type]
+
+
+def _whole_mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The process group of every rank in the mesh, over which a no_shard-marked group all-reduces: the mesh's
+    own group (1-D), the default group when a 2-D (HSDP) mesh covers the world, else the mesh flattened."""
+    if mesh.ndim == 1:
+        return mesh.get_group(0)
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    return mesh._flatten().get_group()
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:

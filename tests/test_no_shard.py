@@ -6,11 +6,13 @@ import copy
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from mfsdp_ext import FsdpModule, MixedPrecisionPolicy, fully_shard, microbatch, no_shard, reset_parameters
 
-from .models import TinyLM, rank_device, train
+from .models import TinyLM, batch, lm_loss, rank_device, train
 from .test_fully_shard import GLOBAL_BATCH, STEPS, _compare_params
 from .test_strategies import count_collectives
 
@@ -23,12 +25,12 @@ def _marked_model(seed: int) -> TinyLM:
     return model
 
 
-def _shard(model: TinyLM) -> TinyLM:
+def _shard(model: TinyLM, mesh=None) -> TinyLM:
     no_shard(model.blocks[0])  # a frozen tower: no unit, no hooks, never communicated
     no_shard(model.blocks[1].fc2)  # trainable and replicated: all-reduced once per step
     for b in model.blocks:
-        fully_shard(b)
-    return fully_shard(model)
+        fully_shard(b, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def _case_no_shard_parity(microbatches: int):
@@ -57,6 +59,37 @@ def _case_no_shard_parity(microbatches: int):
     assert counts["reduce_scatter_into"] == iterations * sharded_groups, counts
     assert counts["all_reduce"] == STEPS, counts  # block 1's replicated group
     return {"loss_err": loss_err, "param_err": param_err, "counts": dict(counts)}
+
+def _case_no_shard_hsdp(microbatches: int):
+    """On a 2-D (replicate, shard) mesh the marked parameters are replicated over all of it: (Replicate(),
+    Replicate()) DTensors, the trainable ones all-reduced over every rank once per step; parity with a
+    single-process model, and clip_grad_norm_ gives its total norm."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh(rank_device().type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    model = _marked_model(41)
+    ref = copy.deepcopy(model).to(rank_device())
+    ref_losses = train(ref, STEPS, GLOBAL_BATCH, sharded=False)
+    _shard(model, mesh)
+    with count_collectives() as counts:
+        losses = train(model, STEPS, GLOBAL_BATCH, sharded=True, microbatches=microbatches, microbatch_ctx=microbatch)
+    loss_err = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
+    param_err = _compare_params(model, ref)
+    assert loss_err <= 1e-5 and param_err <= 1e-5, (loss_err, param_err)
+    for p in (*model.blocks[0].parameters(), model.blocks[1].fc2.weight):
+        assert p.placements == (Replicate(), Replicate()), p.placements
+    assert model.blocks[1].fc1.weight.placements == (Replicate(), Shard(0))
+    # 4 sharded groups all-reduce over replicas once per step (HSDP), block 1's replicated group over all ranks
+    assert counts["all_reduce"] == STEPS * 5, counts
+    # one more backward: the total gradient norm equals the single-process model's
+    tokens, targets = batch(99, GLOBAL_BATCH)
+    rank = dist.get_rank()
+    lm_loss(model, tokens.chunk(world)[rank], targets.chunk(world)[rank]).backward()
+    lm_loss(ref, tokens, targets).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).full_tensor()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+    assert abs(norm - ref_norm) / ref_norm < 1e-5, (norm, ref_norm)
+    return {"loss_err": loss_err, "param_err": param_err, "counts": dict(counts)}
+
 
 
 def _case_no_shard_meta_init():
@@ -119,3 +152,10 @@ def test_no_shard_parity_and_collectives(cpu_pool, microbatches):
 
 def test_no_shard_meta_init(cpu_pool):
     print(cpu_pool.run(_case_no_shard_meta_init)[0])
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_no_shard_on_hsdp_mesh(microbatches):
+    from .conftest import get_pool
+
+    print(get_pool(4).run(_case_no_shard_hsdp, microbatches)[0])
