@@ -13,14 +13,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import checkpoint, dtensor_norms, shard_init
 from .marks import is_marked
 from .mixed_precision import MixedPrecisionPolicy
-from .module import FsdpModule, FsdpUnit, Strategy, eager_hook
+from .module import FsdpModule, FsdpUnit, Strategy, eager_hook, resolve_reshard_after_forward
 from .param_group import ParamGroup
 from .symmetric.choose import check_available
 
 _FSDP_CLASSES: dict[type, type] = {}
 
 
-def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard_after_forward: bool = True,
+def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard_after_forward: Optional[bool] = True,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 sharding_strategy: Union[str, Strategy] = Strategy.OPTIM_GRADS_PARAMS,
                 use_symm_mem: Union[bool, str] = False, verbose: bool = False,
@@ -36,8 +36,12 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
     root: after each backward, raise NonFiniteGradError on every rank naming the first parameter whose reduced
     gradient holds NaN or inf (one small all-reduce per backward; off: no cost).
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard takes one nn.Module, got {type(module).__name__}; FSDP2's list form (several "
+                        "modules as one unit) is not supported: give them a common parent module and shard that")
     if isinstance(module, FsdpModule):
         raise ValueError(f"fully_shard: {type(module).__name__} is already sharded; apply fully_shard once per module")
+    reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("fully_shard needs torch.distributed: call dist.init_process_group(...) first "
                            "(gloo on CPU, nccl with device_id=... on GPUs)")

@@ -47,6 +47,17 @@ class Strategy(str, Enum):
         return self in (Strategy.OPTIM_GRADS, Strategy.OPTIM_GRADS_PARAMS)
 
 
+def resolve_reshard_after_forward(value) -> bool:
+    """FSDP2's values: True / False, and None (FSDP2's default: reshard every unit but the root, which ours never
+    reshards after forward anyway) as True. An int (FSDP2: reshard to a smaller group) is refused."""
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise ValueError(f"reshard_after_forward must be True, False or None, got {value!r}; resharding to a "
+                         "smaller group after forward (FSDP2's int form) is not supported")
+    return value
+
+
 def _autograd_is_running() -> bool:
     """Whether a backward is executing now. Asked only when the root's forward starts while the context is still
     in backward, to tell a recompute of the whole root (inside the backward) from a backward that raised."""
@@ -401,18 +412,34 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
                     for t in flat])
 
 
+class UnshardHandle:
+    """What ``FsdpModule.unshard(async_op=True)`` returns, as FSDP2's: ``wait()`` once the gathered weights are
+    needed."""
+
+    def __init__(self, unit: FsdpUnit):
+        self._unit = unit
+
+    def wait(self) -> None:
+        if self._unit is not None:  # once, as the synchronous unshard() would have
+            self._unit.wait_unshard()
+        self._unit = None
+
+
 class FsdpModule:
     """Mixin that ``fully_shard`` adds to a module's class; the FSDP2-shaped per-module controls."""
 
     _mfsdp_unit: FsdpUnit
 
-    def unshard(self, async_op: bool = False):
+    def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:
+        """Gather this unit's weights (FSDP2's call). ``async_op=True`` returns a handle whose ``wait()`` makes the
+        current stream wait for the gather; a forward waits by itself."""
         unit = self._mfsdp_unit
         unit.lazy_init()
         unit.unshard()
         if not async_op:
             unit.wait_unshard()
-        return None
+            return None
+        return UnshardHandle(unit)
 
     def reshard(self) -> None:
         unit = self._mfsdp_unit
@@ -425,7 +452,8 @@ class FsdpModule:
             if isinstance(m, FsdpModule):
                 m._mfsdp_unit.requires_gradient_sync = requires_gradient_sync
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: Optional[bool], *, recurse: bool = True) -> None:
+        reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward)
         modules = self.modules() if recurse else [self]
         for m in modules:
             if isinstance(m, FsdpModule):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 
 import mfsdp_ext
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
@@ -328,6 +328,30 @@ def _case_state_dict_roundtrip(tmpdir: str):
     return {"keys": len(sd), "checked": ["state_dict full_tensor", "param/grad full_tensor", "load DTensors",
                                          "load full tensors", "DCP save/load"]}
 
+def _case_explicit_unshard():
+    """FsdpModule.unshard() as FSDP2's: async_op=True returns a handle; after wait() the module holds its full
+    weights (equal to the gathered parameters) until reshard(); a forward in between computes on them."""
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    ref = copy.deepcopy(model).to(rank_device())
+    fully_shard(model[0])
+    fully_shard(model)
+    x = torch.randn(3, 8, device=rank_device())
+    model(x)  # lazy init
+    assert model[0].unshard() is None
+    assert tuple(model[0].weight.shape) == (16, 8) and not isinstance(model[0].weight, DTensor)
+    model[0].reshard()
+    assert isinstance(model[0].weight, DTensor)
+    handle = model[0].unshard(async_op=True)
+    handle.wait()
+    assert torch.equal(model[0].weight.detach(), ref[0].weight.detach())
+    out = model(x)
+    assert torch.allclose(out, ref(x), rtol=1e-6, atol=1e-6)
+    model[0].reshard()
+    assert isinstance(model[0].weight, DTensor)
+    return "ok"
+
+
 
 def _expect(exc_type, fragment, fn):
     try:
@@ -343,6 +367,11 @@ def _case_errors():
     m = nn.Linear(4, 4)
     fully_shard(m)
     msgs["twice"] = _expect(ValueError, "already sharded", lambda: fully_shard(m))
+    msgs["list"] = _expect(TypeError, "common parent module", lambda: fully_shard([nn.Linear(4, 4), nn.Linear(4, 4)]))
+    msgs["int_reshard"] = _expect(ValueError, "smaller group",
+                                  lambda: fully_shard(nn.Linear(4, 4), reshard_after_forward=2))
+    msgs["int_set_reshard"] = _expect(ValueError, "smaller group", lambda: m.set_reshard_after_forward(2))
+    assert fully_shard(nn.Linear(4, 4), reshard_after_forward=None)._mfsdp_unit.reshard_after_forward  # FSDP2's
 
     class Scalar(nn.Module):
         def __init__(self):
@@ -531,3 +560,7 @@ def test_clear_errors(cpu_pool):
 @pytest.mark.parametrize("kind", ["dataclass", "opaque"])
 def test_output_containers(cpu_pool, kind):
     print(cpu_pool.run(_case_output_containers, kind)[0])
+
+
+def test_explicit_unshard(cpu_pool):
+    cpu_pool.run(_case_explicit_unshard)
