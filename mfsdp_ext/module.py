@@ -106,6 +106,7 @@ class FsdpUnit:
         self.post_backward_hooked = False  # _PostBackward applied to this iteration's inputs
         self.unshard_event = None  # the all-gather stream's event after this unit's gather
         self.gathered_versions: list[Optional[tuple]] = [None] * len(groups)  # weights_version() gathered
+        self._warned_no_grad_output = False
         for g in groups:
             if g.reduce_when_ready:
                 g.on_grads_ready = self._reduce_early
@@ -270,7 +271,7 @@ class FsdpUnit:
         return any(g.requires_grad and g.trainable() for g in self.groups)
 
     def _warn_no_grad_output(self, output) -> None:
-        if getattr(self, "_warned_no_grad_output", False):
+        if self._warned_no_grad_output:
             return
         self._warned_no_grad_output = True
         warnings.warn(

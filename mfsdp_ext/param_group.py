@@ -22,7 +22,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _native, dist_ops
+from . import _native, dist_ops, replaced_params
 from .collectives import PLAIN_ALL_GATHER, PLAIN_REDUCE_SCATTER, AllGather, ReduceScatter
 from .flat_buffer import FlatBuffer
 from .layout import FlatLayout, contiguous_stride
@@ -260,6 +260,8 @@ class ParamGroup:
         self.unsharded = self._make_unsharded(device)
         self.on_meta = False
         self._synced_version = None
+        for info in self.infos:  # the meta parameters are replaced: an optimizer holding them is caught at its step
+            replaced_params.note_replaced(info.sharded, f"'{info.fqn}'", "on the meta device, before to_empty()")
         self._make_params()
         self.free_unsharded()
 

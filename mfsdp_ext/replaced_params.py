@@ -1,9 +1,10 @@
 """The parameters fully_shard replaced, and the check that no optimizer steps them.
 
-fully_shard swaps each parameter it takes for a new ``nn.Parameter(DTensor)`` shard (as FSDP2 does). An
-optimizer built before that holds the originals, which no forward uses any more: its steps would change nothing
-the model computes with, and training would silently not train. The first step of every optimizer (and the first
-after its parameter list grows) looks for replaced parameters and raises, naming one.
+fully_shard swaps each parameter it takes for a new ``nn.Parameter(DTensor)`` shard (as FSDP2 does), and
+``to_empty()`` swaps a meta-built shard for one with storage. An optimizer built before that holds the old
+tensors, which no forward uses any more: its steps would change nothing the model computes with, and training
+would silently not train. The first step of every optimizer (and the first after its parameter list grows) looks
+for replaced parameters and raises, naming one.
 """
 
 from __future__ import annotations
@@ -14,17 +15,18 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-# original parameter -> "'its name' of a ModuleClass" (the module fully_shard was called on)
+# replaced parameter -> (its name, when it was the model's: "before fully_shard" or "before to_empty()")
 _REPLACED = WeakIdKeyDictionary()
 # optimizer -> how many parameters it held when checked (re-checked when add_param_group adds more)
 _CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
 _handle = None
 
 
-def note_replaced(original: torch.Tensor, name: str) -> None:
-    """``original`` is no longer the module's parameter (fully_shard made a shard of it)."""
+def note_replaced(original: torch.Tensor, name: str, when: str) -> None:
+    """``original`` is no longer the module's parameter (fully_shard made a shard of it, or to_empty() gave a
+    meta shard real storage)."""
     global _handle
-    _REPLACED[original] = name
+    _REPLACED[original] = (name, when)
     if _handle is None:
         _handle = register_optimizer_step_pre_hook(_check_optimizer)
 
@@ -35,10 +37,12 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            name = _REPLACED.get(p)
-            if name is not None:
+            replaced = _REPLACED.get(p)
+            if replaced is not None:
+                name, when = replaced
                 raise RuntimeError(
-                    f"mfsdp_ext: {type(optimizer).__name__} holds parameter {name} as it was before fully_shard, "
-                    "which replaced it with a sharded DTensor parameter; stepping it would not change the model. "
-                    "Build the optimizer after fully_shard, from model.parameters() (as with FSDP2).")
+                    f"mfsdp_ext: {type(optimizer).__name__} holds parameter {name} as it was {when}; the model "
+                    "no longer uses that tensor, so stepping it would not train. Build the optimizer after "
+                    "fully_shard (and after to_empty() for a meta-built model), from model.parameters(), as "
+                    "with FSDP2.")
     _CHECKED[optimizer] = count

@@ -71,7 +71,7 @@ def make_groups(module: nn.Module, params, mesh: DeviceMesh, device: torch.devic
     owner = type(module).__name__
     for fqn, p, _ in params:
         _OWNER_NAMES[p] = owner  # the original Parameter: a use of it outside this unit is caught later
-        replaced_params.note_replaced(p, f"'{fqn}' of a {owner}")
+        replaced_params.note_replaced(p, f"'{fqn}' of a {owner}", "before fully_shard")
     for g in groups:
         for info in g.infos:
             _OWNER_NAMES[info.sharded] = owner

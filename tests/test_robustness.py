@@ -288,7 +288,7 @@ def _case_optimizer_built_before_fully_shard():
         with pytest.raises(RuntimeError, match="before fully_shard") as err:
             opt.step()
         msgs[name] = str(err.value)
-        assert "Build the optimizer after fully_shard" in msgs[name], msgs
+        assert "before fully_shard" in msgs[name] and "Build the optimizer after fully_shard" in msgs[name], msgs
     fresh = torch.optim.AdamW(model.parameters())
     trained = [p for p in model.parameters() if p.grad is not None]
     before = [p.detach().full_tensor().clone() for p in trained]
@@ -298,6 +298,14 @@ def _case_optimizer_built_before_fully_shard():
     fresh.add_param_group({"params": [stale_norm]})
     with pytest.raises(RuntimeError, match="before fully_shard"):
         fresh.step()
+    # built on meta, sharded, optimizer made before to_empty: the meta parameters are replaced too
+    with torch.device("meta"):
+        meta_model = TinyLM()
+    shard_tiny_lm(meta_model, fully_shard)
+    early = torch.optim.AdamW(meta_model.parameters())
+    meta_model.to_empty(device=rank_device())
+    with pytest.raises(RuntimeError, match="on the meta device, before to_empty"):
+        early.step()
     return msgs
 
 
