@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check, in stages so one device call fits its 10-minute limit:
 #   scripts/gpu_check.sh build tests kernels symm units optim step step6 hostcost memory noshard fp8 fp8train jit hf mainjob
-#   (fp8step, fp8cache: FP8 step rows on any GPU count; fp8host: the FP8 layer's host time; not in the default list)
+#   (fp8step, fp8cache: FP8 step rows on any GPU count; fp8host: the FP8 layer's host time; step6ac: config 6
+#   with half the recomputation; not in the default list)
 #   scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
 #   scripts/gpu_check.sh build fp8train FP8 weights in fully_shard: GPU tests + step.py's FP8 variants (2 GPUs)
 # Logs and result tables go to $OUT (the device runner's output folder; /tmp/out elsewhere).
@@ -43,6 +44,12 @@ for stage in $stages; do
     step6)  # real size: the Llama-3-8B shape, seq 8192, activation checkpointing per block; MFU (2 GPUs)
         run step6 timeout -k 10 420 torchrun --standalone --nproc-per-node 2 benchmarks/step.py --configs 6 \
             --steps 5 --warmup 2 --init meta --out "$OUT" ;;
+    step6ac)  # what the fused optimizer's memory buys at config 6: ours_fused with every 2nd block recomputed
+              # (--ac-every 2) against FSDP2 with every block (2 GPUs; the first run is ours_fused, the second FSDP2)
+        run step6ac timeout -k 10 300 torchrun --standalone --nproc-per-node 2 benchmarks/step.py --configs 6 \
+            --steps 5 --warmup 2 --init meta --impls ours_fused --ac-every 2 --out "$OUT/step6_ac2"
+        run step6ac_fsdp2 timeout -k 10 200 torchrun --standalone --nproc-per-node 2 benchmarks/step.py --configs 6 \
+            --steps 5 --warmup 2 --init meta --impls fsdp2 --out "$OUT/step6_ac1" ;;
     hostcost)  # host time per unit per step in the hooks, config 3's shape, ours vs FSDP2 (2 GPUs)
         run hostcost env HOST_COST_NPROC=2 timeout -k 10 200 python3 benchmarks/host_cost.py --shape config3 \
             --out "$OUT" ;;
