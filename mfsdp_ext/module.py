@@ -101,6 +101,12 @@ class FsdpUnit:
         self.check_finite_grads = check_finite_grads  # the root's applies to its whole tree
         self.context: Optional[FsdpContext] = None
         self.requires_gradient_sync = True
+        # FSDP2's per-module controls (FsdpModule.set_*): None / True keep the defaults
+        self.reshard_after_backward = True
+        self.requires_all_reduce = True  # HSDP: all-reduce over replicas (False: accumulate, reduce-scatter only)
+        self.gradient_divide_factor: Optional[float] = None  # reduced gradient = sum / factor (default: mean)
+        self.forward_prefetch: Optional[list["FsdpUnit"]] = None  # explicit prefetch lists replace the recorded order
+        self.backward_prefetch: Optional[list["FsdpUnit"]] = None
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
         self.post_backward_hooked = False  # _PostBackward applied to this iteration's inputs
@@ -184,8 +190,9 @@ class FsdpUnit:
         self.unshard_event = None
 
     def show_sharded_params(self) -> None:
-        """The user sees the sharded parameters; the gathered storage is kept only where the strategy keeps it."""
-        if self.strategy.keeps_weights_gathered:
+        """The user sees the sharded parameters; the gathered storage is kept only where the strategy keeps it or
+        set_reshard_after_backward(False) asked for it (the next forward then needs no all-gather)."""
+        if self.strategy.keeps_weights_gathered or not self.reshard_after_backward:
             for g in self.groups:
                 g.use_sharded_params()
         elif self.sharded_state is ShardedState.UNSHARDED:
@@ -216,10 +223,20 @@ class FsdpUnit:
         args, kwargs = self._prepare_inputs(args, kwargs, cast=self.mp_policy.cast_forward_inputs)
         # Prefetch last, right before this unit computes: the next gather then overlaps this unit's kernels
         # rather than the host's work in this hook.
-        nxt = ctx.next_in_forward(self)
-        if nxt is not None and nxt is not self:
+        for nxt in self._prefetch_targets(self.forward_prefetch, ctx.next_in_forward(self)):
             nxt.unshard()
         return args, kwargs
+
+    def _prefetch_targets(self, explicit: Optional[list["FsdpUnit"]], default: Optional["FsdpUnit"]) -> list:
+        """The units to gather ahead: the explicit list (set_modules_to_*_prefetch) or the one the recorded order
+        names. An explicit unit must be under this unit's root (its gathers use this root's streams)."""
+        if explicit is None:
+            return [default] if default is not None and default is not self else []
+        for u in explicit:
+            if u.context is not self.context:
+                raise RuntimeError(f"mfsdp_ext: unit '{self.name}' was told to prefetch '{u.name}', which is under "
+                                   "another root module; prefetch only units of the same root")
+        return [u for u in explicit if u is not self]
 
     def post_forward(self, module, args, output):
         ctx = self.context
@@ -296,9 +313,9 @@ class FsdpUnit:
             Variable._execution_engine.queue_callback(ctx.root._final_callback)
         self.unshard()
         self.wait_unshard()
-        prev = ctx.next_in_backward(self)
-        if prev is not None and prev.training_state in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD):
-            prev.unshard()
+        for prev in self._prefetch_targets(self.backward_prefetch, ctx.next_in_backward(self)):
+            if prev.training_state in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD):
+                prev.unshard()
         return grad
 
     def post_backward(self) -> None:
@@ -321,15 +338,18 @@ class FsdpUnit:
             ctx.grads_kept = True
             return
         replicas = dist.get_world_size(g.replicate_group) if g.replicate_group is not None else 1
+        divide = self.gradient_divide_factor or g.world * replicas
         with ctx.device.use_stream(ctx.rs_stream):
-            reduced = g.reduce_scatter(scale=1.0 / (g.world * replicas))  # pre-divide: no overflow in low precision
+            reduced = g.reduce_scatter(scale=1.0 / divide)  # pre-divide: no overflow in low precision
             for grad in g.drop_unsharded_grads():
                 if ctx.grads_freed_at_end is not None:
                     ctx.grads_freed_at_end.append(grad)
                 else:  # autograd allocated it on the compute stream: free once the reduce-scatter has read it
                     ctx.device.record_stream(grad, ctx.rs_stream)
-            defer_replicas = g.replicate_group is not None and every_microbatch
-            g.accumulate_reduced(reduced, defer_replicas, last)
+            hsdp = g.replicate_group is not None and not g.replicated
+            all_reduce_now = self.requires_all_reduce or not hsdp  # set_requires_all_reduce(False): HSDP defers
+            defer_replicas = g.replicate_group is not None and (every_microbatch or not all_reduce_now)
+            g.accumulate_reduced(reduced, defer_replicas, last and all_reduce_now)
 
     def _reduce_early(self, g: ParamGroup) -> None:
         """A reduce_when_ready group has all its gradients: reduce it now, under the rest of the backward."""
@@ -461,6 +481,37 @@ class FsdpModule:
                 u = m._mfsdp_unit
                 u.reshard_after_forward = reshard_after_forward and not u.strategy.keeps_weights_gathered
 
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """FSDP2's: False keeps the gathered weights after backward, so the next forward (the next microbatch) needs
+        no all-gather; more memory. An optimizer step still makes the next forward gather the new weights."""
+        for unit in self._units(recurse):
+            unit.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """FSDP2's, for HSDP: False reduce-scatters within the shard group only and accumulates; the all-reduce over
+        replicas happens at the next backward with True (on the last microbatch)."""
+        for unit in self._units(recurse):
+            unit.requires_all_reduce = bool(requires_all_reduce)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """FSDP2's: this unit's reduced gradients are the sum over ranks divided by ``factor`` (default: the mean)."""
+        if not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor: the factor must be positive, got {factor!r}")
+        self._mfsdp_unit.gradient_divide_factor = float(factor)
+
+    def set_modules_to_forward_prefetch(self, modules: list) -> None:
+        """FSDP2's: in forward, this unit gathers these units' weights ahead (instead of the next in the recorded
+        order); more than one prefetches further, at the cost of memory."""
+        self._mfsdp_unit.forward_prefetch = _units_of(modules, "set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: list) -> None:
+        """FSDP2's: in backward, this unit gathers these units' weights ahead (instead of the previous one in the
+        recorded order)."""
+        self._mfsdp_unit.backward_prefetch = _units_of(modules, "set_modules_to_backward_prefetch")
+
+    def _units(self, recurse: bool) -> list[FsdpUnit]:
+        return [m._mfsdp_unit for m in (self.modules() if recurse else [self]) if isinstance(m, FsdpModule)]
+
     def release_symmetric_memory(self) -> None:
         """Collective (every rank of the shard group, on the root module): free the NCCL symmetric-memory
         stages and communicator of ``use_symm_mem``; the model keeps training on the plain collectives.
@@ -518,3 +569,10 @@ class FsdpModule:
             for g in unit.groups:
                 g.use_sharded_params()
         return self
+
+
+def _units_of(modules: list, what: str) -> list[FsdpUnit]:
+    bad = [type(m).__name__ for m in modules if not isinstance(m, FsdpModule)]
+    if bad:
+        raise TypeError(f"{what}: every module must be fully_shard'ed, got {bad[0]}")
+    return [m._mfsdp_unit for m in modules]

@@ -388,6 +388,82 @@ def _case_module_called_twice(strategy: str, pattern: str, microbatches: int):
     return _compare_params(model, ref)
 
 
+# ---------------------------------------------------------------------------------------------- FSDP2's module controls
+class _RequiresAllReduceOnLast:
+    """A microbatch context as FSDP2 users write it for HSDP: all-reduce over replicas only on the last one."""
+
+    def __init__(self, model, is_first, is_last):
+        self.model, self.is_last = model, is_last
+
+    def __enter__(self):
+        self.model.set_requires_all_reduce(self.is_last)
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _case_fsdp2_module_controls(control: str):
+    """FSDP2's per-module controls against a single-process model (and, for the communication ones, the same
+    model without them): set_gradient_divide_factor (sum / factor), set_reshard_after_backward(False) (no gather
+    before the next microbatch's forward), set_requires_all_reduce (HSDP: one all-reduce per step), explicit
+    forward / backward prefetch lists."""
+    world = dist.get_world_size()
+    torch.manual_seed(16)
+    model = TinyLM()
+    ref = copy.deepcopy(model).to(rank_device())
+    kwargs = {}
+    if control == "requires_all_reduce":
+        kwargs["mesh"] = init_device_mesh(rank_device().type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    shard_tiny_lm(model, fully_shard, **kwargs)
+    units = [m for m in model.modules() if hasattr(m, "_mfsdp_unit")]
+    k, ctx_cls = 3, microbatch
+    if control == "divide_factor":
+        for m in units:
+            m.set_gradient_divide_factor(1.0)  # the sum over ranks, not the mean
+        rank = dist.get_rank()
+        tokens, targets = batch(0, GLOBAL_BATCH)
+        lm_loss(model, tokens.chunk(world)[rank], targets.chunk(world)[rank]).backward()
+        for t, y in zip(tokens.chunk(world), targets.chunk(world)):
+            lm_loss(ref, t, y).backward()  # summed over the ranks' slices
+        errs = [rel_err(p.grad.full_tensor(), q.grad) for p, q in zip(model.parameters(), ref.parameters())
+                if q.grad is not None]
+        assert max(errs) <= 1e-5, max(errs)
+        with pytest.raises(ValueError, match="positive"):
+            model.set_gradient_divide_factor(0)
+        return {"max_rel_err": max(errs)}
+    if control == "reshard_after_backward":
+        model.set_reshard_after_backward(False)
+    elif control == "requires_all_reduce":
+        ctx_cls = _RequiresAllReduceOnLast
+    elif control == "prefetch":
+        blocks = list(model.blocks)
+        for i, b in enumerate(blocks):
+            b.set_modules_to_forward_prefetch(blocks[i + 1:i + 3])
+            b.set_modules_to_backward_prefetch(blocks[max(0, i - 2):i][::-1])
+        seen = []  # while block 0 computes, its two successors are already gathered
+        blocks[0].register_forward_hook(lambda m, a, o: seen.append([b._mfsdp_unit.sharded_state.name
+                                                                     for b in blocks[1:3]]))
+        with pytest.raises(TypeError, match="fully_shard"):
+            blocks[0].set_modules_to_forward_prefetch([nn.Linear(2, 2)])
+    ref_losses = train(ref, STEPS, GLOBAL_BATCH, sharded=False)
+    with count_collectives() as counts:
+        losses = train(model, STEPS, GLOBAL_BATCH, sharded=True, microbatches=k, microbatch_ctx=ctx_cls)
+    loss_err = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
+    param_err = _compare_params(model, ref)
+    assert loss_err <= 1e-5 and param_err <= 1e-5, (control, loss_err, param_err)
+    groups = 5  # 3 blocks, and the root's two (see _check_counts)
+    if control == "reshard_after_backward":  # only the first microbatch's forward gathers the blocks
+        assert counts["all_gather_into"] < STEPS * k * 2 * groups, counts
+        gathered = [b._mfsdp_unit.groups[0].unsharded.nbytes() > 0 for b in model.blocks]
+        assert all(gathered), gathered  # kept after backward
+    if control == "requires_all_reduce":  # reduce-scatter every microbatch, all-reduce over replicas once per step
+        assert counts["reduce_scatter_into"] == STEPS * k * groups, counts
+        assert counts["all_reduce"] == STEPS * groups, counts
+    if control == "prefetch":
+        assert seen and all(state == ["UNSHARDED", "UNSHARDED"] for state in seen), seen
+    return {"loss_err": loss_err, "param_err": param_err, "counts": dict(counts)}
+
+
 # ----------------------------------------------------------------------------------------------- pytest
 def test_strategy_matrix(cpu_pool):
     for line in cpu_pool.run(_case_strategy_matrix)[0].items():
@@ -442,3 +518,14 @@ def test_module_called_twice_in_forward(cpu_pool, pattern):
     for strategy, k in itertools.product(STRATEGIES, [1, 2]):
         err = cpu_pool.run(_case_module_called_twice, strategy, pattern, k)[0]
         assert err <= 1e-5, (strategy, k, err)
+
+
+@pytest.mark.parametrize("control", ["divide_factor", "reshard_after_backward", "prefetch"])
+def test_fsdp2_module_controls(cpu_pool, control):
+    print(cpu_pool.run(_case_fsdp2_module_controls, control)[0])
+
+
+def test_fsdp2_requires_all_reduce_hsdp():
+    from .conftest import get_pool
+
+    print(get_pool(4).run(_case_fsdp2_module_controls, "requires_all_reduce")[0])
