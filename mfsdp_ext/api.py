@@ -24,7 +24,8 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 sharding_strategy: Union[str, Strategy] = Strategy.OPTIM_GRADS_PARAMS,
                 use_symm_mem: Union[bool, str] = False, verbose: bool = False,
-                check_finite_grads: bool = False) -> nn.Module:
+                check_finite_grads: bool = False, ignored_params: Optional[set] = None,
+                offload_policy=None, shard_placement_fn: Optional[Callable] = None) -> nn.Module:
     """Shard ``module``'s parameters (those no inner ``fully_shard`` unit owns) over ``mesh``, in place.
 
     Apply bottom-up (blocks first, then the root). Afterwards ``module.parameters()`` are fp32 DTensor shards
@@ -34,7 +35,9 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
     from FsdpModule. ``verbose=True`` on the root (or ``MFSDP_EXT_SUMMARY=1``) prints one line per unit at the
     first forward (rank 0): parameters, dtypes, bytes per rank, collectives. ``check_finite_grads=True`` on the
     root: after each backward, raise NonFiniteGradError on every rank naming the first parameter whose reduced
-    gradient holds NaN or inf (one small all-reduce per backward; off: no cost).
+    gradient holds NaN or inf (one small all-reduce per backward; off: no cost). As FSDP2's: ``ignored_params``
+    stay as they are (not sharded, not moved, gradients not reduced); ``offload_policy`` (CPU offload) and
+    ``shard_placement_fn`` (other than dim-0 sharding) are refused.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard takes one nn.Module, got {type(module).__name__}; FSDP2's list form (several "
@@ -42,6 +45,12 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
     if isinstance(module, FsdpModule):
         raise ValueError(f"fully_shard: {type(module).__name__} is already sharded; apply fully_shard once per module")
     reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward)
+    if type(offload_policy).__name__ == "CPUOffloadPolicy":
+        raise ValueError("fully_shard: CPU offload (offload_policy=CPUOffloadPolicy()) is not supported; the "
+                         "fp32 shards stay on the mesh device")
+    if shard_placement_fn is not None:
+        raise ValueError("fully_shard: shard_placement_fn is not supported; every parameter is sharded on dim 0 "
+                         "(torch.chunk's rows), as FSDP2's default")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("fully_shard needs torch.distributed: call dist.init_process_group(...) first "
                            "(gloo on CPU, nccl with device_id=... on GPUs)")
@@ -50,7 +59,7 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
     if use_symm_mem not in (False, True, "auto"):
         raise ValueError(f"use_symm_mem must be False, True or 'auto', got {use_symm_mem!r}")
     mesh, device, shard_group, replicate_group = shard_init.resolve_mesh(mesh, strategy)
-    params = shard_init.owned_params(module)
+    params = shard_init.owned_params(module, ignored_params or ())
     if params and all(is_marked(p) for _, p, _ in params):
         return module  # all no_shard: no unit, no hooks; the enclosing unit (the root's) holds them
     shard_init.check_devices(params, device)

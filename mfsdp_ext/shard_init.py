@@ -104,8 +104,10 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
     raise ValueError(f"fully_shard supports cpu and cuda meshes, got {mesh.device_type}")
 
 
-def owned_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[ParamPlace]]]:
-    """Unique parameters of ``module``'s subtree not owned by an inner unit, with every place they appear."""
+def owned_params(module: nn.Module, ignored=frozenset()) -> list[tuple[str, nn.Parameter, list[ParamPlace]]]:
+    """Unique parameters of ``module``'s subtree not owned by an inner unit, with every place they appear; the
+    ``ignored`` ones (FSDP2's ignored_params) are left as they are, unchecked."""
+    ignored_ids = {id(p) for p in ignored}
     found: dict[int, tuple[str, nn.Parameter, list[ParamPlace]]] = {}
     stack = [("", module)]
     while stack:
@@ -114,7 +116,7 @@ def owned_params(module: nn.Module) -> list[tuple[str, nn.Parameter, list[ParamP
             raise ValueError(f"fully_shard: '{prefix[:-1] or type(m).__name__}' was sharded by PyTorch FSDP2's "
                              "fully_shard; one model takes one of the two: apply mfsdp_ext.fully_shard to every unit")
         for name, p in m._parameters.items():
-            if p is None:
+            if p is None or id(p) in ignored_ids:
                 continue
             fqn = f"{prefix}{name}"
             _check_param(fqn, p, m)

@@ -352,6 +352,42 @@ def _case_explicit_unshard():
     return "ok"
 
 
+class _WithScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.tensor(1.5))  # 0-d: fully_shard refuses it unless ignored
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def _case_ignored_params():
+    """FSDP2's ignored_params: left as they are (a plain parameter, its gradient this rank's own, unreduced); the
+    others sharded as usual. CPU offload and shard_placement_fn are refused with what is supported."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    torch.manual_seed(8)
+    model = _WithScale().to(rank_device())
+    ref = copy.deepcopy(model)
+    _expect(ValueError, "0-d", lambda: fully_shard(copy.deepcopy(model)))
+    fully_shard(model, ignored_params={model.scale})
+    assert not isinstance(model.scale, DTensor) and isinstance(model.lin.weight, DTensor)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(1)).to(rank_device())
+    model(x[4 * rank:4 * (rank + 1)]).square().mean().backward()
+    ref(x[4 * rank:4 * (rank + 1)]).square().mean().backward()  # this rank's slice: the ignored grad's reference
+    assert torch.allclose(model.scale.grad, ref.scale.grad, rtol=1e-6), (model.scale.grad, ref.scale.grad)
+    ref.zero_grad()
+    ref(x).square().mean().backward()  # the whole batch: the sharded (averaged) gradients' reference
+    assert rel_err(model.lin.weight.grad.full_tensor(), ref.lin.weight.grad) <= 1e-5
+    msgs = {"offload": _expect(ValueError, "not supported",
+                               lambda: fully_shard(nn.Linear(4, 4), offload_policy=CPUOffloadPolicy())),
+            "placement": _expect(ValueError, "dim 0",
+                                 lambda: fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: None))}
+    return msgs
+
+
 
 def _expect(exc_type, fragment, fn):
     try:
@@ -564,3 +600,7 @@ def test_output_containers(cpu_pool, kind):
 
 def test_explicit_unshard(cpu_pool):
     cpu_pool.run(_case_explicit_unshard)
+
+
+def test_ignored_params(cpu_pool):
+    print(cpu_pool.run(_case_ignored_params)[0])
