@@ -103,6 +103,7 @@ class FsdpUnit:
         self.requires_gradient_sync = True
         # FSDP2's per-module controls (FsdpModule.set_*): None / True keep the defaults
         self.reshard_after_backward = True
+        self.unshard_in_backward = True  # False: its backward needs no weights (an embedding): no gather there
         self.requires_all_reduce = True  # HSDP: all-reduce over replicas (False: accumulate, reduce-scatter only)
         self.gradient_divide_factor: Optional[float] = None  # reduced gradient = sum / factor (default: mean)
         self.forward_prefetch: Optional[list["FsdpUnit"]] = None  # explicit prefetch lists replace the recorded order
@@ -311,10 +312,11 @@ class FsdpUnit:
         if not ctx.in_backward:
             ctx.in_backward = True
             Variable._execution_engine.queue_callback(ctx.root._final_callback)
-        self.unshard()
-        self.wait_unshard()
+        if self.unshard_in_backward:
+            self.unshard()
+            self.wait_unshard()
         for prev in self._prefetch_targets(self.backward_prefetch, ctx.next_in_backward(self)):
-            if prev.training_state in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD):
+            if prev.unshard_in_backward and prev.training_state in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD):
                 prev.unshard()
         return grad
 
@@ -492,6 +494,11 @@ class FsdpModule:
         replicas happens at the next backward with True (on the last microbatch)."""
         for unit in self._units(recurse):
             unit.requires_all_reduce = bool(requires_all_reduce)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """FSDP2's: False when this unit's backward needs none of its weights (e.g. an embedding alone): the
+        backward then gathers nothing for it. A backward that does need them fails on the freed storage."""
+        self._mfsdp_unit.unshard_in_backward = bool(unshard_in_backward)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """FSDP2's: this unit's reduced gradients are the sum over ranks divided by ``factor`` (default: the mean)."""

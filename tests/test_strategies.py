@@ -464,6 +464,34 @@ def _case_fsdp2_module_controls(control: str):
     return {"loss_err": loss_err, "param_err": param_err, "counts": dict(counts)}
 
 
+def _case_unshard_in_backward():
+    """set_unshard_in_backward(False) on an embedding unit: its backward gathers nothing (one all-gather per step
+    instead of two), the gradients still equal a single-process model's."""
+    torch.manual_seed(17)
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 50))
+    ref = copy.deepcopy(model).to(rank_device())
+    fully_shard(model[0])
+    fully_shard(model[1])
+    fully_shard(model)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    emb_group = model[0]._mfsdp_unit.groups[0]
+    gathers = []
+    for step in range(4):
+        if step == 2:
+            model[0].set_unshard_in_backward(False)
+        tokens = torch.randint(0, 50, (4 * world, 6), generator=torch.Generator().manual_seed(step))
+        tokens = tokens.to(rank_device())
+        before = emb_group.stats.all_gathers
+        model(tokens[4 * rank:4 * (rank + 1)]).float().square().mean().backward()
+        gathers.append(emb_group.stats.all_gathers - before)
+        ref(tokens).float().square().mean().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert rel_err(p.grad.full_tensor(), q.grad) <= 1e-5, (step, name)
+        model.zero_grad(), ref.zero_grad()
+    assert gathers == [2, 2, 1, 1], gathers
+    return gathers
+
+
 # ----------------------------------------------------------------------------------------------- pytest
 def test_strategy_matrix(cpu_pool):
     for line in cpu_pool.run(_case_strategy_matrix)[0].items():
@@ -529,3 +557,7 @@ def test_fsdp2_requires_all_reduce_hsdp():
     from .conftest import get_pool
 
     print(get_pool(4).run(_case_fsdp2_module_controls, "requires_all_reduce")[0])
+
+
+def test_fsdp2_unshard_in_backward(cpu_pool):
+    print(cpu_pool.run(_case_unshard_in_backward)[0])
