@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 
 from .collectives import PLAIN_ALL_GATHER, PLAIN_REDUCE_SCATTER
-from . import finite_grads, same_model, summary, tensor_tree
+from . import dist_ops, finite_grads, same_model, summary, tensor_tree
 from .context import FsdpContext
 from .mixed_precision import MixedPrecisionPolicy
 from .param_group import ParamGroup
@@ -105,6 +105,8 @@ class FsdpUnit:
         self.reshard_after_backward = True
         self.unshard_in_backward = True  # False: its backward needs no weights (an embedding): no gather there
         self.requires_all_reduce = True  # HSDP: all-reduce over replicas (False: accumulate, reduce-scatter only)
+        # True: a parameter no rank gave a gradient gets a zero one (no extra collective); False: none (see _reduce)
+        self.reduce_scatter_unused_params = True
         self.gradient_divide_factor: Optional[float] = None  # reduced gradient = sum / factor (default: mean)
         self.forward_prefetch: Optional[list["FsdpUnit"]] = None  # explicit prefetch lists replace the recorded order
         self.backward_prefetch: Optional[list["FsdpUnit"]] = None
@@ -341,6 +343,7 @@ class FsdpUnit:
             return
         replicas = dist.get_world_size(g.replicate_group) if g.replicate_group is not None else 1
         divide = self.gradient_divide_factor or g.world * replicas
+        with_grad = None if self.reduce_scatter_unused_params else self._params_given_a_grad(g)
         with ctx.device.use_stream(ctx.rs_stream):
             reduced = g.reduce_scatter(scale=1.0 / divide)  # pre-divide: no overflow in low precision
             for grad in g.drop_unsharded_grads():
@@ -351,7 +354,17 @@ class FsdpUnit:
             hsdp = g.replicate_group is not None and not g.replicated
             all_reduce_now = self.requires_all_reduce or not hsdp  # set_requires_all_reduce(False): HSDP defers
             defer_replicas = g.replicate_group is not None and (every_microbatch or not all_reduce_now)
-            g.accumulate_reduced(reduced, defer_replicas, last and all_reduce_now)
+            g.accumulate_reduced(reduced, defer_replicas, last and all_reduce_now, with_grad)
+
+    def _params_given_a_grad(self, g: ParamGroup) -> list[bool]:
+        """Per parameter, whether any rank's backward gave it a gradient: one small all-reduce (MAX) per mesh
+        group, waited for on the host, so that every rank leaves the same parameters without ``.grad`` even when
+        ranks use different parameters (set_reduce_scatter_unused_params(False))."""
+        mask = torch.tensor(g.local_grad_presence(), dtype=torch.float32, device=g.device)
+        for group in (g.shard_group, g.replicate_group):
+            if group is not None:
+                dist_ops.all_reduce(mask, group, op=dist.ReduceOp.MAX)
+        return [v > 0 for v in mask.tolist()]
 
     def _reduce_early(self, g: ParamGroup) -> None:
         """A reduce_when_ready group has all its gradients: reduce it now, under the rest of the backward."""
@@ -499,6 +512,15 @@ class FsdpModule:
         """FSDP2's: False when this unit's backward needs none of its weights (e.g. an embedding alone): the
         backward then gathers nothing for it. A backward that does need them fails on the freed storage."""
         self._mfsdp_unit.unshard_in_backward = bool(unshard_in_backward)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """FSDP2's name; ours defaults to True: a parameter no rank gave a gradient in a backward gets a zero
+        ``.grad`` (every rank reduces the same buffers, so ranks that use different parameters stay right).
+        False leaves such parameters without ``.grad`` as a single process would (an optimizer with momentum or
+        weight decay then does not move them), at the cost of one small all-reduce and a host wait per unit and
+        backward."""
+        for unit in self._units(recurse):
+            unit.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """FSDP2's: this unit's reduced gradients are the sum over ranks divided by ``factor`` (default: the mean)."""

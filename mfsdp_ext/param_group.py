@@ -405,10 +405,15 @@ class ParamGroup:
         return grads
 
     def grads_attached(self) -> bool:
-        """True when the optimizer-visible grads still hold the last accumulation (not zeroed to None)."""
-        infos = [self.infos[i] for i in self.trainable()]
-        return self.main_grad is not None and all(
-            i.sharded_grad is not None and i.sharded.grad is i.sharded_grad for i in infos)
+        """True when the optimizer-visible grads still hold the last accumulation (not zeroed to None); parameters
+        no rank gave a gradient have none attached, as in FSDP2."""
+        return self.main_grad is not None and any(
+            self.infos[i].sharded_grad is not None and self.infos[i].sharded.grad is self.infos[i].sharded_grad
+            for i in self.trainable())
+
+    def local_grad_presence(self) -> list[bool]:
+        """Per parameter: whether this rank's backward gave it a gradient (before the reduction consumes them)."""
+        return [info.unsharded.grad is not None for info in self.infos]
 
     def reduce_scatter(self, scale: float) -> torch.Tensor:
         """Pack the unsharded grads (times ``scale``) and reduce-scatter them over the shard group, with this
@@ -432,32 +437,39 @@ class ParamGroup:
         self.main_grad_replica_summed = False
         return dropped
 
-    def accumulate_reduced(self, reduced: torch.Tensor, defer_replicas: bool, last_microbatch: bool) -> None:
+    def accumulate_reduced(self, reduced: torch.Tensor, defer_replicas: bool, last_microbatch: bool,
+                           with_grad: list[bool] | None = None) -> None:
         """Add a reduce-scattered shard into main_grad, finishing HSDP's all-reduce over replicas: at once, or
-        (``defer_replicas``) once per step, on the last microbatch."""
+        (``defer_replicas``) once per step, on the last microbatch. ``with_grad``: the parameters some rank gave
+        a gradient (the others get no ``.grad``); None: all of them."""
         if self.replicate_group is not None and not defer_replicas:
             dist_ops.all_reduce(reduced, self.replicate_group)
         if defer_replicas and self.main_grad_replica_summed and self.grads_attached():
             # Gradients kept from the last step are already summed over replicas: the coming all-reduce
             # would count them `replicas` times, so take 1/replicas of them now.
             self.main_grad.data.div_(dist.get_world_size(self.replicate_group))
-        self.accumulate_main_grad(reduced)
+        self.accumulate_main_grad(reduced, with_grad=with_grad)
         self.main_grad_replica_summed = False
         if defer_replicas and last_microbatch:
             dist_ops.all_reduce(self.main_grad.data, self.replicate_group)
             self.main_grad_replica_summed = True
 
-    def accumulate_main_grad(self, reduced: torch.Tensor, scale: float = 1.0) -> None:
-        """main_grad (+)= scale * reduced, then make sure the sharded params' .grad point at main_grad."""
+    def accumulate_main_grad(self, reduced: torch.Tensor, scale: float = 1.0,
+                             with_grad: list[bool] | None = None) -> None:
+        """main_grad (+)= scale * reduced, then make sure the sharded params' .grad point at main_grad (those in
+        ``with_grad``, and those already attached in this accumulation)."""
         if self.main_grad is None:
             self.main_grad = FlatBuffer(self.layout, self.main_grad_dtype, self.device, rank=self.rank)
         accumulate = self.grads_attached()
         _native.grad_accumulate(self.main_grad.data, reduced, scale, accumulate)
-        self.attach_grads()
+        self.attach_grads(with_grad)
 
-    def attach_grads(self) -> None:
-        """The trainable parameters' .grad become views of main_grad (frozen ones get none)."""
+    def attach_grads(self, with_grad: list[bool] | None = None) -> None:
+        """The trainable parameters' .grad become views of main_grad (frozen ones get none; with ``with_grad``,
+        only those it marks)."""
         for i in self.trainable():
+            if with_grad is not None and not with_grad[i]:
+                continue
             info = self.infos[i]
             if info.sharded_grad is None:
                 info.sharded_grad = self.as_dtensor(i, self.main_grad.param_view(i))

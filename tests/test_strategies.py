@@ -492,6 +492,65 @@ def _case_unshard_in_backward():
     return gathers
 
 
+class _Pick(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, branch: str):
+        return getattr(self, branch)(x)
+
+
+class _Branches(nn.Module):
+    """Two branches; which one runs depends on the step (every rank alike) or on the rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.blk = _Pick()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x, branch: str):
+        return self.head(torch.tanh(self.blk(x, branch))).square().mean()
+
+
+def _case_unused_params(reduce_scatter_unused: bool):
+    """A parameter no rank uses in a step: by default it gets a zero gradient; with
+    set_reduce_scatter_unused_params(False) it gets none, as in a single process, so AdamW (momentum, weight decay)
+    leaves it alone there too, also when the ranks use different branches (the mask all-reduce)."""
+    torch.manual_seed(18)
+    model = _Branches()
+    ref = copy.deepcopy(model).to(rank_device())
+    fully_shard(model.blk)
+    fully_shard(model)
+    if not reduce_scatter_unused:
+        model.set_reduce_scatter_unused_params(False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
+    # steps 0-3 alternate one branch for every rank; steps 4-5: rank r takes branch "ab"[r % 2]
+    branches = [lambda r: "a", lambda r: "b", lambda r: "a", lambda r: "b", lambda r: "ab"[r % 2],
+                lambda r: "ab"[r % 2]]
+    for step, branch in enumerate(branches):
+        x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(step)).to(rank_device())
+        model(x[4 * rank:4 * (rank + 1)], branch(rank)).backward()
+        for r in range(world):
+            (ref(x[4 * r:4 * (r + 1)], branch(r)) / world).backward()
+        unused = "b" if step in (0, 2) else "a" if step in (1, 3) else None
+        if unused is not None:
+            grad = getattr(model.blk, unused).weight.grad
+            if reduce_scatter_unused:
+                assert grad is not None and not grad.full_tensor().any(), step  # a zero gradient
+            else:
+                assert grad is None and getattr(ref.blk, unused).weight.grad is None, step
+        opt.step(), opt.zero_grad(), ref_opt.step(), ref_opt.zero_grad()
+    err = _compare_params(model, ref)
+    if reduce_scatter_unused:
+        assert err > 1e-3, err  # AdamW moved the unused branch: the documented difference
+    else:
+        assert err <= 1e-5, err
+    return err
+
+
 # ----------------------------------------------------------------------------------------------- pytest
 def test_strategy_matrix(cpu_pool):
     for line in cpu_pool.run(_case_strategy_matrix)[0].items():
@@ -561,3 +620,8 @@ def test_fsdp2_requires_all_reduce_hsdp():
 
 def test_fsdp2_unshard_in_backward(cpu_pool):
     print(cpu_pool.run(_case_unshard_in_backward)[0])
+
+
+@pytest.mark.parametrize("reduce_scatter_unused", [True, False], ids=["zero_grads", "no_grads"])
+def test_unused_params(cpu_pool, reduce_scatter_unused):
+    print(cpu_pool.run(_case_unused_params, reduce_scatter_unused)[0])
