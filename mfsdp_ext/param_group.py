@@ -405,8 +405,9 @@ class ParamGroup:
         return grads
 
     def grads_attached(self) -> bool:
-        """True when the optimizer-visible grads still hold the last accumulation (not zeroed to None); parameters
-        no rank gave a gradient have none attached, as in FSDP2."""
+        """True when the optimizer-visible grads still hold the last accumulation (zero_grad did not set them to
+        None). Some may have none: a parameter no rank gave a gradient (set_reduce_scatter_unused_params(False)),
+        or one whose ``.grad`` the user set to None."""
         return self.main_grad is not None and any(
             self.infos[i].sharded_grad is not None and self.infos[i].sharded.grad is self.infos[i].sharded_grad
             for i in self.trainable())
@@ -461,6 +462,11 @@ class ParamGroup:
         if self.main_grad is None:
             self.main_grad = FlatBuffer(self.layout, self.main_grad_dtype, self.device, rank=self.rank)
         accumulate = self.grads_attached()
+        if accumulate:  # a parameter without .grad now starts afresh, as torch's accumulation into a None .grad
+            for i in self.trainable():
+                info = self.infos[i]
+                if info.sharded_grad is None or info.sharded.grad is not info.sharded_grad:
+                    self.main_grad.param_view(i).zero_()
         _native.grad_accumulate(self.main_grad.data, reduced, scale, accumulate)
         self.attach_grads(with_grad)
 

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 
-from .models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
+from .models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm
 from .test_fully_shard import GLOBAL_BATCH, _compare_params
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -309,6 +309,28 @@ def _case_optimizer_built_before_fully_shard():
     return msgs
 
 
+def _case_grad_set_to_none_by_hand():
+    """Accumulating over several backwards, one parameter's .grad set to None by hand in between: it starts
+    afresh (as torch's accumulation into a None .grad), the others keep accumulating; as a single process."""
+    torch.manual_seed(9)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(rank_device())
+    ref = copy.deepcopy(model)
+    fully_shard(model[0])
+    fully_shard(model)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for k in range(3):
+        x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(k)).to(rank_device())
+        model(x[4 * rank:4 * (rank + 1)]).square().mean().backward()
+        for r in range(world):
+            (ref(x[4 * r:4 * (r + 1)]).square().mean() / world).backward()
+        if k == 1:
+            model[0].weight.grad = None
+            ref[0].weight.grad = None
+    errs = [rel_err(p.grad.full_tensor(), q.grad) for p, q in zip(model.parameters(), ref.parameters())]
+    assert max(errs) <= 1e-5, errs
+    return max(errs)
+
+
 # ----------------------------------------------------------------------------------------------- pytest
 
 @pytest.mark.parametrize("where,microbatches,strategy", [
@@ -332,6 +354,10 @@ def test_bad_input_errors(cpu_pool):
 
 def test_optimizer_built_before_fully_shard(cpu_pool):
     print(cpu_pool.run(_case_optimizer_built_before_fully_shard)[0])
+
+
+def test_grad_set_to_none_by_hand(cpu_pool):
+    print(cpu_pool.run(_case_grad_set_to_none_by_hand)[0])
 
 
 def test_evaluation_between_steps(cpu_pool):
