@@ -20,8 +20,8 @@ from .symmetric.choose import check_available
 _FSDP_CLASSES: dict[type, type] = {}
 
 
-def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard_after_forward: Optional[bool] = True,
-                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = None,
+                reshard_after_forward: Optional[bool] = True, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 sharding_strategy: Union[str, Strategy] = Strategy.OPTIM_GRADS_PARAMS,
                 use_symm_mem: Union[bool, str] = False, verbose: bool = False,
                 check_finite_grads: bool = False, ignored_params: Optional[set] = None,
@@ -35,13 +35,20 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
     from FsdpModule. ``verbose=True`` on the root (or ``MFSDP_EXT_SUMMARY=1``) prints one line per unit at the
     first forward (rank 0): parameters, dtypes, bytes per rank, collectives. ``check_finite_grads=True`` on the
     root: after each backward, raise NonFiniteGradError on every rank naming the first parameter whose reduced
-    gradient holds NaN or inf (one small all-reduce per backward; off: no cost). As FSDP2's: ``ignored_params``
+    gradient holds NaN or inf (one small all-reduce per backward; off: no cost). A list of modules (FSDP2's form,
+    e.g. torchtitan's ``[model.norm, model.output]``) shards each as its own unit: the same numbers as FSDP2's
+    one unit over all of them, one all-gather per module instead of one for the list. As FSDP2's: ``ignored_params``
     stay as they are (not sharded, not moved, gradients not reduced); ``offload_policy`` (CPU offload) and
     ``shard_placement_fn`` (other than dim-0 sharding) are refused.
     """
+    if isinstance(module, (list, tuple)):  # FSDP2's list form: here one unit per module (see the docstring)
+        return _fully_shard_each(module, dict(
+            mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+            sharding_strategy=sharding_strategy, use_symm_mem=use_symm_mem, verbose=verbose,
+            check_finite_grads=check_finite_grads, ignored_params=ignored_params, offload_policy=offload_policy,
+            shard_placement_fn=shard_placement_fn))
     if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard takes one nn.Module, got {type(module).__name__}; FSDP2's list form (several "
-                        "modules as one unit) is not supported: give them a common parent module and shard that")
+        raise TypeError(f"fully_shard takes an nn.Module or a list of them, got {type(module).__name__}")
     if isinstance(module, FsdpModule):
         raise ValueError(f"fully_shard: {type(module).__name__} is already sharded; apply fully_shard once per module")
     reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward)
@@ -71,6 +78,18 @@ def fully_shard(module: nn.Module, *, mesh: Optional[DeviceMesh] = None, reshard
     _become_fsdp_module(module, unit)
     checkpoint.register_state_dict_hooks(module, groups)
     return module
+
+
+def _fully_shard_each(modules: list, kwargs: dict) -> list:
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError("fully_shard takes an nn.Module or a non-empty list of nn.Modules")
+    nested = [(a, b) for a in modules for b in modules if a is not b and any(m is b for m in a.modules())]
+    if nested:
+        raise ValueError(f"fully_shard([...]): {type(nested[0][1]).__name__} lies inside "
+                         f"{type(nested[0][0]).__name__}; list modules that do not contain each other")
+    for m in modules:
+        fully_shard(m, **kwargs)
+    return modules
 
 
 def _become_fsdp_module(module: nn.Module, unit: FsdpUnit) -> None:

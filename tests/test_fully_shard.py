@@ -388,6 +388,22 @@ def _case_ignored_params():
     return msgs
 
 
+def _case_list_of_modules():
+    """fully_shard([model.norm, model.head]) as torchtitan writes it: each module becomes its own unit, and
+    training equals a single-process model's."""
+    torch.manual_seed(12)
+    model = TinyLM(tie=False)
+    ref = copy.deepcopy(model).to(rank_device())
+    for b in model.blocks:
+        fully_shard(b)
+    grouped = [model.norm, model.head]
+    assert fully_shard(grouped) is grouped
+    fully_shard(model)
+    assert all(isinstance(m, mfsdp_ext.FsdpModule) for m in grouped)
+    assert isinstance(model.head.weight, DTensor)
+    return _parity(model, ref)
+
+
 
 def _expect(exc_type, fragment, fn):
     try:
@@ -403,7 +419,9 @@ def _case_errors():
     m = nn.Linear(4, 4)
     fully_shard(m)
     msgs["twice"] = _expect(ValueError, "already sharded", lambda: fully_shard(m))
-    msgs["list"] = _expect(TypeError, "common parent module", lambda: fully_shard([nn.Linear(4, 4), nn.Linear(4, 4)]))
+    outer_inner = nn.Sequential(nn.Linear(4, 4))
+    msgs["nested_list"] = _expect(ValueError, "do not contain each other", lambda: fully_shard([outer_inner,
+                                                                                              outer_inner[0]]))
     msgs["int_reshard"] = _expect(ValueError, "smaller group",
                                   lambda: fully_shard(nn.Linear(4, 4), reshard_after_forward=2))
     msgs["int_set_reshard"] = _expect(ValueError, "smaller group", lambda: m.set_reshard_after_forward(2))
@@ -604,3 +622,7 @@ def test_explicit_unshard(cpu_pool):
 
 def test_ignored_params(cpu_pool):
     print(cpu_pool.run(_case_ignored_params)[0])
+
+
+def test_list_of_modules(cpu_pool):
+    print(cpu_pool.run(_case_list_of_modules)[0])
