@@ -15,6 +15,7 @@ same flags:
 Environment:
   TORCH_CUDA_ARCH_LIST   CUDA architectures (torch's syntax); default: -gencode=arch=compute_90a,code=sm_90a
   MFSDP_NO_CUDA=1        build the CPU kernels only
+  MFSDP_JIT_CUDA=1       the just-in-time build compiles CUDA also where no GPU is visible (default: CPU only there)
   MFSDP_NO_NCCL=1        leave the NCCL code out
   MFSDP_NO_CUBLASLT=1    fp8_gemm runs torch._scaled_mm instead of its own cuBLASLt call
   MFSDP_PTXAS_VERBOSE=1  print registers / spills of every kernel (-Xptxas -v)
@@ -64,12 +65,17 @@ class ExtensionSpec:
         return " + ".join(parts) + (" only" if len(parts) == 1 else "") + why
 
 
-def find_nvcc(notes: list[str]) -> str | None:
+def find_nvcc(notes: list[str], jit: bool = False) -> str | None:
     if os.environ.get("MFSDP_NO_CUDA") == "1":
         notes.append("MFSDP_NO_CUDA=1")
         return None
     if torch.version.cuda is None:
         notes.append(f"torch {torch.__version__} has no CUDA")
+        return None
+    if jit and not torch.cuda.is_available() and os.environ.get("MFSDP_JIT_CUDA") != "1":
+        # the just-in-time build serves the machine that imports: without a GPU, CUDA kernels only cost build time
+        # (and a CUDA toolkit that does not match torch's wheels can fail it)
+        notes.append("no GPU visible: CPU kernels only (MFSDP_JIT_CUDA=1 compiles CUDA anyway)")
         return None
     if CUDA_HOME is None:
         notes.append("nvcc not found: set CUDA_HOME")
@@ -168,8 +174,9 @@ def loaded_libstdcxx() -> str | None:
     return None
 
 
-def extension_spec(csrc: str) -> ExtensionSpec:
-    """Sources (under ``csrc``, as given: setup.py passes a relative path), flags and libraries of ``_C``."""
+def extension_spec(csrc: str, jit: bool = False) -> ExtensionSpec:
+    """Sources (under ``csrc``, as given: setup.py passes a relative path), flags and libraries of ``_C``.
+    ``jit``: for the just-in-time build, which compiles CUDA only where a GPU is visible."""
     notes: list[str] = []
     # Link the process's shared libstdc++ ahead of the compiler's own. A compiler whose directory holds
     # only libstdc++.a (the GPU machine's /opt/gcc) otherwise copies parts of libstdc++ into _C, and with
@@ -181,7 +188,7 @@ def extension_spec(csrc: str) -> ExtensionSpec:
                          cxx_flags=["-O3", "-ffp-contract=off"],
                          nvcc_flags=["-O3", "-fmad=true"],  # kernels use __fmul_rn / __fmaf_rn where rounding matters
                          link_args=[libstdcxx] if libstdcxx else [], with_cuda=False, notes=notes)
-    nvcc = find_nvcc(notes)
+    nvcc = find_nvcc(notes, jit)
     if nvcc is None:
         return spec
 

@@ -89,7 +89,7 @@ def _import_built(path: str) -> types.ModuleType:
 def load() -> types.ModuleType:
     """The cached build, or a new one (one line on stderr while it compiles)."""
     csrc = source_dir()
-    spec = _build_config.extension_spec(csrc)
+    spec = _build_config.extension_spec(csrc, jit=True)
     out = build_dir(spec, csrc)
     library = os.path.join(out, NAME + ".so")
     # a lock file means another process is building here now: go through torch, which waits for it

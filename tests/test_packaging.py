@@ -60,6 +60,24 @@ def test_missing_toolchain_is_named(monkeypatch):
     assert "--no-build-isolation" in str(err.value)
 
 
+def test_jit_build_compiles_cuda_only_where_a_gpu_is_visible(monkeypatch, tmp_path):
+    """A torch with CUDA and an nvcc, but no GPU: the just-in-time build takes the CPU kernels only (the machine
+    that imports cannot run the CUDA ones); the ahead-of-time build, and MFSDP_JIT_CUDA=1, still compile them."""
+    cfg = _jit._build_config
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("")
+    monkeypatch.setattr(cfg.torch.version, "cuda", "13.0")
+    monkeypatch.setattr(cfg.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cfg, "CUDA_HOME", str(tmp_path))
+    monkeypatch.delenv("MFSDP_NO_CUDA", raising=False)
+    monkeypatch.delenv("MFSDP_JIT_CUDA", raising=False)
+    jit = cfg.extension_spec(_jit.source_dir(), jit=True)
+    assert not jit.with_cuda and "no GPU visible" in jit.summary, jit.summary
+    assert cfg.extension_spec(_jit.source_dir()).with_cuda
+    monkeypatch.setenv("MFSDP_JIT_CUDA", "1")
+    assert cfg.extension_spec(_jit.source_dir(), jit=True).with_cuda
+
+
 # in a fresh interpreter: which build loads, and one kernel against torch's own rounding
 _IMPORT = """
 import json, sys, time
