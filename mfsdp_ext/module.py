@@ -483,18 +483,13 @@ class FsdpModule:
         unit.reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        modules = self.modules() if recurse else [self]
-        for m in modules:
-            if isinstance(m, FsdpModule):
-                m._mfsdp_unit.requires_gradient_sync = requires_gradient_sync
+        for unit in self._units(recurse):
+            unit.requires_gradient_sync = requires_gradient_sync
 
     def set_reshard_after_forward(self, reshard_after_forward: Optional[bool], *, recurse: bool = True) -> None:
         reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward)
-        modules = self.modules() if recurse else [self]
-        for m in modules:
-            if isinstance(m, FsdpModule):
-                u = m._mfsdp_unit
-                u.reshard_after_forward = reshard_after_forward and not u.strategy.keeps_weights_gathered
+        for unit in self._units(recurse):
+            unit.reshard_after_forward = reshard_after_forward and not unit.strategy.keeps_weights_gathered
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """FSDP2's: False keeps the gathered weights after backward, so the next forward (the next microbatch) needs

@@ -408,9 +408,11 @@ class ParamGroup:
         """True when the optimizer-visible grads still hold the last accumulation (zero_grad did not set them to
         None). Some may have none: a parameter no rank gave a gradient (set_reduce_scatter_unused_params(False)),
         or one whose ``.grad`` the user set to None."""
-        return self.main_grad is not None and any(
-            self.infos[i].sharded_grad is not None and self.infos[i].sharded.grad is self.infos[i].sharded_grad
-            for i in self.trainable())
+        return self.main_grad is not None and any(self._grad_attached(i) for i in self.trainable())
+
+    def _grad_attached(self, i: int) -> bool:
+        info = self.infos[i]
+        return info.sharded_grad is not None and info.sharded.grad is info.sharded_grad
 
     def local_grad_presence(self) -> list[bool]:
         """Per parameter: whether this rank's backward gave it a gradient (before the reduction consumes them)."""
@@ -461,11 +463,12 @@ class ParamGroup:
         ``with_grad``, and those already attached in this accumulation)."""
         if self.main_grad is None:
             self.main_grad = FlatBuffer(self.layout, self.main_grad_dtype, self.device, rank=self.rank)
-        accumulate = self.grads_attached()
-        if accumulate:  # a parameter without .grad now starts afresh, as torch's accumulation into a None .grad
-            for i in self.trainable():
-                info = self.infos[i]
-                if info.sharded_grad is None or info.sharded.grad is not info.sharded_grad:
+        trainable = self.trainable()
+        attached = [self._grad_attached(i) for i in trainable]  # one walk for the decision and the zeroing
+        accumulate = any(attached)  # grads_attached()
+        if accumulate and not all(attached):  # one without .grad starts afresh (torch's accumulation into None)
+            for i, has in zip(trainable, attached):
+                if not has:
                     self.main_grad.param_view(i).zero_()
         _native.grad_accumulate(self.main_grad.data, reduced, scale, accumulate)
         self.attach_grads(with_grad)

@@ -293,18 +293,26 @@ def _case_unit_summary():
     return lines
 
 
-def _case_no_sync_accumulation():
-    """FSDP2's idiom: set_requires_gradient_sync(False) until the last microbatch; one reduce per step."""
+def _on_last_microbatch(setter: str):
+    """A microbatch context as FSDP2 users write one: ``model.<setter>(is_last)`` for each microbatch."""
 
-    class NoSync:
+    class OnLast:
         def __init__(self, model, is_first, is_last):
             self.model, self.is_last = model, is_last
 
         def __enter__(self):
-            self.model.set_requires_gradient_sync(self.is_last)
+            getattr(self.model, setter)(self.is_last)
 
         def __exit__(self, *exc):
             return False
+
+    return OnLast
+
+
+def _case_no_sync_accumulation():
+    """FSDP2's idiom: set_requires_gradient_sync(False) until the last microbatch; one reduce per step."""
+
+    NoSync = _on_last_microbatch("set_requires_gradient_sync")
 
     torch.manual_seed(15)
     model = TinyLM()
@@ -389,19 +397,6 @@ def _case_module_called_twice(strategy: str, pattern: str, microbatches: int):
 
 
 # ---------------------------------------------------------------------------------------------- FSDP2's module controls
-class _RequiresAllReduceOnLast:
-    """A microbatch context as FSDP2 users write it for HSDP: all-reduce over replicas only on the last one."""
-
-    def __init__(self, model, is_first, is_last):
-        self.model, self.is_last = model, is_last
-
-    def __enter__(self):
-        self.model.set_requires_all_reduce(self.is_last)
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _case_fsdp2_module_controls(control: str):
     """FSDP2's per-module controls against a single-process model (and, for the communication ones, the same
     model without them): set_gradient_divide_factor (sum / factor), set_reshard_after_backward(False) (no gather
@@ -434,7 +429,7 @@ def _case_fsdp2_module_controls(control: str):
     if control == "reshard_after_backward":
         model.set_reshard_after_backward(False)
     elif control == "requires_all_reduce":
-        ctx_cls = _RequiresAllReduceOnLast
+        ctx_cls = _on_last_microbatch("set_requires_all_reduce")  # FSDP2 users' HSDP idiom
     elif control == "prefetch":
         blocks = list(model.blocks)
         for i, b in enumerate(blocks):
