@@ -75,7 +75,7 @@ def find_nvcc(notes: list[str], jit: bool = False) -> str | None:
     if jit and not torch.cuda.is_available() and os.environ.get("MFSDP_JIT_CUDA") != "1":
         # the just-in-time build serves the machine that imports: without a GPU, CUDA kernels only cost build time
         # (and a CUDA toolkit that does not match torch's wheels can fail it)
-        notes.append("no GPU visible: CPU kernels only (MFSDP_JIT_CUDA=1 compiles CUDA anyway)")
+        notes.append("no GPU visible; MFSDP_JIT_CUDA=1 compiles CUDA anyway")
         return None
     if CUDA_HOME is None:
         notes.append("nvcc not found: set CUDA_HOME")
@@ -83,6 +83,16 @@ def find_nvcc(notes: list[str], jit: bool = False) -> str | None:
     nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
     if not os.path.exists(nvcc):
         notes.append(f"{nvcc} does not exist")
+        return None
+    # cuda_runtime.h includes crt/host_config.h, which comes with nvcc: an nvcc whose toolkit lacks it (e.g. a
+    # /usr/local/bin/nvcc script calling a toolkit elsewhere, beside torch's CUDA wheels, which do not ship it)
+    # cannot compile our CUDA code. Where no GPU is visible that is a CPU build's business; with a GPU the build
+    # goes on and its compiler error says what is missing.
+    include_dirs = [inc for inc, _ in _cublaslt_candidates()]
+    if not torch.cuda.is_available() and not any(os.path.exists(os.path.join(inc, "crt", "host_config.h"))
+                                                 for inc in include_dirs):
+        notes.append(f"no crt/host_config.h in {CUDA_HOME}/include or torch's CUDA wheels: an incomplete CUDA "
+                     "toolkit; set CUDA_HOME to a whole one")
         return None
     return nvcc
 

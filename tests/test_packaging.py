@@ -66,6 +66,8 @@ def test_jit_build_compiles_cuda_only_where_a_gpu_is_visible(monkeypatch, tmp_pa
     cfg = _jit._build_config
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "nvcc").write_text("")
+    (tmp_path / "include" / "crt").mkdir(parents=True)
+    (tmp_path / "include" / "crt" / "host_config.h").write_text("")
     monkeypatch.setattr(cfg.torch.version, "cuda", "13.0")
     monkeypatch.setattr(cfg.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(cfg, "CUDA_HOME", str(tmp_path))
@@ -76,6 +78,21 @@ def test_jit_build_compiles_cuda_only_where_a_gpu_is_visible(monkeypatch, tmp_pa
     assert cfg.extension_spec(_jit.source_dir()).with_cuda
     monkeypatch.setenv("MFSDP_JIT_CUDA", "1")
     assert cfg.extension_spec(_jit.source_dir(), jit=True).with_cuda
+
+
+def test_incomplete_cuda_toolkit_builds_cpu_only(monkeypatch, tmp_path):
+    """Where no GPU is visible, an nvcc whose toolkit has no crt/host_config.h (nor do torch's CUDA wheels) cannot
+    compile CUDA code: the ahead-of-time build takes the CPU kernels only and says why, instead of failing."""
+    cfg = _jit._build_config
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("")
+    monkeypatch.setattr(cfg.torch.version, "cuda", "13.0")
+    monkeypatch.setattr(cfg.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cfg, "CUDA_HOME", str(tmp_path))
+    monkeypatch.setattr(cfg, "_cublaslt_candidates", lambda: iter([(str(tmp_path / "include"), "")]))
+    monkeypatch.delenv("MFSDP_NO_CUDA", raising=False)
+    spec = cfg.extension_spec(_jit.source_dir())
+    assert not spec.with_cuda and "incomplete CUDA toolkit" in spec.summary, spec.summary
 
 
 # in a fresh interpreter: which build loads, and one kernel against torch's own rounding
