@@ -92,8 +92,11 @@ def load() -> types.ModuleType:
     spec = _build_config.extension_spec(csrc, jit=True)
     out = build_dir(spec, csrc)
     library = os.path.join(out, NAME + ".so")
-    # a lock file means another process is building here now: go through torch, which waits for it
-    if os.path.exists(library) and not os.path.exists(os.path.join(out, "lock")):
+    # Written once a build here has completed. Not torch's "lock" file: up to torch 2.13 it exists only while a
+    # build runs, from 2.14 on it stays (an advisory lock), so its absence no longer says the library is whole.
+    # Without the mark (or while another process builds), go through torch, which waits for that build.
+    built = os.path.join(out, "built")
+    if os.path.exists(library) and os.path.exists(built):
         return _import_built(library)
 
     check_toolchain(spec)
@@ -104,9 +107,11 @@ def load() -> types.ModuleType:
     from torch.utils import cpp_extension  # imports setuptools: only when compiling
 
     try:
-        return cpp_extension.load(name=NAME, sources=[os.path.abspath(s) for s in spec.sources],
-                                  extra_cflags=spec.cxx_flags, extra_cuda_cflags=spec.nvcc_flags,
-                                  extra_ldflags=spec.link_args, extra_include_paths=spec.include_dirs,
-                                  build_directory=out, with_cuda=spec.with_cuda, verbose=False)
+        module = cpp_extension.load(name=NAME, sources=[os.path.abspath(s) for s in spec.sources],
+                                    extra_cflags=spec.cxx_flags, extra_cuda_cflags=spec.nvcc_flags,
+                                    extra_ldflags=spec.link_args, extra_include_paths=spec.include_dirs,
+                                    build_directory=out, with_cuda=spec.with_cuda, verbose=False)
     except Exception as exc:  # torch raises RuntimeError with the compiler's output
         raise ImportError(f"mfsdp_ext: compiling mfsdp_ext._C in {out} failed ({spec.summary}):\n{exc}") from exc
+    open(built, "w").close()
+    return module
