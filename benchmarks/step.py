@@ -77,15 +77,17 @@ class BenchConfig:
     n_kv_heads: int = 0  # 0: as many as query heads
     activation_checkpointing: bool = False  # per block
     ac_every: int = 1  # checkpoint one block in every ac_every
+    ac_skip_last: int = 0  # but not the last ac_skip_last blocks
 
     def model_config(self) -> gpt.GPTConfig:
         return gpt.GPTConfig(n_layers=self.n_layers, dim=self.dim, n_heads=self.dim // self.head_dim,
                              n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim, vocab_size=self.vocab,
                              max_seq_len=self.seq, activation_checkpointing=self.activation_checkpointing,
-                             ac_every=self.ac_every)
+                             ac_every=self.ac_every, ac_skip_last=self.ac_skip_last)
 
     def describe(self) -> str:
         ac = "" if not self.activation_checkpointing else " AC" if self.ac_every == 1 else f" AC 1/{self.ac_every}"
+        ac += f" (last {self.ac_skip_last} not)" if ac and self.ac_skip_last else ""
         return (f"L{self.n_layers} d{self.dim} ffn{self.ffn_dim}" + (f" kv{self.n_kv_heads}" if self.n_kv_heads else "")
                 + (f" vocab{self.vocab}" if self.vocab != 32000 else "") + ac)
 
@@ -143,6 +145,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ac-every", type=int, default=None, metavar="N",
                    help="activation checkpointing of one block in every N (0: none) instead of the configs' own; "
                         "the report names it")
+    p.add_argument("--ac-skip-last", type=int, default=0, metavar="K",
+                   help="with activation checkpointing: do not checkpoint the last K blocks (no recomputation there), "
+                        "to spend saved memory on speed; the report names it")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
     p.add_argument("--floor-steps", type=int, default=5)
@@ -281,7 +286,7 @@ def measure_floor(bc: BenchConfig, world: int, dtype: torch.dtype, device: torch
         one = _unsharded_model(gpt.GPTConfig(**{**cfg.to_dict(), "n_layers": 1}), dtype, device)
         root = _unsharded_model(gpt.GPTConfig(**{**cfg.to_dict(), "n_layers": 0}), dtype, device)
         t1, t0 = _fwd_bwd_ms(one, batches, steps, device), _fwd_bwd_ms(root, batches, steps, device)
-        n_ac = len(range(0, cfg.n_layers, cfg.ac_every)) if cfg.activation_checkpointing else 0
+        n_ac = sum(map(cfg.checkpointed, range(cfg.n_layers)))
         t1_plain = t1
         if 0 < n_ac < cfg.n_layers:  # some blocks are not checkpointed: time a plain block too
             one.layers[0].activation_checkpointing = False
@@ -643,6 +648,8 @@ def main(argv=None) -> None:
         bc = table[cid] if args.layers is None else replace(table[cid], n_layers=args.layers)
         if args.ac_every is not None:
             bc = replace(bc, activation_checkpointing=args.ac_every > 0, ac_every=max(args.ac_every, 1))
+        if args.ac_skip_last:
+            bc = replace(bc, ac_skip_last=args.ac_skip_last)
         n_params = gpt.num_params(gpt.GPT(bc.model_config(), device="meta"))
         log(f"\n== config {cid}: {bc.describe()}, {n_params / 1e6:.0f}M params, "
             f"batch {bc.batch} x seq {bc.seq} x {bc.microbatches} microbatches per rank")

@@ -50,10 +50,13 @@ class GPTConfig:
     init_std: float = 0.02
     activation_checkpointing: bool = False
     ac_every: int = 1  # with activation_checkpointing: blocks 0, ac_every, 2 * ac_every, ... are checkpointed
+    ac_skip_last: int = 0  # ... except the last ac_skip_last blocks (memory spent on less recomputation)
 
     def __post_init__(self) -> None:
         if self.ac_every < 1:
             raise ValueError(f"ac_every must be >= 1, got {self.ac_every}")
+        if self.ac_skip_last < 0:
+            raise ValueError(f"ac_skip_last must be >= 0, got {self.ac_skip_last}")
         if self.ffn_dim <= 0:
             self.ffn_dim = 256 * math.ceil(int(8 * self.dim / 3) / 256)
         if self.dim % self.n_heads:
@@ -63,6 +66,11 @@ class GPTConfig:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.rope and (self.dim // self.n_heads) % 2:
             raise ValueError("rotary embeddings need an even head dimension")
+
+    def checkpointed(self, block: int) -> bool:
+        """Whether block number `block` recomputes its activations in backward."""
+        return (self.activation_checkpointing and block % self.ac_every == 0
+                and block < self.n_layers - self.ac_skip_last)
 
     @property
     def head_dim(self) -> int:
@@ -198,7 +206,7 @@ class GPT(nn.Module):
         self.pos_emb = None if cfg.rope else Embedding(cfg.max_seq_len, cfg.dim, cfg.init_std, device)
         self.layers = nn.ModuleList(Block(cfg, device) for _ in range(cfg.n_layers))
         for i, block in enumerate(self.layers):
-            block.activation_checkpointing = cfg.activation_checkpointing and i % cfg.ac_every == 0
+            block.activation_checkpointing = cfg.checkpointed(i)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, device)
         if cfg.tie_embeddings:
             self.lm_head = None

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check, in stages so one device call fits its 10-minute limit:
 #   scripts/gpu_check.sh build tests kernels symm units optim step step6 hostcost memory noshard fp8 fp8train jit hf mainjob
-#   (fp8step, fp8cache: FP8 step rows on any GPU count; fp8host: the FP8 layer's host time; step6ac: config 6
-#   with half the recomputation; not in the default list)
+#   (not in the default list: gpt200: 200 training steps, bf16 vs FP8; fp8step, fp8cache: FP8 step rows on any GPU
+#   count; fp8host: the FP8 layer's host time; step6ac: config 6 with less recomputation)
 #   scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
 #   scripts/gpu_check.sh build fp8train FP8 weights in fully_shard: GPU tests + step.py's FP8 variants (2 GPUs)
 # Logs and result tables go to $OUT (the device runner's output folder; /tmp/out elsewhere).
@@ -44,12 +44,15 @@ for stage in $stages; do
     step6)  # real size: the Llama-3-8B shape, seq 8192, activation checkpointing per block; MFU (2 GPUs)
         run step6 timeout -k 10 420 torchrun --standalone --nproc-per-node 2 benchmarks/step.py --configs 6 \
             --steps 5 --warmup 2 --init meta --out "$OUT" ;;
-    step6ac)  # what the fused optimizer's memory buys at config 6: ours_fused with every 2nd block recomputed
-              # (--ac-every 2) against FSDP2 with every block (2 GPUs; the first run is ours_fused, the second FSDP2)
-        run step6ac timeout -k 10 300 torchrun --standalone --nproc-per-node 2 benchmarks/step.py --configs 6 \
-            --steps 5 --warmup 2 --init meta --impls ours_fused --ac-every 2 --out "$OUT/step6_ac2"
-        run step6ac_fsdp2 timeout -k 10 200 torchrun --standalone --nproc-per-node 2 benchmarks/step.py --configs 6 \
-            --steps 5 --warmup 2 --init meta --impls fsdp2 --out "$OUT/step6_ac1" ;;
+    step6ac)  # what the fused optimizer's memory buys at config 6 (2 GPUs): ours_fused and FSDP2 with every block
+              # recomputed (same run), then ours_fused with its last K blocks not recomputed
+        run step6ac timeout -k 10 240 torchrun --standalone --nproc-per-node 2 benchmarks/step.py --configs 6 \
+            --steps 5 --warmup 2 --init meta --impls ours_fused,fsdp2 --no-floor --out "$OUT/step6_ac"
+        for k in ${AC_SKIP:-8 12 16}; do
+            run step6ac_skip$k timeout -k 10 150 torchrun --standalone --nproc-per-node 2 benchmarks/step.py \
+                --configs 6 --steps 5 --warmup 2 --init meta --impls ours_fused --ac-skip-last $k --no-floor \
+                --out "$OUT/step6_skip$k"
+        done ;;
     hostcost)  # host time per unit per step in the hooks, config 3's shape, ours vs FSDP2 (2 GPUs)
         run hostcost env HOST_COST_NPROC=2 timeout -k 10 200 python3 benchmarks/host_cost.py --shape config3 \
             --out "$OUT" ;;
@@ -89,6 +92,13 @@ for stage in $stages; do
         run fp8train_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/test_fp8_training.py
         run fp8train_step timeout -k 10 240 torchrun --standalone --nproc-per-node 2 benchmarks/step.py \
             --configs 2,3 --impls ours,ours_fp8,fsdp2,fsdp2_float8 --out "$OUT/fp8_step" ;;
+    gpt200)  # a GPT trained 200 steps in bf16 and in FP8 on every GPU here: the final losses must be within 2%
+        for mode in bf16 fp8; do
+            flag=(); [ $mode = fp8 ] && flag=(--fp8)
+            run gpt200_$mode timeout -k 10 200 torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \
+                examples/train_gpt.py --steps 200 "${flag[@]}" --metrics-file "$OUT/gpt200_$mode.jsonl"
+        done
+        run gpt200_compare python3 scripts/compare_final_loss.py "$OUT/gpt200_bf16.jsonl" "$OUT/gpt200_fp8.jsonl" ;;
     jit) run jit bash scripts/gpu_jit.sh ;;          # fresh venv, no ahead-of-time build: import compiles CUDA + NCCL
     hf) run hf bash scripts/gpu_hf.sh ;;             # train_hf.py: ours vs FSDP2 (fp32 1e-5), bf16, AC + compile
     mainjob) run mainjob bash scripts/gpu_mainjob.sh ;;  # main job x3 exits 0, kill-free resume from step 6

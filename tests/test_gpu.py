@@ -97,11 +97,13 @@ def _timeline(kernels, limit: int = 60) -> list[str]:
 
 def _case_overlap(n_blocks: int):
     dev = rank_device()
-    # Blocks large enough that each all-gather (~0.5 ms) outlasts the host's gap between issuing the prefetch
-    # and the next GEMM; with smaller ones a fast 2-GPU gather can end before Python launches the GEMM.
-    model = _stack(n_blocks, 4096, 8192)
+    # Blocks large enough that each all-gather (~1 ms on 2 H200) outlasts the host's gap between issuing the
+    # prefetch and the next GEMM (~0.45 ms under the profiler on a slow host): at dim 4096 / ffn 8192 a 2-GPU gather
+    # took 0.27 ms and could end before Python launched the GEMM it was meant to hide behind.
+    dim = 8192
+    model = _stack(n_blocks, dim, 2 * dim)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(4, 1024, 4096, device=dev)
+    x = torch.randn(2, 1024, dim, device=dev)
     for _ in range(2):  # the first iteration records the execution order that prefetching follows
         model(x).float().square().mean().backward()
         opt.step()
