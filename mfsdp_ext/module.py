@@ -212,8 +212,6 @@ class FsdpUnit:
             return self._prepare_inputs(args, kwargs, cast=False)
         if self.is_root and ctx.forward_order:
             self._abandon_iteration()  # the last forward had no backward (evaluation) or raised
-        if self.is_root:
-            self._release_unused_main_grads()
         if self.is_root and ctx.explicit_microbatch and ctx.is_first_microbatch and ctx.grads_kept:
             for unit in ctx.units:  # a new accumulation: nothing kept from a sequence that failed midway
                 for g in unit.groups:
@@ -344,6 +342,7 @@ class FsdpUnit:
         replicas = dist.get_world_size(g.replicate_group) if g.replicate_group is not None else 1
         divide = self.gradient_divide_factor or g.world * replicas
         with_grad = None if self.reduce_scatter_unused_params else self._params_given_a_grad(g)
+        main_grad_before = g.main_grad
         with ctx.device.use_stream(ctx.rs_stream):
             reduced = g.reduce_scatter(scale=1.0 / divide)  # pre-divide: no overflow in low precision
             for grad in g.drop_unsharded_grads():
@@ -355,6 +354,10 @@ class FsdpUnit:
             all_reduce_now = self.requires_all_reduce or not hsdp  # set_requires_all_reduce(False): HSDP defers
             defer_replicas = g.replicate_group is not None and (every_microbatch or not all_reduce_now)
             g.accumulate_reduced(reduced, defer_replicas, last and all_reduce_now, with_grad)
+        if g.main_grad is not None and g.main_grad is not main_grad_before:
+            # made on the reduce-scatter stream, read by the optimizer on this one; freed whenever the user lets
+            # go of the .grads (zero_grad): its memory is reused only after this stream's reads too
+            ctx.device.record_stream(g.main_grad.data, ctx.device.current_stream())
 
     def _params_given_a_grad(self, g: ParamGroup) -> list[bool]:
         """Per parameter, whether any rank's backward gave it a gradient: one small all-reduce (MAX) per mesh
@@ -391,16 +394,6 @@ class FsdpUnit:
         self._end_iteration()
         if self.check_finite_grads:  # after the iteration ended: a caught error leaves every unit at rest
             finite_grads.check(self.module, ctx.units)
-
-    def _release_unused_main_grads(self) -> None:
-        """Free the gradient shards the optimizer let go of (zero_grad to None). The reduce-scatter stream wrote
-        them and the compute stream (optimizer) used them: their memory is reused only after both are done."""
-        ctx = self.context
-        for unit in ctx.units:
-            for g in unit.groups:
-                dropped = g.release_main_grad_if_unused()
-                if dropped is not None:
-                    ctx.device.record_stream(dropped, ctx.device.current_stream())
 
     def _abandon_iteration(self) -> None:
         """End an iteration whose backward did not complete (evaluation, or a forward or backward that raised):

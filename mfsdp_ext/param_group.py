@@ -5,8 +5,9 @@ Buffers (laid out by FlatLayout: every parameter split as torch.chunk splits it,
   model_weight     shard        compute-dtype copy, written by the fused cast once per optimizer step (cache_model_weight;
                                 by default made only when the same weights are gathered a third time: microbatches)
   unsharded        param-major  gathered compute-dtype weights; the module's parameters are views into it in compute
-  main_grad        shard        the optimizer's gradients (fp32 by default); sharded params' .grad are views of it;
-                                dropped when the optimizer lets go of them (zero_grad to None), made at the next reduction
+  main_grad        shard        the optimizer's gradients (fp32 by default); sharded params' .grad are views of it and
+                                own it: it is freed when the optimizer lets go of them (zero_grad to None), as FSDP2
+                                frees its sharded grads, and made again at the next reduction
 """
 
 from __future__ import annotations
@@ -76,7 +77,11 @@ class ParamInfo:
     shape: torch.Size
     sharded: nn.Parameter = None  # DTensor view of main_weight
     unsharded: nn.Parameter = None  # view of the unsharded buffer
-    sharded_grad: DTensor = None  # DTensor view of main_grad, attached as sharded.grad
+    grad_ref: weakref.ref | None = None  # the DTensor view of main_grad attached as sharded.grad (weak: see main_grad)
+
+    @property
+    def sharded_grad(self) -> DTensor | None:
+        return None if self.grad_ref is None else self.grad_ref()
 
 
 @dataclass
@@ -133,7 +138,7 @@ class ParamGroup:
         self.cache_when_regathered = needs_cast and cache_model_weight is None
         self._gathered_version, self._gathers_of_version = None, 0
         self.unsharded = self._make_unsharded(storage_device)
-        self.main_grad = None  # allocated at the first reduction
+        self._main_grad_ref = None  # weak reference to main_grad: the .grad views own it (main_grad's docstring)
         self.main_grad_replica_summed = False  # HSDP: main_grad holds a finished all-reduce over replicas
         self._synced_version = None  # weights_version() the model weight was cast from
         self._external_writes = 0
@@ -425,21 +430,6 @@ class ParamGroup:
         self.stats.reduces += 1
         return reduced
 
-    def release_main_grad_if_unused(self) -> torch.Tensor | None:
-        """Drop main_grad when no parameter's .grad is a view of it any more (``zero_grad(set_to_none=True)``, as
-        FSDP2 frees its sharded grads there): the forward and backward that follow then run without a whole
-        gradient shard held, and the next reduction allocates it again. Returns the dropped tensor (the caller
-        orders its reuse after the streams that used it) or None."""
-        if self.main_grad is None or any(info.sharded_grad is not None and info.sharded.grad is info.sharded_grad
-                                         for info in self.infos):
-            return None
-        dropped = self.main_grad.data
-        self.main_grad = None
-        for info in self.infos:
-            info.sharded_grad = None
-        self.main_grad_replica_summed = False
-        return dropped
-
     def accumulate_reduced(self, reduced: torch.Tensor, defer_replicas: bool, last_microbatch: bool,
                            with_grad: list[bool] | None = None) -> None:
         """Add a reduce-scattered shard into main_grad, finishing HSDP's all-reduce over replicas: at once, or
@@ -453,7 +443,7 @@ class ParamGroup:
             self.main_grad.data.div_(dist.get_world_size(self.replicate_group))
         self.accumulate_main_grad(reduced, with_grad=with_grad)
         self.main_grad_replica_summed = False
-        if defer_replicas and last_microbatch:
+        if defer_replicas and last_microbatch and self.main_grad is not None:  # None: no parameter got a grad
             dist_ops.all_reduce(self.main_grad.data, self.replicate_group)
             self.main_grad_replica_summed = True
 
@@ -461,27 +451,47 @@ class ParamGroup:
                              with_grad: list[bool] | None = None) -> None:
         """main_grad (+)= scale * reduced, then make sure the sharded params' .grad point at main_grad (those in
         ``with_grad``, and those already attached in this accumulation)."""
-        if self.main_grad is None:
-            self.main_grad = FlatBuffer(self.layout, self.main_grad_dtype, self.device, rank=self.rank)
         trainable = self.trainable()
         attached = [self._grad_attached(i) for i in trainable]  # one walk for the decision and the zeroing
         accumulate = any(attached)  # grads_attached()
+        # A new accumulation gets a new buffer: the last one is gone with its .grads, or a .grad the user still
+        # holds keeps it, and keeps its values.
+        main_grad = self.main_grad if accumulate else self._new_main_grad()
         if accumulate and not all(attached):  # one without .grad starts afresh (torch's accumulation into None)
             for i, has in zip(trainable, attached):
                 if not has:
-                    self.main_grad.param_view(i).zero_()
-        _native.grad_accumulate(self.main_grad.data, reduced, scale, accumulate)
+                    main_grad.param_view(i).zero_()
+        _native.grad_accumulate(main_grad.data, reduced, scale, accumulate)
         self.attach_grads(with_grad)
+
+    @property
+    def main_grad(self) -> FlatBuffer | None:
+        """The gradient shard, while a parameter's ``.grad`` (or a reference the user kept to one) still holds it.
+        The group does not own it: ``zero_grad(set_to_none=True)`` frees it at once, so memory between steps is
+        what FSDP2 holds, with no hook on the optimizer."""
+        return None if self._main_grad_ref is None else self._main_grad_ref()
+
+    def _new_main_grad(self) -> FlatBuffer:
+        main_grad = FlatBuffer(self.layout, self.main_grad_dtype, self.device, rank=self.rank)
+        self._main_grad_ref = weakref.ref(main_grad)
+        for info in self.infos:  # views of the last buffer, if a reference the user kept still holds it
+            info.grad_ref = None
+        self.main_grad_replica_summed = False
+        return main_grad
 
     def attach_grads(self, with_grad: list[bool] | None = None) -> None:
         """The trainable parameters' .grad become views of main_grad (frozen ones get none; with ``with_grad``,
-        only those it marks)."""
+        only those it marks). Each view keeps the whole buffer alive."""
+        main_grad = self.main_grad
         for i in self.trainable():
             if with_grad is not None and not with_grad[i]:
                 continue
             info = self.infos[i]
-            if info.sharded_grad is None:
-                info.sharded_grad = self.as_dtensor(i, self.main_grad.param_view(i))
-            if info.sharded.grad is not info.sharded_grad:
-                info.sharded.grad = info.sharded_grad
+            grad = info.sharded_grad
+            if grad is None:
+                grad = self.as_dtensor(i, main_grad.param_view(i))
+                grad._mfsdp_main_grad = main_grad  # the owner: main_grad lives while some .grad does
+                info.grad_ref = weakref.ref(grad)
+            if info.sharded.grad is not grad:
+                info.sharded.grad = grad
 

@@ -136,9 +136,9 @@ def _case_unsharded_storage_released():
 
 
 def _case_main_grad_released_after_zero_grad():
-    """zero_grad(set_to_none=True) lets the gradient shards go, as FSDP2 does: the next forward drops main_grad
-    (no whole gradient shard held through forward and backward) and the next reduction makes it again. A .grad
-    the user still holds keeps its values; zero_grad(set_to_none=False) keeps the buffer."""
+    """zero_grad(set_to_none=True) frees the gradient shards at once, as FSDP2 does (so memory between steps is
+    FSDP2's, and forward and backward run without a whole gradient shard held); the next reduction makes them again.
+    A .grad the user still holds keeps its values; zero_grad(set_to_none=False) keeps the buffer."""
     torch.manual_seed(4)
     model = shard_tiny_lm(TinyLM(n_layers=2), fully_shard)
     from .models import batch, lm_loss
@@ -146,29 +146,39 @@ def _case_main_grad_released_after_zero_grad():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     groups = [g for m in (*model.blocks, model) for g in m._mfsdp_unit.groups if g.requires_grad]
 
+    def held() -> list[bool]:
+        return [g.main_grad is not None for g in groups]
+
     def step(set_to_none):
         tokens, targets = batch(0, 4)
         loss = lm_loss(model, tokens, targets)
-        during_forward = [g.main_grad is not None for g in groups]
+        during_forward = held()
         loss.backward()
+        assert all(held())  # the reduction made it
         opt.step()
         opt.zero_grad(set_to_none=set_to_none)
         return during_forward
 
     assert step(True) == [False] * len(groups)  # the first step: nothing reduced yet
-    held = model.blocks[0].fc1.weight
+    assert held() == [False] * len(groups)  # zero_grad(set_to_none=True) freed them
+    weight = model.blocks[0].fc1.weight
     tokens, targets = batch(1, 4)
     lm_loss(model, tokens, targets).backward()
-    step_grad = held.grad.to_local().clone()
-    kept = held.grad  # the user keeps a reference across zero_grad and the next iteration
+    step_grad = weight.grad.to_local().clone()
+    kept = weight.grad  # the user keeps a reference across zero_grad and the next iteration
     opt.zero_grad(set_to_none=True)
+    kept_group = [g.main_grad is not None for g in groups]
+    assert kept_group.count(True) == 1, kept_group  # the held .grad keeps its own group's buffer, no other
     released = step(True)
-    assert released == [False] * len(groups), released
-    assert torch.equal(kept.to_local(), step_grad), "a held .grad changed after its buffer was released"
-    assert all(g.main_grad is not None for g in groups)  # the reduction made it again
+    assert released == kept_group, released
+    assert torch.equal(kept.to_local(), step_grad), "a held .grad changed when the next reduction ran"
+    assert weight.grad is not kept  # the next reduction made a new buffer
+    del kept
+    assert held() == [False] * len(groups)
     assert step(False) == [False] * len(groups)  # this forward followed set_to_none=True
+    assert all(held())  # zeroed in place: the buffers stay
     kept_buffers = step(True)
-    assert kept_buffers == [True] * len(groups), kept_buffers  # zeroed in place: the buffer stays
+    assert kept_buffers == [True] * len(groups), kept_buffers
     return {"groups": len(groups)}
 
 
