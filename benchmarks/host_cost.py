@@ -121,7 +121,8 @@ def measure(impl: str, shape: dict, device: torch.device, mesh, steps: int, warm
 
         profiler.disable()
         text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(60)
+        for order in ("tottime", "cumulative"):  # where the time is spent, and under which calls
+            pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(60)
         with open(pyprofile, "w") as f:
             f.write(f"cProfile of {steps} forward + backward steps, {impl}, rank 0 (times inflated by the profiler)\n")
             f.write(text.getvalue())
