@@ -1,6 +1,6 @@
 """mfsdp_ext: fully sharded data parallel (ZeRO) for PyTorch, a drop-in for FSDP2's ``fully_shard``."""
 
-from .api import fully_shard, microbatch, reset_parameters
+from .api import fully_shard, microbatch, register_fsdp_forward_method, reset_parameters
 from .finite_grads import NonFiniteGradError
 from .fp8_linear import Fp8Linear, Fp8LinearConfig, to_fp8_linear
 from .marks import no_shard
@@ -16,6 +16,6 @@ def build_info() -> dict:
     return _native.build_info()
 
 
-__all__ = ["optim", "fully_shard", "microbatch", "no_shard", "reset_parameters", "MixedPrecisionPolicy", "Fp8Policy",
-           "FsdpModule", "Strategy", "Fp8Linear", "Fp8LinearConfig", "to_fp8_linear", "build_info", "NonFiniteGradError"]
+__all__ = ["optim", "fully_shard", "microbatch", "register_fsdp_forward_method", "no_shard", "reset_parameters",
+           "MixedPrecisionPolicy", "Fp8Policy", "FsdpModule", "Strategy", "Fp8Linear", "Fp8LinearConfig", "to_fp8_linear", "build_info", "NonFiniteGradError"]
 __version__ = "0.1.0"

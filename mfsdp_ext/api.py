@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, Iterator, Optional, Union
 
 import torch
@@ -104,6 +105,36 @@ def _become_fsdp_module(module: nn.Module, unit: FsdpUnit) -> None:
     for m in module.modules():  # inner units now belong to this subtree's context (built at the first forward)
         if isinstance(m, FsdpModule):
             m._mfsdp_unit.context = None
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """FSDP2's ``register_fsdp_forward_method``: calls to ``module.<method_name>`` (e.g. ``generate`` or a scoring
+    method that uses the module's own parameters outside ``forward``) run between the unit's forward hooks, so
+    its weights are gathered for the call and gradients flow back as through ``forward``. A ``forward`` the
+    method calls inside finds the unit gathered and leaves it so until the method returns; the units inside
+    gather and reshard as in any forward."""
+    if not isinstance(module, FsdpModule):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} is not fully_shard'ed; call "
+                         "mfsdp_ext.fully_shard(module) first")
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method '{method_name}'")
+    unit = module._mfsdp_unit
+    pre_forward, post_forward = eager_hook(unit.pre_forward), eager_hook(unit.post_forward)
+
+    @functools.wraps(method)
+    def run_as_forward(*args, **kwargs):
+        if unit.in_forward_method:  # called from inside another registered method of this module
+            return method(*args, **kwargs)
+        args, kwargs = pre_forward(module, args, kwargs)
+        unit.in_forward_method = True
+        try:
+            output = method(*args, **kwargs)
+        finally:
+            unit.in_forward_method = False
+        return post_forward(module, args, output)
+
+    setattr(module, method_name, run_as_forward)
 
 
 # ---------------------------------------------------------------------------------------------- microbatches

@@ -108,6 +108,7 @@ class FsdpUnit:
         # True: a parameter no rank gave a gradient gets a zero one (no extra collective); False: none (see _reduce)
         self.reduce_scatter_unused_params = True
         self.gradient_divide_factor: Optional[float] = None  # reduced gradient = sum / factor (default: mean)
+        self.in_forward_method = False  # inside a register_fsdp_forward_method call: its hooks already ran
         self.forward_prefetch: Optional[list["FsdpUnit"]] = None  # explicit prefetch lists replace the recorded order
         self.backward_prefetch: Optional[list["FsdpUnit"]] = None
         self.training_state = TrainingState.IDLE
@@ -203,6 +204,8 @@ class FsdpUnit:
 
     # ------------------------------------------------------------------ forward hooks
     def pre_forward(self, module, args, kwargs):
+        if self.in_forward_method:  # forward called by a registered method: the method's call holds the gather
+            return args, kwargs
         ctx = self.lazy_init()
         if self.is_root and ctx.in_backward and not _autograd_is_running():
             self._abandon_iteration()  # the last backward raised: its final callback never ran
@@ -240,6 +243,8 @@ class FsdpUnit:
         return [u for u in explicit if u is not self]
 
     def post_forward(self, module, args, output):
+        if self.in_forward_method:
+            return output
         ctx = self.context
         if ctx.in_backward:
             return output

@@ -19,7 +19,7 @@ import mfsdp_ext
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 from mfsdp_ext.checkpoint import full_state_dict
 
-from .models import TinyLM, rank_device, rel_err, shard_tiny_lm, train
+from .models import TinyLM, batch, rank_device, rel_err, shard_tiny_lm, train
 
 STEPS = 5
 GLOBAL_BATCH = 24  # divisible by 2 ranks x 3 microbatches and 4 ranks x 3 microbatches
@@ -40,6 +40,64 @@ def _parity(sharded, ref, *, microbatches=1, use_microbatch_api=False, tol=1e-5)
     param_err = _compare_params(sharded, ref)
     assert loss_err <= tol and param_err <= tol, (loss_err, param_err, losses, ref_losses)
     return {"loss_err": loss_err, "param_err": param_err}
+
+
+class ScoringLM(TinyLM):
+    """Methods other than forward, as RL and evaluation code has: they call forward and use the root's own
+    parameters directly (FSDP2: torch.distributed.fsdp.register_fsdp_forward_method)."""
+
+    def score(self, tokens, targets):
+        penalty = 0.01 * self.aux.weight.square().sum()  # a root parameter, before forward gathers the root
+        logits, aux = self(tokens)
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return logp.mean() - 0.01 * aux.square().mean() - penalty
+
+    def features(self, tokens):  # no forward call: the root's embedding and norm, the blocks' own hooks
+        h = self.emb(tokens)
+        for b in self.blocks:
+            h = b(h)
+        return self.norm(h)
+
+    def generate(self, tokens, n: int):
+        for _ in range(n):
+            logits, _ = self(tokens)
+            tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], 1)
+        return tokens
+
+
+def _case_forward_method():
+    """register_fsdp_forward_method: training through a method that calls forward and reads a root parameter
+    itself, and greedy generation under no_grad between steps, equal the single-process model."""
+    torch.manual_seed(6)
+    model = ScoringLM(tie=False)
+    ref = copy.deepcopy(model).to(rank_device())
+    shard_tiny_lm(model, fully_shard)
+    for name in ("score", "generate", "features"):
+        mfsdp_ext.register_fsdp_forward_method(model, name)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+    generated = []
+    for step in range(4):
+        tokens, targets = batch(step, GLOBAL_BATCH)
+        for m, opt, sharded in ((model, opts[0], True), (ref, opts[1], False)):
+            t, y = (tokens.chunk(world)[rank], targets.chunk(world)[rank]) if sharded else (tokens, targets)
+            (-m.score(t, y)).backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            ours, theirs = model.generate(tokens[:2, :3], 4), ref.generate(tokens[:2, :3], 4)
+            features_err = rel_err(model.features(tokens), ref.features(tokens))
+        assert torch.equal(ours, theirs), (step, ours, theirs)
+        assert features_err <= 1e-6, (step, features_err)
+        generated.append(ours[0].tolist())
+    param_err = _compare_params(model, ref)
+    assert param_err <= 1e-5, param_err
+    assert not any(u.in_forward_method for u in (model._mfsdp_unit, *(b._mfsdp_unit for b in model.blocks)))
+    with pytest.raises(ValueError, match="not fully_shard"):
+        mfsdp_ext.register_fsdp_forward_method(ScoringLM(), "score")
+    with pytest.raises(ValueError, match="no method 'sample'"):
+        mfsdp_ext.register_fsdp_forward_method(model, "sample")
+    return {"param_err": param_err, "generated": generated[-1]}
 
 
 def _case_fp32_parity(model_kwargs=None):
@@ -632,6 +690,10 @@ def test_explicit_unshard(cpu_pool):
 
 def test_ignored_params(cpu_pool):
     print(cpu_pool.run(_case_ignored_params)[0])
+
+
+def test_forward_method(cpu_pool):
+    print(cpu_pool.run(_case_forward_method)[0])
 
 
 def test_list_of_modules(cpu_pool):
