@@ -27,7 +27,7 @@ def rows_of(paths: list[str]) -> tuple[list[dict], dict]:
                              and i < n - c.get("ac_skip_last", 0))
             for name, v in result["variants"].items():
                 rows.append(dict(variant=name, recomputed=recomputed, n_layers=n, ms=v["median_ms"],
-                                 peak=v["peak_gib"], rest=v["resting_gib"], mfu=v.get("mfu"), source=path))
+                                 peak=v["peak_gib"], rest=v["resting_gib"], mfu=v.get("mfu"), source=os.path.basename(path)))
     rows.sort(key=lambda r: (r["variant"] != "fsdp2", r["variant"], -r["recomputed"]))
     return rows, env
 

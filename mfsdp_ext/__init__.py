@@ -17,5 +17,6 @@ def build_info() -> dict:
 
 
 __all__ = ["optim", "fully_shard", "microbatch", "register_fsdp_forward_method", "no_shard", "reset_parameters",
-           "MixedPrecisionPolicy", "Fp8Policy", "FsdpModule", "Strategy", "Fp8Linear", "Fp8LinearConfig", "to_fp8_linear", "build_info", "NonFiniteGradError"]
+           "MixedPrecisionPolicy", "Fp8Policy", "FsdpModule", "Strategy", "Fp8Linear", "Fp8LinearConfig",
+           "to_fp8_linear", "build_info", "NonFiniteGradError"]
 __version__ = "0.1.0"

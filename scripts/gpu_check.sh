@@ -48,11 +48,13 @@ for stage in $stages; do
               # recomputed (same run), then ours_fused with its last K blocks not recomputed
         run step6ac timeout -k 10 240 torchrun --standalone --nproc-per-node 2 benchmarks/step.py --configs 6 \
             --steps 5 --warmup 2 --init meta --impls ours_fused,fsdp2 --no-floor --out "$OUT/step6_ac"
-        for k in ${AC_SKIP:-8 12 16}; do
+        for k in ${AC_SKIP:-8 11 12 16}; do
             run step6ac_skip$k timeout -k 10 150 torchrun --standalone --nproc-per-node 2 benchmarks/step.py \
                 --configs 6 --steps 5 --warmup 2 --init meta --impls ours_fused --ac-skip-last $k --no-floor \
                 --out "$OUT/step6_skip$k"
-        done ;;
+        done
+        run step6ac_table python3 benchmarks/ac_tradeoff.py "$OUT"/step6_ac/step_2gpu.json \
+            "$OUT"/step6_skip*/step_2gpu.json --out "$OUT" --stem step_2gpu_config6_ac_tradeoff ;;
     hostcost)  # host time per unit per step in the hooks, config 3's shape, ours vs FSDP2 (2 GPUs)
         run hostcost env HOST_COST_NPROC=2 timeout -k 10 200 python3 benchmarks/host_cost.py --shape config3 \
             --out "$OUT" ;;
