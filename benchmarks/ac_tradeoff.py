@@ -27,7 +27,8 @@ def rows_of(paths: list[str]) -> tuple[list[dict], dict]:
                              and i < n - c.get("ac_skip_last", 0))
             for name, v in result["variants"].items():
                 rows.append(dict(variant=name, recomputed=recomputed, n_layers=n, ms=v["median_ms"],
-                                 peak=v["peak_gib"], rest=v["resting_gib"], mfu=v.get("mfu"), source=os.path.basename(path)))
+                                 peak=v["peak_gib"], rest=v["resting_gib"], mfu=v.get("mfu"),
+                                 source=os.path.basename(path)))
     rows.sort(key=lambda r: (r["variant"] != "fsdp2", r["variant"], -r["recomputed"]))
     return rows, env
 
@@ -45,7 +46,8 @@ def main() -> None:
              "", f"{env.get('date', '')}, torch {env.get('torch')}; `benchmarks/step.py` medians (`--ac-skip-last K`: "
              "the last K blocks are not checkpointed), merged by `benchmarks/ac_tradeoff.py`. Peak = "
              "max_memory_allocated; MFU as in step.py (recompute not counted).", "",
-             "| variant | blocks recomputed | step ms | MFU | peak GiB | rest GiB | vs FSDP2 time | peak - FSDP2's GiB |",
+             "| variant | blocks recomputed | step ms | MFU | peak GiB | rest GiB | vs FSDP2 time "
+             "| peak - FSDP2's GiB |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         vs = f"{ref['ms'] / r['ms']:.3f}x" if ref else "-"
