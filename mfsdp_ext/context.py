@@ -42,6 +42,23 @@ class FsdpContext:
         # compute stream has waited for them (so the optimizer step can reuse that memory at once); None otherwise
         self.grads_freed_at_end: Optional[list] = None
         self.symmetric: Optional["SymmetricStages"] = None  # when some unit uses NCCL symmetric memory
+        self.weights_epoch = 0  # part of every gather's weights version: see note_forward_mode
+        self.last_forward_training = True
+        self.trained = False  # a training forward ran (the root's, with grad mode on)
+
+    def note_forward_mode(self, training: bool) -> None:
+        """The root's forward starts. In a model that trains, each evaluation forward and the first training
+        forward after one start a new epoch of the weights' version, so no cast (kept compute-dtype copy, FP8
+        scales) is reused across them: weights written where no version counter sees it (through ``.data``, e.g.
+        EMA weights swapped in for an evaluation and back) are cast afresh. Training forwards in a row
+        (microbatches) keep reusing casts, and so does a model that only evaluates (a frozen teacher)."""
+        if training:
+            if not self.last_forward_training:
+                self.weights_epoch += 1
+            self.trained = True
+        elif self.trained:
+            self.weights_epoch += 1
+        self.last_forward_training = training
 
     def weight_sync_allowed(self) -> bool:
         """Inside microbatch(is_first=False) the main->model cast is skipped: the weights cannot have changed."""

@@ -159,7 +159,8 @@ class FsdpUnit:
         gathered = self.sharded_state is ShardedState.UNSHARDED
         if gathered and not ctx.weight_sync_allowed():
             return
-        versions = [g.weights_version() for g in self.groups]  # once per call: each walks the group's parameters
+        # once per call: each walks the group's parameters (the epoch: FsdpContext.note_forward_mode)
+        versions = [g.weights_version() + (ctx.weights_epoch,) for g in self.groups]
         training = torch.is_grad_enabled() or ctx.in_backward  # (backward hooks run with grad mode off)
         if gathered and versions == self.gathered_versions:
             return
@@ -220,6 +221,8 @@ class FsdpUnit:
                 for g in unit.groups:
                     g.drop_unsharded_grads()
             ctx.grads_kept = False
+        if self.is_root:
+            ctx.note_forward_mode(torch.is_grad_enabled())
         ctx.record_forward(self)
         self.training_state = TrainingState.FORWARD
         self.unshard()

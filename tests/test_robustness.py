@@ -211,6 +211,54 @@ def _case_evaluation_between_steps():
     return {"losses": a, "collectives per evaluation": eval_counts[:3]}
 
 
+def _case_weights_swapped_through_data(policy: str):
+    """EMA-style evaluation: after each step, evaluate, write half the weights through ``.data`` (no version
+    counter sees it), evaluate again, write them back. Where a cast is reused (a kept compute-dtype copy, FP8
+    scales) each evaluation forward must still see the weights as they are, and training must go on exactly as in
+    a run that makes the same writes on the parameters themselves (which bump their version counters)."""
+    from mfsdp_ext import Fp8Policy
+
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, cache_model_weight=True) if policy == "kept_bf16" else
+          MixedPrecisionPolicy(param_dtype=torch.bfloat16, fp8=Fp8Policy(compute=False, modules=lambda fqn, m: True)))
+    torch.manual_seed(35)
+    base = TinyLM(dim=16, ffn=32)
+    through_data = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=mp)
+    in_place = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=mp)
+    tokens, _ = batch(99, GLOBAL_BATCH, device=rank_device())
+    evaluations = {id(through_data): [], id(in_place): []}
+    opts = {}
+
+    @torch.no_grad()
+    def scale(model, factor: float) -> None:
+        for p in model.parameters():
+            (p.data if model is through_data else p).mul_(factor)  # powers of two: exact both ways
+
+    def step_then_evaluate(model):
+        opt = opts.setdefault(id(model), torch.optim.AdamW(model.parameters(), lr=1e-2))
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            evaluations[id(model)].append(model(tokens)[0])
+            scale(model, 0.5)
+            evaluations[id(model)].append(model(tokens)[0])
+            scale(model, 2.0)
+
+    a = _plain_steps(through_data, sharded=True, update=step_then_evaluate)
+    b = _plain_steps(in_place, sharded=True, update=step_then_evaluate)
+    seen = [torch.equal(x, y) for x, y in zip(evaluations[id(through_data)], evaluations[id(in_place)])]
+    assert all(seen), seen
+    assert a == b, (a, b)
+    # a model that only evaluates (a frozen teacher) keeps its cast: one for any number of forwards
+    teacher = fully_shard(torch.nn.Linear(16, 16).requires_grad_(False), mp_policy=mp)
+    with torch.no_grad():
+        for _ in range(3):
+            teacher(torch.randn(2, 16, device=rank_device(), dtype=torch.bfloat16))
+    syncs = [g.stats.scale_syncs if g.fp8 else g.stats.weight_syncs for g in teacher._mfsdp_unit.groups
+             if g.fp8 or g.cache_model_weight]  # (the others cast at every gather, as FSDP2)
+    assert syncs and syncs == [1] * len(syncs), syncs
+    return {"losses": a, "evaluations": len(seen), "teacher casts": syncs}
+
+
 def _case_resting_memory_flat(steps: int = 50):
     """GPU: 50 steps with microbatches, an evaluation every 7th step and a failed step every 10th: the bytes
     allocated at rest after each completed step stay flat (no gathered buffer, gradient or event leaks)."""
@@ -359,6 +407,11 @@ def test_optimizer_built_before_fully_shard(cpu_pool):
 
 def test_grad_set_to_none_by_hand(cpu_pool):
     print(cpu_pool.run(_case_grad_set_to_none_by_hand)[0])
+
+
+@pytest.mark.parametrize("policy", ["kept_bf16", "fp8_weights"])
+def test_weights_swapped_through_data(cpu_pool, policy):
+    print(cpu_pool.run(_case_weights_swapped_through_data, policy)[0])
 
 
 def test_evaluation_between_steps(cpu_pool):
