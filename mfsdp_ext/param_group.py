@@ -413,9 +413,10 @@ class ParamGroup:
         """True when the optimizer-visible grads still hold the last accumulation (zero_grad did not set them to
         None). Some may have none: a parameter no rank gave a gradient (set_reduce_scatter_unused_params(False)),
         or one whose ``.grad`` the user set to None."""
-        return self.main_grad is not None and any(self._grad_attached(i) for i in self.trainable())
+        return any(self.grad_attached(i) for i in self.trainable())
 
-    def _grad_attached(self, i: int) -> bool:
+    def grad_attached(self, i: int) -> bool:
+        """Parameter i's ``.grad`` is its view of main_grad (which that view keeps alive)."""
         info = self.infos[i]
         return info.sharded_grad is not None and info.sharded.grad is info.sharded_grad
 
@@ -452,7 +453,7 @@ class ParamGroup:
         """main_grad (+)= scale * reduced, then make sure the sharded params' .grad point at main_grad (those in
         ``with_grad``, and those already attached in this accumulation)."""
         trainable = self.trainable()
-        attached = [self._grad_attached(i) for i in trainable]  # one walk for the decision and the zeroing
+        attached = [self.grad_attached(i) for i in trainable]  # one walk for the decision and the zeroing
         accumulate = any(attached)  # grads_attached()
         # A new accumulation gets a new buffer: the last one is gone with its .grads, or a .grad the user still
         # holds keeps it, and keeps its values.

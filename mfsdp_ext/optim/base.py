@@ -20,7 +20,7 @@ from collections import defaultdict
 import torch
 from torch.distributed.tensor import DTensor
 
-from .flat_state import FlatState, build_runs, flat_owner, grad_is_main_grad
+from .flat_state import FlatState, build_runs, flat_owner
 
 
 class FlatOptimizerMixin:
@@ -83,7 +83,9 @@ class FlatOptimizerMixin:
                     continue
                 if owner is not None:
                     self._state_for(p, *owner)
-                if owner is not None and grad_is_main_grad(*owner, p):
+                # the flat kernel reads main_grad: a grad set by anything else (DCP's zero grads, a user's
+                # tensor) goes through torch's step
+                if owner is not None and owner[0].grad_attached(owner[1]):
                     flat_work[owner[0]].append((owner[1], p, gi))
                 else:
                     torch_work[gi].append(p)

@@ -33,13 +33,6 @@ def flat_owner(p: torch.Tensor) -> tuple[ParamGroup, int] | None:
     return owner
 
 
-def grad_is_main_grad(group: ParamGroup, i: int, p: torch.Tensor) -> bool:
-    """True when p.grad is the view of the group's main_grad (the flat kernel reads main_grad); a grad set by
-    anything else (DCP's zero grads, a user's tensor) makes the parameter go through torch's step."""
-    info = group.infos[i]
-    return group.main_grad is not None and info.sharded_grad is not None and p.grad is info.sharded_grad
-
-
 class FlatState:
     """One optimizer's flat state buffers (fp32, zeroed) for one ParamGroup, and each parameter's DTensor views."""
 
