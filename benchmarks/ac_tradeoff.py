@@ -14,6 +14,8 @@ import argparse
 import json
 import os
 
+from step import BenchConfig  # (benchmarks/ is this script's directory)
+
 
 def rows_of(paths: list[str]) -> tuple[list[dict], dict]:
     rows, env = [], {}
@@ -23,8 +25,8 @@ def rows_of(paths: list[str]) -> tuple[list[dict], dict]:
         for result in report["results"]:
             c = result["config"]
             n = c["n_layers"]
-            recomputed = sum(1 for i in range(n) if c["activation_checkpointing"] and i % c.get("ac_every", 1) == 0
-                             and i < n - c.get("ac_skip_last", 0))
+            model = BenchConfig(**c).model_config()  # the report's config: its own rule for what is recomputed
+            recomputed = sum(map(model.checkpointed, range(n)))
             for name, v in result["variants"].items():
                 rows.append(dict(variant=name, recomputed=recomputed, n_layers=n, ms=v["median_ms"],
                                  peak=v["peak_gib"], rest=v["resting_gib"], mfu=v.get("mfu"),
