@@ -88,12 +88,14 @@ def measure(impl: str, shape: dict, device: torch.device, mesh, steps: int, warm
             pyprofile: str | None = None) -> dict:
     cfg = gpt.GPTConfig(n_layers=shape["n_layers"], dim=shape["dim"], n_heads=shape["n_heads"],
                         ffn_dim=shape["ffn_dim"], vocab_size=shape["vocab_size"], max_seq_len=shape["seq"])
+    extra = {"native_collectives": True} if impl == "ours_native" else {}
+    impl = "ours" if impl == "ours_native" else impl
     fully_shard_fn, MixedPrecisionPolicy = gpt.load_impl(impl)
     torch.manual_seed(0)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     timer = HookTimer()
     instrument(impl, timer)  # before fully_shard, which registers the (then wrapped) methods as hooks
-    model = gpt.build_sharded(cfg, impl, device, False, mesh=mesh, mp_policy=mp)
+    model = gpt.build_sharded(cfg, impl, device, False, mesh=mesh, mp_policy=mp, **extra)
     tokens = torch.randint(0, cfg.vocab_size, (1, shape["seq"]), device=device)
     units = cfg.n_layers + 1
     per_step: list[dict] = []
@@ -133,11 +135,16 @@ def measure(impl: str, shape: dict, device: torch.device, mesh, steps: int, warm
     return result
 
 
+IMPLS = ["ours", "ours_native", "fsdp2"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    p.add_argument("--impl", choices=["ours", "fsdp2"], default=None, help="one implementation (default: both, "
+    p.add_argument("--impl", choices=IMPLS, default=None, help="one implementation (default: each of --impls, "
                    "each in its own process: the timers patch classes)")
+    p.add_argument("--impls", default="ours,fsdp2", help="without --impl: the implementations to compare; "
+                   "ours_native is ours with native_collectives=True (NCCL only)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -149,7 +156,7 @@ def main() -> None:
         import subprocess
 
         rows = {}
-        for impl in ("ours", "fsdp2"):
+        for impl in args.impls.split(","):
             out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                                   os.environ.get("HOST_COST_NPROC", "1"), __file__, "--impl", impl, "--shape",
                                   args.shape, "--steps", str(args.steps), "--warmup", str(args.warmup),

@@ -139,6 +139,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--extra-ours-fp8", action="append", default=[], metavar="KEY=VAL[,KEY=VAL]",
                    help="the same for an additional 'ours_fp8' column; keys fp8.NAME go to its Fp8LinearConfig, "
                         "e.g. fp8.quantize_algo=fused")
+    p.add_argument("--extra-fused", action="append", default=[], metavar="KEY=VAL[,KEY=VAL]",
+                   help="the same for an additional 'ours_fused' column (our fused AdamW), e.g. "
+                        "native_collectives=True")
+    p.add_argument("--extra-fp8-fused", action="append", default=[], metavar="KEY=VAL[,KEY=VAL]",
+                   help="the same for an additional 'ours_fp8_fused' column")
     p.add_argument("--layers", type=int, default=None,
                    help="override the configs' layer count (e.g. config 6's 8B shape at 8 layers fits one GPU); "
                         "the report names the count it ran")
@@ -188,11 +193,14 @@ def make_variants(args) -> List[Variant]:
         if impl not in gpt.IMPLS:
             raise SystemExit(f"unknown impl {impl!r} (choose from {list(gpt.IMPLS) + list(FP8_IMPLS) + list(FUSED_IMPLS)})")
         variants.append(Variant(impl, impl, {}))
-    for base_name, fp8, texts in (("ours", "", args.extra_ours), ("ours_fp8", "ours", args.extra_ours_fp8)):
+    for base_name, fp8, fused, texts in (("ours", "", False, args.extra_ours),
+                                         ("ours_fp8", "ours", False, args.extra_ours_fp8),
+                                         ("ours_fused", "", True, args.extra_fused),
+                                         ("ours_fp8_fused", "ours", True, args.extra_fp8_fused)):
         for text in texts:
             extra = gpt.parse_kv(text)
             name = base_name + "(" + ",".join(f"{k}={v}" for k, v in extra.items()) + ")"
-            variants.append(Variant(name, "ours", extra, fp8))
+            variants.append(Variant(name, "ours", extra, fp8, fused_optimizer=fused))
     return variants
 
 

@@ -147,6 +147,12 @@ void register_symm_comm(py::module_& m) {
       .def("reduce_scatter", &SymmComm::reduce_scatter, py::arg("input"), py::arg("output"),
            py::arg("scale_by_inverse_world") = false, release(),
            "ncclReduceScatter(ncclSum) on the current stream; optionally output *= 1/world afterwards.")
+      .def("grouped_all_gather", &SymmComm::grouped_all_gather, py::arg("inputs"), py::arg("outputs"), release(),
+           "One NCCL group of ncclAllGather(inputs[i] -> outputs[i]) on the current stream; any device memory.")
+      .def("flat_reduce_scatter", &SymmComm::flat_reduce_scatter, py::arg("input"), py::arg("output"), release(),
+           "ncclReduceScatter(ncclSum) on the current stream; any device memory.")
+      .def("all_reduce_max", &SymmComm::all_reduce_max, py::arg("tensor"), release(),
+           "In-place ncclAllReduce(ncclMax) of a float32 tensor on the current stream.")
       .def("close", &SymmComm::close, release(), "Collective, idempotent teardown.")
       .def("abandon", &SymmComm::abandon,
            "Mark closed without NCCL calls (the communicator is already gone); leaks the windows' memory.")

@@ -261,7 +261,7 @@ int64_t SymmComm::offset_of(const at::Tensor& t) {
 // tensors of one dtype on this device inside this pool's windows, and `shard` is either this rank's slot
 // of `full` (in place) or apart from it.
 void SymmComm::check_shard_and_full(const char* op, const at::Tensor& shard, const char* shard_name,
-                                    const at::Tensor& full, const char* full_name) const {
+                                    const at::Tensor& full, const char* full_name, bool in_pool) const {
   check_tensor(shard, op, shard_name);
   check_tensor(full, op, full_name);
   TORCH_CHECK(shard.scalar_type() == full.scalar_type(), "mfsdp_ext SymmComm.", op, ": ", shard_name, " dtype ",
@@ -269,8 +269,10 @@ void SymmComm::check_shard_and_full(const char* op, const at::Tensor& shard, con
   TORCH_CHECK(full.numel() == shard.numel() * world_, "mfsdp_ext SymmComm.", op, ": ", full_name, " has ",
               full.numel(), " elements, expected world_size * ", shard_name, ".numel() = ", world_, " * ",
               shard.numel());
-  check_in_window(shard, op, shard_name);
-  check_in_window(full, op, full_name);
+  if (in_pool) {
+    check_in_window(shard, op, shard_name);
+    check_in_window(full, op, full_name);
+  }
   const int64_t shard_bytes = (int64_t)shard.nbytes();
   const uintptr_t shard_p = reinterpret_cast<uintptr_t>(shard.data_ptr());
   const uintptr_t full_p = reinterpret_cast<uintptr_t>(full.data_ptr());
@@ -308,6 +310,56 @@ void SymmComm::reduce_scatter(const at::Tensor& input, const at::Tensor& output,
     // Runs on torch's current stream of this device, i.e. the stream NCCL was given above.
     output.mul_(1.0 / (double)world_);
   }
+}
+
+void SymmComm::grouped_all_gather(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_open("grouped_all_gather");
+  TORCH_CHECK(inputs.size() == outputs.size(), "mfsdp_ext SymmComm.grouped_all_gather: ", inputs.size(),
+              " inputs but ", outputs.size(), " outputs");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_shard_and_full("grouped_all_gather", inputs[i], "inputs[i]", outputs[i], "outputs[i]", false);
+  }
+  c10::DeviceGuard guard(cuda_device(device_));
+  cudaStream_t stream = current_stream();
+  MFSDP_NCCL_CHECK(ncclGroupStart(), comm_);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i].numel() == 0) continue;
+    ncclDataType_t type;
+    size_t count;
+    gather_type(inputs[i].scalar_type(), inputs[i].numel(), &type, &count);
+    ncclResult_t r = ncclAllGather(inputs[i].data_ptr(), outputs[i].data_ptr(), count, type, comm_, stream);
+    if (r != ncclSuccess) {
+      ncclGroupEnd();  // close the group before reporting: the communicator stays usable
+      throw_nccl("ncclAllGather(input, output, count, type, comm, stream)", r, comm_);
+    }
+  }
+  MFSDP_NCCL_CHECK(ncclGroupEnd(), comm_);
+}
+
+void SymmComm::flat_reduce_scatter(const at::Tensor& input, const at::Tensor& output) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_open("flat_reduce_scatter");
+  check_shard_and_full("flat_reduce_scatter", output, "output", input, "input", false);
+  const ncclDataType_t type = reduce_type(input.scalar_type());
+  if (output.numel() == 0) return;
+  c10::DeviceGuard guard(cuda_device(device_));
+  MFSDP_NCCL_CHECK(ncclReduceScatter(input.data_ptr(), output.data_ptr(), (size_t)output.numel(), type, ncclSum,
+                                     comm_, current_stream()),
+                   comm_);
+}
+
+void SymmComm::all_reduce_max(const at::Tensor& tensor) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_open("all_reduce_max");
+  check_tensor(tensor, "all_reduce_max", "tensor");
+  TORCH_CHECK(tensor.scalar_type() == at::kFloat, "mfsdp_ext SymmComm.all_reduce_max: tensor must be float32, got ",
+              tensor.scalar_type());
+  if (tensor.numel() == 0) return;
+  c10::DeviceGuard guard(cuda_device(device_));
+  MFSDP_NCCL_CHECK(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), (size_t)tensor.numel(), ncclFloat32, ncclMax,
+                                 comm_, current_stream()),
+                   comm_);
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -121,6 +121,17 @@ class SymmComm {
   // input.numel == world * output.numel.
   void reduce_scatter(const at::Tensor& input, const at::Tensor& output, bool scale_by_inverse_world);
 
+  // ---- collectives on any memory of this device (not only the pool; NCCL's regular kernels) ----
+  // The plain path without ProcessGroupNCCL's per-call host work (fully_shard(native_collectives=True)).
+  // outputs[i] = concat over ranks of inputs[i] for every i, as one NCCL group (ncclGroupStart/End). Each
+  // inputs[i] is outputs[i]'s slot for this rank (in place) or apart from it; bytes travel as ncclUint8 for
+  // dtypes NCCL lacks (FP8).
+  void grouped_all_gather(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs);
+  // output = sum over ranks of input[rank * n : (rank + 1) * n] (ncclSum); bf16/fp16/fp32.
+  void flat_reduce_scatter(const at::Tensor& input, const at::Tensor& output);
+  // tensor = elementwise max over ranks of tensor, in place (fp32): FP8 groups' amax vectors.
+  void all_reduce_max(const at::Tensor& tensor);
+
   // ---- teardown ----
   // Collective and idempotent: waits for the device, deregisters every window (creation order), releases
   // the pool, destroys the communicator if this object created it.
@@ -158,7 +169,7 @@ class SymmComm {
   void check_tensor(const at::Tensor& t, const char* op, const char* name) const;
   void check_in_window(const at::Tensor& t, const char* op, const char* name) const;
   void check_shard_and_full(const char* op, const at::Tensor& shard, const char* shard_name, const at::Tensor& full,
-                            const char* full_name) const;
+                            const char* full_name, bool in_pool = true) const;
 
   ncclComm_t comm_ = nullptr;
   bool owns_ = false;

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import checkpoint, dtensor_norms, shard_init
 from .marks import is_marked
 from .mixed_precision import MixedPrecisionPolicy
+from .native_collectives import check_available as native_collectives_available
 from .module import FsdpModule, FsdpUnit, Strategy, eager_hook, resolve_reshard_after_forward
 from .param_group import ParamGroup
 from .symmetric.choose import check_available
@@ -24,7 +25,7 @@ _FSDP_CLASSES: dict[type, type] = {}
 def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = None,
                 reshard_after_forward: Optional[bool] = True, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 sharding_strategy: Union[str, Strategy] = Strategy.OPTIM_GRADS_PARAMS,
-                use_symm_mem: Union[bool, str] = False, verbose: bool = False,
+                use_symm_mem: Union[bool, str] = False, native_collectives: bool = False, verbose: bool = False,
                 check_finite_grads: bool = False, ignored_params: Optional[set] = None,
                 offload_policy=None, shard_placement_fn: Optional[Callable] = None) -> nn.Module:
     """Shard ``module``'s parameters (those no inner ``fully_shard`` unit owns) over ``mesh``, in place.
@@ -40,13 +41,16 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
     e.g. torchtitan's ``[model.norm, model.output]``) shards each as its own unit: the same numbers as FSDP2's
     one unit over all of them, one all-gather per module instead of one for the list. As FSDP2's: ``ignored_params``
     stay as they are (not sharded, not moved, gradients not reduced); ``offload_policy`` (CPU offload) and
-    ``shard_placement_fn`` (other than dim-0 sharding) are refused.
+    ``shard_placement_fn`` (other than dim-0 sharding) are refused. ``native_collectives=True`` (NCCL only)
+    issues the unit's all-gathers, reduce-scatters and FP8 scale all-reduces through mfsdp_ext's own NCCL
+    communicator instead of ProcessGroupNCCL: less host time per collective, but no watchdog timeout (a rank
+    that stops makes the others wait forever); see ``mfsdp_ext.native_collectives``.
     """
     if isinstance(module, (list, tuple)):  # FSDP2's list form: here one unit per module (see the docstring)
         return _fully_shard_each(module, dict(
             mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-            sharding_strategy=sharding_strategy, use_symm_mem=use_symm_mem, verbose=verbose,
-            check_finite_grads=check_finite_grads, ignored_params=ignored_params, offload_policy=offload_policy,
+            sharding_strategy=sharding_strategy, use_symm_mem=use_symm_mem,
+            native_collectives=native_collectives, verbose=verbose, check_finite_grads=check_finite_grads, ignored_params=ignored_params, offload_policy=offload_policy,
             shard_placement_fn=shard_placement_fn))
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard takes an nn.Module or a list of them, got {type(module).__name__}")
@@ -73,9 +77,10 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
     shard_init.check_devices(params, device)
     shard_init.move_buffers(module, device)
     use_symm_mem = check_available(use_symm_mem, shard_group)
+    native_collectives = native_collectives_available(native_collectives, shard_group)
     groups = shard_init.make_groups(module, params, mesh, device, shard_group, replicate_group, mp_policy, strategy)
     unit = FsdpUnit(module, type(module).__name__, groups, strategy, reshard_after_forward, mp_policy, device,
-                    use_symm_mem, verbose, check_finite_grads)
+                    use_symm_mem, native_collectives, verbose, check_finite_grads)
     _become_fsdp_module(module, unit)
     checkpoint.register_state_dict_hooks(module, groups)
     return module

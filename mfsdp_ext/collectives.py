@@ -4,8 +4,10 @@
   ReduceScatter(g, scale)    pack ``g``'s unsharded grads (times ``scale``, in the reduce dtype) and reduce-scatter
                              them; returns this rank's reduced shard (shard layout, reduce dtype)
 
-Both run on the current stream. The plain implementations here use torch.distributed (any backend); the NCCL
-symmetric-memory ones are in ``mfsdp_ext.symmetric``. A group gets its pair once, at lazy init (plain by default).
+Both run on the current stream. The plain implementations here issue their collectives through a transport:
+torch.distributed (any backend; the default) or mfsdp_ext's own NCCL communicator (``native_collectives=True``,
+``mfsdp_ext.native_collectives``). The NCCL symmetric-memory ones are in ``mfsdp_ext.symmetric``. A group gets its
+pair once, at lazy init (plain over torch.distributed by default).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+import torch.distributed as dist
 
 from . import dist_ops
 
@@ -32,10 +35,31 @@ class ReduceScatter(Protocol):
     def __call__(self, g: "ParamGroup", scale: float) -> torch.Tensor: ...
 
 
+class TorchTransport:
+    """The collectives of the plain path through torch.distributed (ProcessGroupNCCL, gloo)."""
+
+    name = "plain"
+
+    def __init__(self):
+        self.all_gather_op = PlainAllGather(self)
+        self.reduce_scatter_op = PlainReduceScatter(self)
+
+    def all_gather_into(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], group) -> None:
+        dist_ops.all_gather_into(outputs, inputs, group)
+
+    def reduce_scatter_into(self, output: torch.Tensor, input: torch.Tensor, group) -> None:
+        dist_ops.reduce_scatter_into(output, input, group)
+
+    def all_reduce_max(self, tensor: torch.Tensor, group) -> None:
+        dist_ops.all_reduce(tensor, group, op=dist.ReduceOp.MAX)
+
+
 class PlainAllGather:
     """One all-gather per parameter, issued as one group, each landing in place (no copy-in, no copy-out)."""
 
-    name = "plain"
+    def __init__(self, transport):
+        self.transport = transport
+        self.name = transport.name
 
     def __call__(self, g: "ParamGroup") -> None:
         if g.unsharded is g.main_weight:  # replicated, no cast: the module computes on the main weight
@@ -44,15 +68,17 @@ class PlainAllGather:
             g.write_shard(g.unsharded.data)
         elif g.cast_in_slot:  # no cached compute-dtype shard: cast into this rank's slots, gather in place
             g.cast_into_own_slots()
-            dist_ops.all_gather_into(g.gather_outputs, g.own_unsharded_slots, g.shard_group)
+            self.transport.all_gather_into(g.gather_outputs, g.own_unsharded_slots, g.shard_group)
         else:
-            dist_ops.all_gather_into(g.gather_outputs, g.gather_inputs, g.shard_group)
+            self.transport.all_gather_into(g.gather_outputs, g.gather_inputs, g.shard_group)
 
 
 class PlainReduceScatter:
     """Pack rank-major (one native launch), then one flat reduce-scatter whose output is the shard itself."""
 
-    name = "plain"
+    def __init__(self, transport):
+        self.transport = transport
+        self.name = transport.name
 
     def __call__(self, g: "ParamGroup", scale: float) -> torch.Tensor:
         packed = torch.empty(g.layout.rank_major_numel, dtype=g.reduce_dtype, device=g.device)
@@ -60,9 +86,10 @@ class PlainReduceScatter:
         if g.world == 1:
             return packed
         reduced = torch.empty(g.layout.shard_numel, dtype=g.reduce_dtype, device=g.device)
-        dist_ops.reduce_scatter_into(reduced, packed, g.shard_group)
+        self.transport.reduce_scatter_into(reduced, packed, g.shard_group)
         return reduced
 
 
-PLAIN_ALL_GATHER = PlainAllGather()
-PLAIN_REDUCE_SCATTER = PlainReduceScatter()
+TORCH_TRANSPORT = TorchTransport()
+PLAIN_ALL_GATHER = TORCH_TRANSPORT.all_gather_op
+PLAIN_REDUCE_SCATTER = TORCH_TRANSPORT.reduce_scatter_op

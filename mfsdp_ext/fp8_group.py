@@ -87,9 +87,10 @@ class Fp8ParamGroup(ParamGroup):
         if self._synced_version == version:
             return
         _native.segment_amax(self.main_weight.data, self.segments, self.amax)
-        for group in (self.shard_group, self.replicate_group):
-            if group is not None and dist.get_world_size(group) > 1:
-                dist_ops.all_reduce(self.amax, group, op=dist.ReduceOp.MAX)
+        if self.world > 1:
+            self.transport.all_reduce_max(self.amax, self.shard_group)
+        if self.replicate_group is not None and dist.get_world_size(self.replicate_group) > 1:
+            dist_ops.all_reduce(self.amax, self.replicate_group, op=dist.ReduceOp.MAX)
         self._synced_version = version
         self.stats.scale_syncs += 1
         self._scales_pending = True
@@ -118,7 +119,7 @@ class Fp8ParamGroup(ParamGroup):
             self._scales_pending = False
 
     def all_gather(self, op=None) -> None:
-        """Gather every rank's FP8 shard into unsharded_fp8 (plain collectives only: ``op`` is not used), then
+        """Gather every rank's FP8 shard into unsharded_fp8 (through ``transport``: ``op`` is not used), then
         dequantize it into the compute-dtype buffer (compute=False) or make the layers' FP8 views (compute=True)."""
         self.unsharded_fp8.alloc()
         if not self.keep_fp8_shard:
@@ -128,7 +129,7 @@ class Fp8ParamGroup(ParamGroup):
             if self.world == 1:  # one rank: the shard layout is the unsharded layout
                 self.unsharded_fp8.data.copy_(self.model_weight.data)
             else:
-                dist_ops.all_gather_into(self.fp8_gather_outputs, self.fp8_gather_inputs, self.shard_group)
+                self.transport.all_gather_into(self.fp8_gather_outputs, self.fp8_gather_inputs, self.shard_group)
         if not self.keep_fp8_shard:
             # freed in the all-gather stream's order (this runs on it): reused only after the collective
             self.model_weight.free()

@@ -23,12 +23,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 
-from .collectives import PLAIN_ALL_GATHER, PLAIN_REDUCE_SCATTER
 from . import dist_ops, finite_grads, same_model, summary, tensor_tree
 from .context import FsdpContext
 from .mixed_precision import MixedPrecisionPolicy
 from .param_group import ParamGroup
 from .states import ShardedState, TrainingState
+from .native_collectives import use_native_collectives
 from .symmetric.choose import choose_symmetric
 
 
@@ -88,7 +88,8 @@ class FsdpUnit:
 
     def __init__(self, module: nn.Module, name: str, groups: list[ParamGroup], strategy: Strategy,
                  reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy, device: torch.device,
-                 use_symm_mem: bool | str = False, verbose: bool = False, check_finite_grads: bool = False):
+                 use_symm_mem: bool | str = False, native_collectives: bool = False, verbose: bool = False,
+                 check_finite_grads: bool = False):
         self.module = module
         self.name = name or module.__class__.__name__
         self.groups = groups
@@ -97,6 +98,7 @@ class FsdpUnit:
         self.mp_policy = mp_policy
         self.device = device
         self.use_symm_mem = use_symm_mem  # False, True or "auto" (resolved at lazy init)
+        self.native_collectives = native_collectives  # the groups get the native transport at lazy init
         self.verbose = verbose  # the root prints the unit summary at its first forward
         self.check_finite_grads = check_finite_grads  # the root's applies to its whole tree
         self.context: Optional[FsdpContext] = None
@@ -146,6 +148,7 @@ class FsdpUnit:
         ctx = FsdpContext(self, units, self.device)
         for unit in units:
             unit.context = ctx
+        use_native_collectives(units)  # before the symmetric choice, which may replace them
         ctx.symmetric = choose_symmetric(units)
         if summary.wanted(self.verbose):
             summary.print_summary(self.module, units)
@@ -555,7 +558,7 @@ class FsdpModule:
             return
         for u in ctx.units:
             for g in u.groups:
-                g.all_gather_op, g.reduce_scatter_op = PLAIN_ALL_GATHER, PLAIN_REDUCE_SCATTER
+                g.all_gather_op, g.reduce_scatter_op = g.transport.all_gather_op, g.transport.reduce_scatter_op
         symmetric, ctx.symmetric = ctx.symmetric, None
         symmetric.close()  # waits for the device, so no collective still uses the stages
 

@@ -24,7 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _native, dist_ops, replaced_params
-from .collectives import PLAIN_ALL_GATHER, PLAIN_REDUCE_SCATTER, AllGather, ReduceScatter
+from .collectives import PLAIN_ALL_GATHER, PLAIN_REDUCE_SCATTER, TORCH_TRANSPORT, AllGather, ReduceScatter
 from .flat_buffer import FlatBuffer
 from .layout import FlatLayout, contiguous_stride
 
@@ -144,7 +144,9 @@ class ParamGroup:
         self._external_writes = 0
         self._aliases: list[tuple[weakref.ref, int]] = []  # (tensor sharing main_weight's storage, its version)
         _OptimizerSteps.watch()
-        # The collectives (see collectives.py); lazy init may swap in the symmetric-memory ones.
+        # The collectives (see collectives.py); lazy init may swap in the native or symmetric-memory ones. The
+        # transport also carries FP8 groups' own gather and scale all-reduce over the shard group.
+        self.transport = TORCH_TRANSPORT
         self.all_gather_op: AllGather = PLAIN_ALL_GATHER
         self.reduce_scatter_op: ReduceScatter = PLAIN_REDUCE_SCATTER
         self._make_params()

@@ -2,7 +2,8 @@
 # The whole GPU check, in stages so one device call fits its 10-minute limit:
 #   scripts/gpu_check.sh build tests kernels symm units optim step step6 hostcost memory noshard fp8 fp8train jit hf mainjob
 #   (not in the default list: gpt200: 200 training steps, bf16 vs FP8; fp8step, fp8cache: FP8 step rows on any GPU
-#   count; fp8host: the FP8 layer's host time; step6ac: config 6 with less recomputation)
+#   count; fp8host: the FP8 layer's host time; step6ac: config 6 with less recomputation; native: native_collectives
+#   against torch.distributed's collectives)
 #   scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
 #   scripts/gpu_check.sh build fp8train FP8 weights in fully_shard: GPU tests + step.py's FP8 variants (2 GPUs)
 # Logs and result tables go to $OUT (the device runner's output folder; /tmp/out elsewhere).
@@ -94,6 +95,17 @@ for stage in $stages; do
         run fp8train_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/test_fp8_training.py
         run fp8train_step timeout -k 10 240 torchrun --standalone --nproc-per-node 2 benchmarks/step.py \
             --configs 2,3 --impls ours,ours_fp8,fsdp2,fsdp2_float8 --out "$OUT/fp8_step" ;;
+    native)  # native_collectives=True (our own NCCL communicator) vs torch.distributed's: GPU tests, steps of
+             # configs 1-5 (bf16) and 1, 4 (FP8) with the fused optimizer against FSDP2, host cost in config 3
+        run native_tests timeout -k 10 200 python3 -m pytest -m gpu -q -s tests/test_gpu.py -k "native or symm"
+        run native_step timeout -k 10 300 torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \
+            benchmarks/step.py --configs 1,4,2,3,5 --impls ours_fused,fsdp2 --extra-fused native_collectives=True \
+            --steps 10 --warmup 3 --out "$OUT/native_step"
+        run native_fp8step timeout -k 10 150 torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \
+            benchmarks/step.py --configs 1,4 --impls ours_fused,ours_fp8_fused \
+            --extra-fp8-fused native_collectives=True --no-floor --steps 10 --warmup 3 --out "$OUT/native_fp8step"
+        run native_hostcost env HOST_COST_NPROC=2 timeout -k 10 150 python3 benchmarks/host_cost.py --shape config3 \
+            --impls ours,ours_native,fsdp2 --out "$OUT/native_hostcost" ;;
     gpt200)  # a GPT trained 200 steps in bf16 and in FP8 on every GPU here: the final losses must be within 2%
         for mode in bf16 fp8; do
             flag=(); [ $mode = fp8 ] && flag=(--fp8)

@@ -544,6 +544,13 @@ def _case_errors():
         assert auto._mfsdp_unit.use_symm_mem is False
         assert any("plain collectives" in str(w.message) for w in caught) or getattr(
             check_available, "_warned", False)
+        msgs["native_gloo"] = _expect(RuntimeError, "it needs CUDA GPUs",
+                                      lambda: fully_shard(nn.Linear(4, 4), native_collectives=True))
+    msgs["native_not_bool"] = _expect(ValueError, "native_collectives must be True or False",
+                                      lambda: fully_shard(nn.Linear(4, 4), native_collectives="auto"))
+    msgs["native_no_shard"] = _expect(RuntimeError, "no_shard has no all-gather",
+                                      lambda: fully_shard(nn.Linear(4, 4), sharding_strategy="no_shard",
+                                                          native_collectives=True))
     # release_symmetric_memory: on the root only; a no-op where nothing symmetric was allocated
     two = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     fully_shard(two[0])

@@ -20,7 +20,7 @@ from . import test_robustness as rb
 from . import test_fully_shard as fs
 from . import test_strategies as st
 from .conftest import get_pool
-from .models import Block, TinyLM, rank_device, rel_err, run_profiled, shard_tiny_lm, train
+from .models import Block, TinyLM, batch, lm_loss, rank_device, rel_err, run_profiled, shard_tiny_lm, train
 
 pytestmark = pytest.mark.gpu
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
@@ -228,6 +228,54 @@ def _case_symm_auto():
 
 def test_symm_mem_auto(gpu_pool):
     print(gpu_pool.run(_case_symm_auto)[0])
+
+
+# ----------------------------------------------------------------------------------------------- native collectives
+def _pg_collectives_in_backward(model) -> list[str]:
+    """The ProcessGroupNCCL collectives (c10d:: ops) one forward + backward of ``model`` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    tokens, targets = batch(0, 48, device=rank_device())
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        lm_loss(model, tokens, targets).backward()
+        torch.cuda.synchronize()
+    model.zero_grad()
+    return [e.name for e in prof.events() if e.name.startswith("c10d::")]
+
+
+def _case_native_collectives(mode: str, k: int):
+    """native_collectives=True trains as the torch.distributed path does (fp32: to 1e-6), every sharded group
+    uses the native transport, and a forward + backward calls no ProcessGroupNCCL collective."""
+    from mfsdp_ext import Fp8Policy
+
+    torch.manual_seed(22)
+    base = TinyLM(vocab=512, dim=256, ffn=1024)
+    mp = {"fp32": MixedPrecisionPolicy(), "bf16": BF16,
+          "fp8": MixedPrecisionPolicy(param_dtype=torch.bfloat16, fp8=Fp8Policy(compute=True))}[mode]
+    plain = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=mp)
+    native = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=mp, native_collectives=True)
+    # 48 sequences of 6 tokens: every microbatch's GEMMs have M a multiple of 16 (FP8)
+    a = train(plain, 5, 48, sharded=True, microbatches=k, microbatch_ctx=microbatch)
+    b = train(native, 5, 48, sharded=True, microbatches=k, microbatch_ctx=microbatch)
+    loss_err = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+    pa, pb = full_state_dict(plain), full_state_dict(native)
+    param_err = max(rel_err(pb[n], pa[n]) for n in pa)
+    groups = [g for u in native._mfsdp_unit.context.units for g in u.groups if g.world > 1]
+    assert groups and all(g.all_gather_op.name == g.reduce_scatter_op.name == "native" for g in groups)
+    assert mode != "fp8" or any(g.fp8 for g in groups)
+    pg_plain, pg_native = _pg_collectives_in_backward(plain), _pg_collectives_in_backward(native)
+    assert pg_plain and not pg_native, (pg_plain, pg_native)
+    if mode == "fp32":
+        assert loss_err <= 1e-6 and param_err <= 1e-5, (loss_err, param_err, a, b)
+    else:  # bf16 / FP8 rounding: losses agree to their precision (params drift under AdamW)
+        assert loss_err <= 2e-2, (loss_err, a, b)
+    return {"loss_err": loss_err, "param_err": param_err, "torch collectives per fwd+bwd (plain)": len(pg_plain)}
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "fp8"])
+def test_native_collectives_parity(gpu_pool, mode, k):
+    print(gpu_pool.run(_case_native_collectives, mode, k)[0])
 
 
 def _case_symm_kernels(use_symm_mem):

@@ -1,0 +1,94 @@
+"""The plain collectives issued through mfsdp_ext's own NCCL communicator: ``fully_shard(native_collectives=True)``.
+
+Why: ProcessGroupNCCL spends ~100-140 us of host time on each collective (its work object, the events between
+its stream and the caller's, the watchdog's bookkeeping; measured in benchmarks/results, session 7). A unit makes
+three per step (two gathers and a reduce-scatter; FP8 groups one more, the scale all-reduce), so in host-bound
+steps (many small units, FP8 layers) they are a large share of the step. Here the same grouped per-parameter
+all-gather, flat reduce-scatter and amax all-reduce are one C++ call each (``ncclGroupStart``/``ncclAllGather``...
+on the caller's current stream), as the rest of the plain path expects.
+
+What is given up: ProcessGroupNCCL's watchdog. A rank that never reaches a collective makes the others wait
+forever instead of raising a timeout error after ``timeout``.
+
+One communicator per shard process group and process, created (collectively, the first time a root's lazy init
+asks for it) from an ncclUniqueId shared through the group's store, and kept until the process exits: destroying
+an NCCL communicator is collective, so it is not left to the garbage collector. Its memory is NCCL's, outside
+PyTorch's allocator.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _native
+from .collectives import PlainAllGather, PlainReduceScatter
+from .symmetric.comm import _exchange_unique_id, _native_reason
+
+_TRANSPORTS: dict = {}  # shard process group -> its NcclTransport (one communicator per group and process)
+
+
+def unavailable_reason(group: Optional[dist.ProcessGroup]) -> Optional[str]:
+    """Why ``native_collectives=True`` cannot run over ``group``, or None when it can."""
+    if group is None:
+        return "no_shard has no all-gather or reduce-scatter"
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        return "it needs CUDA GPUs and a CUDA build of torch"
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" not in backend:
+        return f"the shard group's backend is {backend!r}; it needs 'nccl'"
+    return _native_reason()  # the extension built with NCCL, and a recent enough NCCL library
+
+
+def check_available(native_collectives: bool, group: Optional[dist.ProcessGroup]) -> bool:
+    """fully_shard's check: an error that says what to do, or the setting."""
+    if native_collectives not in (False, True):
+        raise ValueError(f"native_collectives must be True or False, got {native_collectives!r}")
+    reason = unavailable_reason(group) if native_collectives else None
+    if reason is not None:
+        raise RuntimeError(f"fully_shard(native_collectives=True): {reason}. Pass native_collectives=False (the "
+                           "default: torch.distributed's collectives).")
+    return native_collectives
+
+
+class NcclTransport:
+    """The plain path's collectives on an NCCL communicator of mfsdp_ext's own (the same kernels as
+    ProcessGroupNCCL's; not its host path)."""
+
+    name = "native"
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device):
+        C = _native._C
+        uid = _exchange_unique_id(C, group)
+        with torch.cuda.device(device):
+            self.comm = C.SymmComm(unique_id=uid, rank=dist.get_rank(group), world_size=dist.get_world_size(group),
+                                   device=device.index)
+        self.all_gather_op = PlainAllGather(self)
+        self.reduce_scatter_op = PlainReduceScatter(self)
+
+    def all_gather_into(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], group) -> None:
+        self.comm.grouped_all_gather(inputs, outputs)
+
+    def reduce_scatter_into(self, output: torch.Tensor, input: torch.Tensor, group) -> None:
+        self.comm.flat_reduce_scatter(input, output)
+
+    def all_reduce_max(self, tensor: torch.Tensor, group) -> None:
+        self.comm.all_reduce_max(tensor)
+
+
+def use_native_collectives(units) -> None:
+    """At lazy init: give the sharded groups of units with native_collectives=True the native transport. Every
+    rank walks the same units in the same order, so the communicators are created alike (collectively)."""
+    for unit in units:
+        if not unit.native_collectives:
+            continue
+        for g in unit.groups:
+            if g.world == 1:
+                continue
+            transport = _TRANSPORTS.get(g.shard_group)
+            if transport is None:
+                transport = _TRANSPORTS[g.shard_group] = NcclTransport(g.shard_group, g.device)
+            g.transport = transport
+            g.all_gather_op, g.reduce_scatter_op = transport.all_gather_op, transport.reduce_scatter_op
