@@ -60,6 +60,7 @@ from torch.distributed.device_mesh import init_device_mesh
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import gpt  # noqa: E402
+import timeline  # noqa: E402  (benchmarks/, the script's own folder)
 
 warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
 
@@ -164,8 +165,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(same seed) and shard it, so every variant starts from identical weights")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--profile-dir", default=None,
-                   help="after timing, profile one more step of each variant (CPU + CUDA) and write rank 0's "
-                        "op tables to DIR/profile_<config>_<variant>.txt")
+                   help="after timing, profile two more steps of each variant (GPU only: where the GPU waits, "
+                        "printed; then CPU + GPU) and write rank 0's breakdown and op tables to "
+                        "DIR/profile_<config>_<variant>.txt")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--timeout-s", type=int, default=600, help="process-group timeout")
     return p.parse_args(argv)
@@ -456,9 +458,21 @@ def model_flops_utilization(bc: BenchConfig, step_ms: float, device: torch.devic
 
 
 def profile_step(step, device: torch.device, path: str) -> None:
-    """One step under the profiler; rank 0 writes the ops by self CPU time (host cost) and by device time."""
+    """Two more steps under the profiler. The first records only the GPU (CUPTI costs the host little, so the
+    timeline is the real one): where the GPU waits (timeline.py). The second records the host too: rank 0
+    writes the ops by self CPU time (host cost) and by device time."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    gpu_time = ""
+    if device.type == "cuda":
+        gpt.synchronize(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            gpt.synchronize(device)
+        kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+        gpu_time = timeline.describe(timeline.breakdown(kernels))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     gpt.synchronize(device)
     t0 = time.perf_counter()
@@ -468,11 +482,14 @@ def profile_step(step, device: torch.device, path: str) -> None:
     wall_ms = (time.perf_counter() - t0) * 1e3
     if dist.get_rank() != 0:
         return
+    if gpu_time:
+        print(f"{os.path.basename(path)}: {gpu_time}", flush=True)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     averages = prof.key_averages()
     device_key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     with open(path, "w") as f:
-        f.write(f"one profiled step: {wall_ms:.1f} ms wall (profiler overhead included)\n\n")
+        f.write(f"{gpu_time}\n\none profiled step (host and GPU): {wall_ms:.1f} ms wall (profiler overhead "
+                "included)\n\n")
         f.write(averages.table(sort_by="self_cpu_time_total", row_limit=30) + "\n\n")
         f.write(averages.table(sort_by=device_key, row_limit=20) + "\n")
 

@@ -68,8 +68,6 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
                            "(gloo on CPU, nccl with device_id=... on GPUs)")
     strategy = Strategy(sharding_strategy)
     dtensor_norms.install()  # clip_grad_norm_(norm_type=inf) on ranks with empty shards
-    if use_symm_mem not in (False, True, "auto"):
-        raise ValueError(f"use_symm_mem must be False, True or 'auto', got {use_symm_mem!r}")
     mesh, device, shard_group, replicate_group = shard_init.resolve_mesh(mesh, strategy)
     params = shard_init.owned_params(module, ignored_params or ())
     if params and all(is_marked(p) for _, p, _ in params):

@@ -3,7 +3,7 @@
 #   scripts/gpu_check.sh build tests kernels symm units optim step step6 hostcost memory noshard fp8 fp8train jit hf mainjob
 #   (not in the default list: gpt200: 200 training steps, bf16 vs FP8; fp8step, fp8cache: FP8 step rows on any GPU
 #   count; fp8host: the FP8 layer's host time; step6ac: config 6 with less recomputation; native: native_collectives
-#   against torch.distributed's collectives)
+#   against torch.distributed's collectives; timeline: where the GPU waits in each config's step)
 #   scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
 #   scripts/gpu_check.sh build fp8train FP8 weights in fully_shard: GPU tests + step.py's FP8 variants (2 GPUs)
 # Logs and result tables go to $OUT (the device runner's output folder; /tmp/out elsewhere).
@@ -106,6 +106,14 @@ for stage in $stages; do
             --extra-fp8-fused native_collectives=True --no-floor --steps 10 --warmup 3 --out "$OUT/native_fp8step"
         run native_hostcost env HOST_COST_NPROC=2 timeout -k 10 150 python3 benchmarks/host_cost.py --shape config3 \
             --impls ours,ours_native,fsdp2 --out "$OUT/native_hostcost" ;;
+    timeline)  # where the GPU waits in each config's step: compute busy, idle under communication, idle with
+               # nothing running (step.py --profile-dir: a GPU-only profiled step), bf16 configs 1-5 and FP8 1, 4
+        run timeline_bf16 timeout -k 10 300 torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \
+            benchmarks/step.py --configs 4,5,1,2,3 --impls ours_fused --extra-fused native_collectives=True \
+            --no-floor --steps 5 --warmup 2 --profile-dir "$OUT/timeline" --out "$OUT/timeline"
+        run timeline_fp8 timeout -k 10 150 torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \
+            benchmarks/step.py --configs 1,4 --impls ours_fp8_fused --extra-fp8-fused native_collectives=True \
+            --no-floor --steps 5 --warmup 2 --profile-dir "$OUT/timeline_fp8" --out "$OUT/timeline_fp8" ;;
     gpt200)  # a GPT trained 200 steps in bf16 and in FP8 on every GPU here: the final losses must be within 2%
         for mode in bf16 fp8; do
             flag=(); [ $mode = fp8 ] && flag=(--fp8)

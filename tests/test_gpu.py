@@ -278,6 +278,37 @@ def test_native_collectives_parity(gpu_pool, mode, k):
     print(gpu_pool.run(_case_native_collectives, mode, k)[0])
 
 
+def _case_native_comm_memory():
+    """Our own communicator's device memory (NCCL's, outside PyTorch's allocator, so no peak in step.py shows it):
+    the free memory lost by creating it and running a first all-gather, reduce-scatter and all-reduce, minus what
+    PyTorch's allocator reserved meanwhile. Also checks the three collectives' results."""
+    import torch.distributed as dist
+
+    from mfsdp_ext.native_collectives import NcclTransport
+
+    dev, world, n = rank_device(), dist.get_world_size(), 1 << 20
+    torch.cuda.synchronize()
+    free0, reserved0 = torch.cuda.mem_get_info(dev)[0], torch.cuda.memory_reserved(dev)
+    transport = NcclTransport(dist.group.WORLD, dev)
+    full = torch.empty(world * n, dtype=torch.bfloat16, device=dev)
+    transport.all_gather_into([full], [torch.full((n,), dist.get_rank() + 1.0, dtype=torch.bfloat16, device=dev)], None)
+    reduced = torch.empty(n, device=dev)
+    transport.reduce_scatter_into(reduced, torch.ones(world * n, device=dev), None)
+    amax = torch.tensor([float(dist.get_rank()), 1.0], device=dev)
+    transport.all_reduce_max(amax, None)
+    torch.cuda.synchronize()
+    free1, reserved1 = torch.cuda.mem_get_info(dev)[0], torch.cuda.memory_reserved(dev)
+    assert torch.equal(full.view(world, n)[:, 0].float().cpu(), torch.arange(1.0, world + 1))
+    assert reduced.eq(world).all() and amax.tolist() == [world - 1.0, 1.0]
+    nccl_mib = ((free0 - free1) - (reserved1 - reserved0)) / 2**20
+    assert nccl_mib < 2048, nccl_mib
+    return {"native communicator MiB": round(nccl_mib, 1)}
+
+
+def test_native_comm_memory(gpu_pool):
+    print(gpu_pool.run(_case_native_comm_memory))
+
+
 def _case_symm_kernels(use_symm_mem):
     dev = rank_device()
     model = _stack(4, 1024, 4096, use_symm_mem=use_symm_mem)

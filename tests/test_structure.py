@@ -18,7 +18,7 @@ LAYERS = [
      "tensor_tree"],
     ["flat_buffer", "dist_ops", "symmetric.comm", "fp8_tensor"],
     ["collectives", "fp8_linear"],
-    ["symmetric.collectives"],
+    ["symmetric.collectives", "native_collectives"],
     ["symmetric.choose"],
     ["param_group"],
     ["context", "summary", "fp8_group", "finite_grads", "same_model"],

@@ -25,6 +25,8 @@ AUTO_MARGIN = 0.95  # the symmetric path must be at least 5% faster to be chosen
 
 def check_available(use_symm_mem, group) -> bool | str:
     """Resolve the user's setting at fully_shard time: an error for True, one warning for "auto"."""
+    if use_symm_mem not in (False, True, "auto"):
+        raise ValueError(f"use_symm_mem must be False, True or 'auto', got {use_symm_mem!r}")
     if not use_symm_mem:
         return False
     ok, why = (False, "no_shard has no all-gather or reduce-scatter") if group is None else is_available(group)
