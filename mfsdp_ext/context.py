@@ -93,6 +93,13 @@ class FsdpContext:
         order = self.prev_forward_end_order
         return len(order) >= 2 and order[-1] is self.root and order[-2] is unit
 
+    def needed_first_in_next_microbatch(self, unit: "FsdpUnit") -> bool:
+        """Inside microbatch(is_last=False), the first two units of the forward (the root and the unit it
+        prefetches) keep their weights gathered after backward: the next microbatch's forward then starts without
+        waiting for their all-gathers. Its weights are this step's (is_first=False casts nothing; a changed
+        weights version gathers again), and that forward holds these two gathered at its start anyway."""
+        return self.explicit_microbatch and not self.is_last_microbatch and unit in self.forward_order[:2]
+
     def units_in_finish_order(self) -> list["FsdpUnit"]:
         """Every unit, those that ran in reverse forward order first (the order their backward ran in)."""
         ran = list(reversed(self.forward_order or self.units))

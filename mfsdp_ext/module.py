@@ -198,9 +198,11 @@ class FsdpUnit:
         self.unshard_event = None
 
     def show_sharded_params(self) -> None:
-        """The user sees the sharded parameters; the gathered storage is kept only where the strategy keeps it or
-        set_reshard_after_backward(False) asked for it (the next forward then needs no all-gather)."""
-        if self.strategy.keeps_weights_gathered or not self.reshard_after_backward:
+        """The user sees the sharded parameters; the gathered storage is kept only where the strategy keeps it,
+        set_reshard_after_backward(False) asked for it, or the next microbatch's forward needs it first (then
+        that forward needs no all-gather)."""
+        if (self.strategy.keeps_weights_gathered or not self.reshard_after_backward
+                or self.context.needed_first_in_next_microbatch(self)):
             for g in self.groups:
                 g.use_sharded_params()
         elif self.sharded_state is ShardedState.UNSHARDED:
