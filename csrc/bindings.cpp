@@ -166,6 +166,8 @@ void register_symm_comm(py::module_& m) {
       .def_property_readonly("capacity", &SymmComm::capacity)
       .def_property_readonly("bytes_in_use", &SymmComm::bytes_in_use)
       .def_property("grow_bytes", &SymmComm::grow_bytes, &SymmComm::set_grow_bytes)
+      .def_property("kept_until_exit", &SymmComm::kept_until_exit, &SymmComm::set_kept_until_exit,
+                    "True: the destructor does not warn about a missing close() (kept until the process exits).")
       .def_property_readonly_static("alignment", [](py::object) { return mfsdp::symm::kWindowAlignment; });
 }
 #endif

@@ -185,7 +185,7 @@ SymmComm::~SymmComm() {
       ++windows;
     }
   }
-  if (windows > 0 || owns_) {
+  if ((windows > 0 || owns_) && !kept_until_exit_) {
     std::fprintf(stderr,
                  "mfsdp_ext SymmComm: destroyed without close(); %s%zu symmetric window(s) (%lld bytes) stay "
                  "until the process exits. Call close() (or release_symmetric_memory() on a fully_shard "

@@ -147,6 +147,10 @@ class SymmComm {
   bool owns_comm() const { return owns_; }
   bool closed() const { return closed_; }
   int64_t comm_ptr() const { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(comm_)); }
+  // Set where leaving the communicator to the process's exit is the plan (native_collectives' communicator):
+  // the destructor then does not warn that close() was never called.
+  bool kept_until_exit() const { return kept_until_exit_; }
+  void set_kept_until_exit(bool v) { kept_until_exit_ = v; }
   int64_t grow_bytes() const { return grow_bytes_; }
   void set_grow_bytes(int64_t b);
   int64_t capacity();
@@ -174,6 +178,7 @@ class SymmComm {
   ncclComm_t comm_ = nullptr;
   bool owns_ = false;
   bool closed_ = false;
+  bool kept_until_exit_ = false;
   int rank_ = -1;
   int world_ = 0;
   int device_ = -1;

@@ -65,6 +65,7 @@ class NcclTransport:
         with torch.cuda.device(device):
             self.comm = C.SymmComm(unique_id=uid, rank=dist.get_rank(group), world_size=dist.get_world_size(group),
                                    device=device.index)
+        self.comm.kept_until_exit = True  # by design (see the module docstring): no warning at exit
         self.all_gather_op = PlainAllGather(self)
         self.reduce_scatter_op = PlainReduceScatter(self)
 

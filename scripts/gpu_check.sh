@@ -56,9 +56,10 @@ for stage in $stages; do
         done
         run step6ac_table python3 benchmarks/ac_tradeoff.py "$OUT"/step6_ac/step_2gpu.json \
             "$OUT"/step6_skip*/step_2gpu.json --out "$OUT" --stem step_2gpu_config6_ac_tradeoff ;;
-    hostcost)  # host time per unit per step in the hooks, config 3's shape, ours vs FSDP2 (2 GPUs)
+    hostcost)  # host time per unit per step in the hooks, config 3's shape, ours (also with native_collectives)
+               # vs FSDP2 (2 GPUs)
         run hostcost env HOST_COST_NPROC=2 timeout -k 10 200 python3 benchmarks/host_cost.py --shape config3 \
-            --out "$OUT" ;;
+            --impls ours,ours_native,fsdp2 --out "$OUT" ;;
     memory)  # what is live at the peak of forward+backward and of the optimizer step, by owner, ours vs FSDP2
         run memory timeout -k 10 300 torchrun --standalone --nproc-per-node 2 benchmarks/memory.py --configs 1,4 \
             --out "$OUT" ;;
@@ -96,16 +97,15 @@ for stage in $stages; do
         run fp8train_step timeout -k 10 240 torchrun --standalone --nproc-per-node 2 benchmarks/step.py \
             --configs 2,3 --impls ours,ours_fp8,fsdp2,fsdp2_float8 --out "$OUT/fp8_step" ;;
     native)  # native_collectives=True (our own NCCL communicator) vs torch.distributed's: GPU tests, steps of
-             # configs 1-5 (bf16) and 1, 4 (FP8) with the fused optimizer against FSDP2, host cost in config 3
+             # configs 1-5 (bf16) and 1, 4 (FP8, with FSDP2 + torchao float8: see fp8step) with the fused optimizer
+        for w in .whl/torchao-*.whl; do [ -f "$w" ] && python3 -m pip install -q --no-deps "$w"; done
         run native_tests timeout -k 10 200 python3 -m pytest -m gpu -q -s tests/test_gpu.py -k "native or symm"
         run native_step timeout -k 10 300 torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \
             benchmarks/step.py --configs 1,4,2,3,5 --impls ours_fused,fsdp2 --extra-fused native_collectives=True \
             --steps 10 --warmup 3 --out "$OUT/native_step"
-        run native_fp8step timeout -k 10 150 torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \
-            benchmarks/step.py --configs 1,4 --impls ours_fused,ours_fp8_fused \
-            --extra-fp8-fused native_collectives=True --no-floor --steps 10 --warmup 3 --out "$OUT/native_fp8step"
-        run native_hostcost env HOST_COST_NPROC=2 timeout -k 10 150 python3 benchmarks/host_cost.py --shape config3 \
-            --impls ours,ours_native,fsdp2 --out "$OUT/native_hostcost" ;;
+        run native_fp8step timeout -k 10 200 torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \
+            benchmarks/step.py --configs 1,4 --impls ours_fused,ours_fp8_fused,fsdp2,fsdp2_float8 \
+            --extra-fp8-fused native_collectives=True --no-floor --steps 10 --warmup 3 --out "$OUT/native_fp8step" ;;
     timeline)  # where the GPU waits in each config's step: compute busy, idle under communication, idle with
                # nothing running (step.py --profile-dir: a GPU-only profiled step), bf16 configs 1-5 and FP8 1, 4
         run timeline_bf16 timeout -k 10 300 torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \
