@@ -197,19 +197,23 @@ def test_symm_mem_parity(gpu_pool, bf16, k):
     print(gpu_pool.run(_case_symm_parity, bf16, k)[0])
 
 
-def _case_symm_auto():
-    """use_symm_mem="auto": every rank decides alike, only the stages in use are allocated, same losses."""
+def _case_symm_auto(native: bool):
+    """use_symm_mem="auto": every rank decides alike, only the stages in use are allocated, same losses; with
+    native_collectives, the groups that keep the plain path keep the native one."""
     import torch.distributed as dist
 
     torch.manual_seed(21)
     base = TinyLM(vocab=512, dim=512, ffn=4096)  # blocks of ~5M parameters: both outcomes are plausible
     plain = shard_tiny_lm(copy.deepcopy(base), fully_shard)
-    auto = shard_tiny_lm(copy.deepcopy(base), fully_shard, use_symm_mem="auto")
+    auto = shard_tiny_lm(copy.deepcopy(base), fully_shard, use_symm_mem="auto", native_collectives=native)
     a = train(plain, 3, 24, sharded=True)
     b = train(auto, 3, 24, sharded=True)
     ctx = auto._mfsdp_unit.context
     chosen = [(g.all_gather_op.name == "symmetric", g.reduce_scatter_op.name == "symmetric")
               for u in ctx.units for g in u.groups]
+    others = {op.name for u in ctx.units for g in u.groups for op in (g.all_gather_op, g.reduce_scatter_op)
+              if op.name != "symmetric"}
+    assert others <= {"native" if native else "plain"}, others
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, chosen)
     assert all(c == chosen for c in everyone), everyone
@@ -226,8 +230,9 @@ def _case_symm_auto():
     return {"chosen (all_gather, reduce_scatter) per group": chosen, "pool_MiB": pool / 2**20, "loss_err": loss_err}
 
 
-def test_symm_mem_auto(gpu_pool):
-    print(gpu_pool.run(_case_symm_auto)[0])
+@pytest.mark.parametrize("native", [False, True], ids=["plain", "native"])
+def test_symm_mem_auto(gpu_pool, native):
+    print(gpu_pool.run(_case_symm_auto, native)[0])
 
 
 # ----------------------------------------------------------------------------------------------- native collectives

@@ -14,9 +14,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .. import dist_ops
 from ..device import cuda_median_ms
-from ..collectives import PLAIN_ALL_GATHER
 from .collectives import SymmetricAllGather, SymmetricReduceScatter, SymmetricStages
 from .comm import is_available
 
@@ -86,10 +84,11 @@ def _stage_bytes(gathered, reduced) -> tuple[int, int]:
 
 
 def _measure(stages: SymmetricStages, g) -> tuple[bool, bool]:
-    """Time the group's own all-gather both ways (the symmetric one with its copy into the stage and its unpack
-    into place) and, if it has gradients, the reduce-scatter of its packed gradients both ways."""
+    """Time the group's own all-gather both ways (its plain path, through torch.distributed or native_collectives'
+    communicator, and the symmetric one with its copy into the stage and its unpack into place) and, if it has
+    gradients, the reduce-scatter of its packed gradients both ways."""
     stats = dataclasses.replace(g.stats)  # timing runs are not the model's gathers
-    times = [cuda_median_ms(lambda: g.all_gather(PLAIN_ALL_GATHER)),
+    times = [cuda_median_ms(lambda: g.all_gather(g.transport.all_gather_op)),  # the plain path this group has
              cuda_median_ms(lambda: g.all_gather(SymmetricAllGather(stages)))]
     g.stats = stats
     g.free_unsharded()
@@ -99,7 +98,7 @@ def _measure(stages: SymmetricStages, g) -> tuple[bool, bool]:
         reduced = torch.empty(shard, dtype=g.reduce_dtype, device=g.device)
         s_packed, s_reduced = stages.reduce_scatter_buffers(rank_major, g.reduce_dtype)
         s_packed.copy_(packed)
-        times += [cuda_median_ms(lambda: dist_ops.reduce_scatter_into(reduced, packed, g.shard_group)),
+        times += [cuda_median_ms(lambda: g.transport.reduce_scatter_into(reduced, packed, g.shard_group)),
                   cuda_median_ms(lambda: stages.comm.reduce_scatter_into(s_reduced, s_packed))]
     t = torch.tensor(times, dtype=torch.float64, device=g.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g.shard_group)  # slowest rank: every rank decides alike
