@@ -181,7 +181,7 @@ def main() -> None:
 
 def report(rows: dict, args) -> None:
     hooks = ["pre_forward", "post_forward", "pre_backward", "post_backward", "final_callback", "total"]
-    env = rows["ours"]
+    env = next(iter(rows.values()))
     lines = [f"# Host cost per unit per step: mfsdp_ext vs FSDP2 ({args.shape} shape, {env['world']} rank(s), "
              f"{env['device']})", "",
              "Microseconds inside each hook per step / 49 units (48 blocks + root), median over "

@@ -1,5 +1,6 @@
-"""Where a profiled step's GPU time goes: compute busy, waiting with only communication running (exposed
-communication), or waiting with nothing running (the host is late: launch or Python cost, or a host wait).
+"""Where a profiled step's GPU time goes: compute busy, waiting with only communication kernels running (an exposed
+transfer, or an NCCL kernel spinning until a late peer rank joins: the two look alike here), or waiting with
+nothing running (the host is late: launch or Python cost, or a host wait).
 
     breakdown(kernels) -> dict    kernels: (name, start_us, end_us) of every kernel, copy and memset of one step
 
@@ -78,8 +79,9 @@ def breakdown(kernels: list[tuple[str, float, float]], largest: int = 5) -> dict
 
 def describe(b: dict) -> str:
     lines = [f"GPU timeline of the profiled step: window {b['window_ms']:.1f} ms = compute busy {b['compute_ms']:.1f} "
-             f"+ idle while only communication runs {b['idle_comm_ms']:.1f} + idle with nothing running "
-             f"{b['idle_none_ms']:.1f} (the host is late)"]
+             f"+ idle while only NCCL kernels run {b['idle_comm_ms']:.1f} (a transfer, or a wait for a late peer) "
+             f"+ idle with nothing running {b['idle_none_ms']:.1f} (the host is late)"]
     for g in b["gaps"]:
-        lines.append(f"  gap at {g['at_ms']:.1f} ms: {g['ms']:.2f} ms, under it: {', '.join(g['communication']) or 'nothing'}")
+        under = ", ".join(g["communication"]) or "nothing"
+        lines.append(f"  gap at {g['at_ms']:.1f} ms: {g['ms']:.2f} ms, under it: {under}")
     return "\n".join(lines)

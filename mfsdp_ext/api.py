@@ -49,9 +49,9 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
     if isinstance(module, (list, tuple)):  # FSDP2's list form: here one unit per module (see the docstring)
         return _fully_shard_each(module, dict(
             mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-            sharding_strategy=sharding_strategy, use_symm_mem=use_symm_mem,
-            native_collectives=native_collectives, verbose=verbose, check_finite_grads=check_finite_grads, ignored_params=ignored_params, offload_policy=offload_policy,
-            shard_placement_fn=shard_placement_fn))
+            sharding_strategy=sharding_strategy, use_symm_mem=use_symm_mem, native_collectives=native_collectives,
+            verbose=verbose, check_finite_grads=check_finite_grads, ignored_params=ignored_params,
+            offload_policy=offload_policy, shard_placement_fn=shard_placement_fn))
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard takes an nn.Module or a list of them, got {type(module).__name__}")
     if isinstance(module, FsdpModule):

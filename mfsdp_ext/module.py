@@ -26,9 +26,9 @@ from torch.autograd import Variable
 from . import dist_ops, finite_grads, same_model, summary, tensor_tree
 from .context import FsdpContext
 from .mixed_precision import MixedPrecisionPolicy
+from .native_collectives import use_native_collectives
 from .param_group import ParamGroup
 from .states import ShardedState, TrainingState
-from .native_collectives import use_native_collectives
 from .symmetric.choose import choose_symmetric
 
 

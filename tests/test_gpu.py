@@ -169,17 +169,23 @@ def test_peak_memory_bound(gpu_pool):
 
 
 # ----------------------------------------------------------------------------------------------- symmetric memory
-def _case_symm_parity(bf16: bool, k: int):
-    torch.manual_seed(20)
+def _train_side_by_side(seed: int, mp, k: int, global_batch: int, **shard_kwargs):
+    """A TinyLM sharded with the default collectives and one sharded with ``shard_kwargs``, trained alike for 5
+    steps: (plain, other, max relative loss difference, max relative parameter difference, losses, losses)."""
+    torch.manual_seed(seed)
     base = TinyLM(vocab=512, dim=256, ffn=1024)
-    mp = BF16 if bf16 else MixedPrecisionPolicy()
     plain = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=mp)
-    symm = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=mp, use_symm_mem=True)
-    a = train(plain, 5, 24, sharded=True, microbatches=k, microbatch_ctx=microbatch)
-    b = train(symm, 5, 24, sharded=True, microbatches=k, microbatch_ctx=microbatch)
+    other = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=mp, **shard_kwargs)
+    a = train(plain, 5, global_batch, sharded=True, microbatches=k, microbatch_ctx=microbatch)
+    b = train(other, 5, global_batch, sharded=True, microbatches=k, microbatch_ctx=microbatch)
     loss_err = max(abs(x - y) / abs(x) for x, y in zip(a, b))
-    pa, pb = full_state_dict(plain), full_state_dict(symm)
-    param_err = max(rel_err(pb[n], pa[n]) for n in pa)
+    pa, pb = full_state_dict(plain), full_state_dict(other)
+    return plain, other, loss_err, max(rel_err(pb[n], pa[n]) for n in pa), a, b
+
+
+def _case_symm_parity(bf16: bool, k: int):
+    mp = BF16 if bf16 else MixedPrecisionPolicy()
+    _, symm, loss_err, param_err, a, b = _train_side_by_side(20, mp, k, 24, use_symm_mem=True)
     print(f"symm parity bf16={bf16} k={k}: loss_err {loss_err:.2e} param_err {param_err:.2e}", flush=True)
     if bf16:  # different reduction order in bf16: losses agree to bf16 precision (params drift under AdamW)
         assert loss_err <= 2e-2, (loss_err, a, b)
@@ -253,18 +259,10 @@ def _case_native_collectives(mode: str, k: int):
     uses the native transport, and a forward + backward calls no ProcessGroupNCCL collective."""
     from mfsdp_ext import Fp8Policy
 
-    torch.manual_seed(22)
-    base = TinyLM(vocab=512, dim=256, ffn=1024)
     mp = {"fp32": MixedPrecisionPolicy(), "bf16": BF16,
           "fp8": MixedPrecisionPolicy(param_dtype=torch.bfloat16, fp8=Fp8Policy(compute=True))}[mode]
-    plain = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=mp)
-    native = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=mp, native_collectives=True)
     # 48 sequences of 6 tokens: every microbatch's GEMMs have M a multiple of 16 (FP8)
-    a = train(plain, 5, 48, sharded=True, microbatches=k, microbatch_ctx=microbatch)
-    b = train(native, 5, 48, sharded=True, microbatches=k, microbatch_ctx=microbatch)
-    loss_err = max(abs(x - y) / abs(x) for x, y in zip(a, b))
-    pa, pb = full_state_dict(plain), full_state_dict(native)
-    param_err = max(rel_err(pb[n], pa[n]) for n in pa)
+    plain, native, loss_err, param_err, a, b = _train_side_by_side(22, mp, k, 48, native_collectives=True)
     groups = [g for u in native._mfsdp_unit.context.units for g in u.groups if g.world > 1]
     assert groups and all(g.all_gather_op.name == g.reduce_scatter_op.name == "native" for g in groups)
     assert mode != "fp8" or any(g.fp8 for g in groups)
