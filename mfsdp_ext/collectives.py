@@ -91,5 +91,3 @@ class PlainReduceScatter:
 
 
 TORCH_TRANSPORT = TorchTransport()
-PLAIN_ALL_GATHER = TORCH_TRANSPORT.all_gather_op
-PLAIN_REDUCE_SCATTER = TORCH_TRANSPORT.reduce_scatter_op

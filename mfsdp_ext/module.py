@@ -560,7 +560,7 @@ class FsdpModule:
             return
         for u in ctx.units:
             for g in u.groups:
-                g.all_gather_op, g.reduce_scatter_op = g.transport.all_gather_op, g.transport.reduce_scatter_op
+                g.use_transport(g.transport)  # back to its plain collectives
         symmetric, ctx.symmetric = ctx.symmetric, None
         symmetric.close()  # waits for the device, so no collective still uses the stages
 

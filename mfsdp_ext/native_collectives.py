@@ -91,5 +91,4 @@ def use_native_collectives(units) -> None:
             transport = _TRANSPORTS.get(g.shard_group)
             if transport is None:
                 transport = _TRANSPORTS[g.shard_group] = NcclTransport(g.shard_group, g.device)
-            g.transport = transport
-            g.all_gather_op, g.reduce_scatter_op = transport.all_gather_op, transport.reduce_scatter_op
+            g.use_transport(transport)

@@ -24,7 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _native, dist_ops, replaced_params
-from .collectives import PLAIN_ALL_GATHER, PLAIN_REDUCE_SCATTER, TORCH_TRANSPORT, AllGather, ReduceScatter
+from .collectives import TORCH_TRANSPORT, AllGather, ReduceScatter
 from .flat_buffer import FlatBuffer
 from .layout import FlatLayout, contiguous_stride
 
@@ -144,11 +144,7 @@ class ParamGroup:
         self._external_writes = 0
         self._aliases: list[tuple[weakref.ref, int]] = []  # (tensor sharing main_weight's storage, its version)
         _OptimizerSteps.watch()
-        # The collectives (see collectives.py); lazy init may swap in the native or symmetric-memory ones. The
-        # transport also carries FP8 groups' own gather and scale all-reduce over the shard group.
-        self.transport = TORCH_TRANSPORT
-        self.all_gather_op: AllGather = PLAIN_ALL_GATHER
-        self.reduce_scatter_op: ReduceScatter = PLAIN_REDUCE_SCATTER
+        self.use_transport(TORCH_TRANSPORT)  # lazy init may give the native one, or symmetric-memory collectives
         self._make_params()
         self.free_unsharded()
 
@@ -271,6 +267,13 @@ class ParamGroup:
             replaced_params.note_replaced(info.sharded, f"'{info.fqn}'", "on the meta device, before to_empty()")
         self._make_params()
         self.free_unsharded()
+
+    def use_transport(self, transport) -> None:
+        """Issue the plain collectives through ``transport`` (collectives.py): the all-gather and reduce-scatter,
+        and FP8 groups' own gather and scale all-reduce over the shard group."""
+        self.transport = transport
+        self.all_gather_op: AllGather = transport.all_gather_op
+        self.reduce_scatter_op: ReduceScatter = transport.reduce_scatter_op
 
     # ------------------------------------------------------------------ parameter swapping
     def use_sharded_params(self) -> None:
