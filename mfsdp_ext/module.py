@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from enum import Enum
 from typing import Any, Callable, Optional
 
@@ -120,6 +121,7 @@ class FsdpUnit:
         self.gathered_versions: list[Optional[tuple]] = [None] * len(groups)  # weights_version() gathered
         self._warned_no_grad_output = False
         for g in groups:
+            g.unit = weakref.ref(self)
             if g.reduce_when_ready:
                 g.on_grads_ready = self._reduce_early
 
@@ -155,16 +157,18 @@ class FsdpUnit:
         return ctx
 
     # ------------------------------------------------------------------ unshard / reshard
-    def unshard(self) -> None:
+    def unshard(self, *, after_step: bool = False) -> None:
         """Issue the all-gather of every group on the all-gather stream (does not wait for it); nothing when the
-        gathered weights are those of the current main weights."""
+        gathered weights are those of the current main weights. ``after_step``: issued by an optimizer step for
+        the next forward (step_prefetch.py): gathers the weights version the step will have once counted."""
         ctx = self.context
         gathered = self.sharded_state is ShardedState.UNSHARDED
         if gathered and not ctx.weight_sync_allowed():
             return
         # once per call: each walks the group's parameters (the epoch: FsdpContext.note_forward_mode)
-        versions = [g.weights_version() + (ctx.weights_epoch,) for g in self.groups]
-        training = torch.is_grad_enabled() or ctx.in_backward  # (backward hooks run with grad mode off)
+        versions = [g.weights_version(pending_step=after_step) + (ctx.weights_epoch,) for g in self.groups]
+        # (backward hooks run with grad mode off, and so does the optimizer step)
+        training = after_step or torch.is_grad_enabled() or ctx.in_backward
         if gathered and versions == self.gathered_versions:
             return
         with ctx.device.label(f"mfsdp.unshard {self.name}"), ctx.device.use_stream(ctx.ag_stream):

@@ -25,7 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _native, dist_ops, replaced_params
 from .collectives import TORCH_TRANSPORT, AllGather, ReduceScatter
-from .flat_buffer import FlatBuffer
+from .flat_buffer import FlatBuffer, owns_whole_storage
 from .layout import FlatLayout, contiguous_stride
 
 
@@ -121,6 +121,7 @@ class ParamGroup:
         self.reduce_when_ready = reduce_when_ready and self.requires_grad
         self.on_grads_ready = None
         self.grads_ready = 0
+        self.unit = None  # weak reference to the FsdpUnit that owns the group (set by the unit)
         self.infos = [ParamInfo(fqn, places, p.shape) for fqn, p, places in params]
         self._specs: dict[tuple[int, torch.dtype], DTensorSpec] = {}  # as_dtensor's, per (parameter, dtype)
         self.layout = FlatLayout([p.shape for _, p, _ in params], self.world)
@@ -293,18 +294,19 @@ class ParamGroup:
         return [i for i, info in enumerate(self.infos) if info.sharded.requires_grad]
 
     # ------------------------------------------------------------------ weights
-    def weights_version(self) -> tuple[int, int, int, int]:
+    def weights_version(self, pending_step: bool = False) -> tuple[int, int, int, int]:
         """Changes whenever the main weights may have changed: an optimizer step (its foreach kernels bump no
         version counter, hence the step count), an in-place op on a parameter (a hand-written update, copy_:
         the DTensor's own version counter), a write to the flat buffer (init, load), a load. Frozen groups get no
-        gradients, so no optimizer step changes them: they are not re-cast and re-gathered."""
+        gradients, so no optimizer step changes them: they are not re-cast and re-gathered. ``pending_step``:
+        inside an optimizer step, the version the weights will have once that step is counted."""
         if self._aliases:
             self._count_alias_writes()
         params, trainable = 0, False
         for info in self.infos:
             params += info.sharded._version
             trainable = trainable or info.sharded.requires_grad
-        steps = _OptimizerSteps.count if trainable else 0
+        steps = _OptimizerSteps.count + pending_step if trainable else 0
         return (steps, params, self.main_weight.data._version, self._external_writes)
 
     def mark_main_weight_changed(self) -> None:
@@ -461,13 +463,21 @@ class ParamGroup:
         attached = [self.grad_attached(i) for i in trainable]  # one walk for the decision and the zeroing
         accumulate = any(attached)  # grads_attached()
         # A new accumulation gets a new buffer: the last one is gone with its .grads, or a .grad the user still
-        # holds keeps it, and keeps its values.
-        main_grad = self.main_grad if accumulate else self._new_main_grad()
+        # holds keeps it, and keeps its values. When the reduced shard is already what main_grad would hold (its
+        # dtype, unscaled, a tensor of its own: the plain reduce-scatter's output), it becomes main_grad: no copy.
+        if accumulate:
+            main_grad = self.main_grad
+        elif (scale == 1.0 and reduced.dtype == self.main_grad_dtype and owns_whole_storage(reduced)
+              and reduced.numel() == self.layout.shard_numel):
+            main_grad = self._new_main_grad(reduced)
+        else:
+            main_grad = self._new_main_grad()
         if accumulate and not all(attached):  # one without .grad starts afresh (torch's accumulation into None)
             for i, has in zip(trainable, attached):
                 if not has:
                     main_grad.param_view(i).zero_()
-        _native.grad_accumulate(main_grad.data, reduced, scale, accumulate)
+        if main_grad.data is not reduced:
+            _native.grad_accumulate(main_grad.data, reduced, scale, accumulate)
         self.attach_grads(with_grad)
 
     @property
@@ -477,8 +487,8 @@ class ParamGroup:
         what FSDP2 holds, with no hook on the optimizer."""
         return None if self._main_grad_ref is None else self._main_grad_ref()
 
-    def _new_main_grad(self) -> FlatBuffer:
-        main_grad = FlatBuffer(self.layout, self.main_grad_dtype, self.device, rank=self.rank)
+    def _new_main_grad(self, data: torch.Tensor | None = None) -> FlatBuffer:
+        main_grad = FlatBuffer(self.layout, self.main_grad_dtype, self.device, rank=self.rank, data=data)
         self._main_grad_ref = weakref.ref(main_grad)
         for info in self.infos:  # views of the last buffer, if a reference the user kept still holds it
             info.grad_ref = None

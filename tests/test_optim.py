@@ -444,6 +444,56 @@ def _case_stale_after_materialize():
     return "ok"
 
 
+def _case_step_gathers_next_forward():
+    """The flat optimizer's step gathers the next forward's first two units (root, first block) for the weights
+    it writes: that forward gathers them no more, the losses are those of torch's optimizer (which gathers in the
+    forward), a write after the step makes the forward gather again, and a step that leaves other groups to
+    another optimizer gathers nothing early."""
+    from mfsdp_ext.states import ShardedState
+
+    a, b = _model(0), _model(0)
+    oa, ob = mo.AdamW(a.parameters(), **ADAMW), torch.optim.AdamW(b.parameters(), **ADAMW, foreach=False)
+    units = [m._mfsdp_unit for m in (a, *a.blocks)]
+    first = units[:2]  # the root and blocks[0]: the forward order
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def gathers():
+        return [sum(g.stats.all_gathers for g in u.groups) for u in units]
+
+    def loss_of(model, step):
+        tokens, targets = batch(step, GLOBAL_BATCH)
+        return lm_loss(model, tokens.chunk(world)[rank], targets.chunk(world)[rank])
+
+    for step in range(4):
+        before = gathers()
+        la, lb = loss_of(a, step), loss_of(b, step)
+        forward_gathers = [x - y for x, y in zip(gathers(), before)]
+        if step > 0:  # the last step gathered the first two units
+            assert forward_gathers[:2] == [0, 0] and all(n == 1 for n in forward_gathers[2:]), forward_gathers
+        assert abs(la.item() - lb.item()) <= 1e-6 * abs(lb.item()), (step, la.item(), lb.item())
+        la.backward()
+        lb.backward()
+        ob.step()  # first: every optimizer step changes the weights version (one global count)
+        oa.step()
+        oa.zero_grad()
+        ob.zero_grad()
+        gathered = [u.sharded_state is ShardedState.UNSHARDED for u in units]
+        assert gathered == [True, True] + [False] * (len(units) - 2), gathered
+    with torch.no_grad():  # a write after the step: the weights gathered early are stale
+        for model in (a, b):
+            model.blocks[0].fc1.weight.mul_(0.5)
+    before = gathers()
+    la, lb = loss_of(a, 9), loss_of(b, 9)
+    assert [x - y for x, y in zip(gathers(), before)][1] == 1  # blocks[0] gathered again
+    assert abs(la.item() - lb.item()) <= 1e-6 * abs(lb.item()), (la.item(), lb.item())
+    la.backward()
+    blocks, rest = list(a.blocks.parameters()), [p for n, p in a.named_parameters() if not n.startswith("blocks.")]
+    for opt in (mo.AdamW(blocks, **ADAMW), mo.AdamW(rest, **ADAMW)):
+        opt.step()
+        assert not any(u.sharded_state is ShardedState.UNSHARDED for u in units[1:])
+    return f"first-unit gathers moved into the step; loss {la.item():.6f}"
+
+
 def test_hsdp_parity():
     for kind in ("adamw", "sgd"):
         print(get_pool(4).run(_case_parity, kind, "hsdp", 8)[0])
@@ -456,6 +506,10 @@ def test_stale_after_materialize():
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 def test_parity(cpu_pool, kind):
     print(cpu_pool.run(_case_parity, kind)[0])
+
+
+def test_step_gathers_next_forward(cpu_pool):
+    print(cpu_pool.run(_case_step_gathers_next_forward)[0])
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])

@@ -21,7 +21,7 @@ LAYERS = [
     ["symmetric.collectives", "native_collectives"],
     ["symmetric.choose"],
     ["param_group"],
-    ["context", "summary", "fp8_group", "finite_grads", "same_model"],
+    ["context", "summary", "fp8_group", "finite_grads", "same_model", "step_prefetch"],
     ["module"],
     ["checkpoint"],
     ["shard_init"],

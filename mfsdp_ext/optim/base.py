@@ -20,6 +20,7 @@ from collections import defaultdict
 import torch
 from torch.distributed.tensor import DTensor
 
+from .. import step_prefetch
 from .flat_state import FlatState, build_runs, flat_owner
 
 
@@ -108,8 +109,15 @@ class FlatOptimizerMixin:
                     self._torch_step(group, subset)
         for p, (group, i) in adopt_after:  # torch's step may have made new state tensors (SGD's first buffer)
             self._adopt(self.state[p], self._flat(group), i)
-        for group, items in flat_work.items():
-            self._step_group(group, items)
+        # the next forward's first units: stepped first, then their all-gathers run under the other groups' steps
+        prefetch = step_prefetch.plan(list(flat_work))
+        first, rest = prefetch.order(list(flat_work)) if prefetch else ([], list(flat_work))
+        for group in first:
+            self._step_group(group, flat_work[group])
+        if prefetch:
+            prefetch.issue()
+        for group in rest:
+            self._step_group(group, flat_work[group])
         return loss
 
     def _step_group(self, group, items: list) -> None:
