@@ -15,6 +15,7 @@ CONFIGS=${CONFIGS:-2,3}
 ROUNDS=${ROUNDS:-2}
 STEPS=${STEPS:-10}
 NGPU=${NGPU:-2}
+IMPL=${AB_IMPL:-ours}  # the step.py variant both sides run (ours_fused: with mfsdp_ext.optim.AdamW)
 AB=$OUT/ab; mkdir -p "$AB"
 REF=$(mktemp -d /tmp/ab_ref.XXXX)
 tar xf "$REF_TAR" -C "$REF"
@@ -27,23 +28,25 @@ for round in $(seq "$ROUNDS"); do
         echo "== round $round: $side ($root)"
         # PYTHONPATH first: each side imports its own mfsdp_ext, whatever is installed
         PYTHONPATH=$root timeout -k 10 200 torchrun --standalone --nproc-per-node "$NGPU" "$root/benchmarks/step.py" \
-            --configs "$CONFIGS" --impls ours --no-floor --steps "$STEPS" --out "$AB/${side}_$round" ${AB_ARGS:-} \
+            --configs "$CONFIGS" --impls "$IMPL" --no-floor --steps "$STEPS" --out "$AB/${side}_$round" ${AB_ARGS:-} \
             > "$AB/${side}_$round.log" 2>&1 || { echo "!! $side round $round failed"; tail -20 "$AB/${side}_$round.log"; }
     done
 done
-python3 - "$AB" <<'EOF'
+python3 - "$AB" "$IMPL" <<'EOF'
 import glob, json, os, statistics, sys
-ab = sys.argv[1]
-ms = {}
+ab, impl = sys.argv[1], sys.argv[2]
+ms, peak = {}, {}
 for path in sorted(glob.glob(os.path.join(ab, "*_*/*.json"))):
     side = os.path.basename(os.path.dirname(path)).split("_")[0]
     for result in json.load(open(path))["results"]:
-        ours = result["variants"].get("ours", {})
+        ours = result["variants"].get(impl, {})
         if "median_ms" in ours:  # a failed run records its error instead (see its log)
             ms.setdefault((result["id"], side), []).append(ours["median_ms"])
-print("| cfg | ref ms (per round) | new ms (per round) | new/ref (medians) |\n|---|---|---|---|")
+            peak[result["id"], side] = ours.get("peak_gib", float("nan"))
+print(f"{impl}\n| cfg | ref ms (per round) | new ms (per round) | new/ref (medians) | peak GiB ref / new |\n|---|---|---|---|---|")
 for cfg in sorted({c for c, _ in ms}):
     ref, new = ms.get((cfg, "ref"), []), ms.get((cfg, "new"), [])
     ratio = statistics.median(new) / statistics.median(ref) if ref and new else float("nan")
-    print(f"| {cfg} | {', '.join(f'{x:.1f}' for x in ref)} | {', '.join(f'{x:.1f}' for x in new)} | {ratio:.3f} |")
+    print(f"| {cfg} | {', '.join(f'{x:.1f}' for x in ref)} | {', '.join(f'{x:.1f}' for x in new)} | {ratio:.3f} "
+          f"| {peak.get((cfg, 'ref'), float('nan')):.2f} / {peak.get((cfg, 'new'), float('nan')):.2f} |")
 EOF

@@ -453,8 +453,7 @@ def _case_step_gathers_next_forward():
 
     a, b = _model(0), _model(0)
     oa, ob = mo.AdamW(a.parameters(), **ADAMW), torch.optim.AdamW(b.parameters(), **ADAMW, foreach=False)
-    units = [m._mfsdp_unit for m in (a, *a.blocks)]
-    first = units[:2]  # the root and blocks[0]: the forward order
+    units = [m._mfsdp_unit for m in (a, *a.blocks)]  # the root and blocks[0] run first in forward
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def gathers():
@@ -491,6 +490,10 @@ def _case_step_gathers_next_forward():
     for opt in (mo.AdamW(blocks, **ADAMW), mo.AdamW(rest, **ADAMW)):
         opt.step()
         assert not any(u.sharded_state is ShardedState.UNSHARDED for u in units[1:])
+    loss_of(a, 10).backward()
+    oa.gather_next_forward = False  # the switch: the forward gathers them
+    oa.step()
+    assert not any(u.sharded_state is ShardedState.UNSHARDED for u in units[1:])
     return f"first-unit gathers moved into the step; loss {la.item():.6f}"
 
 

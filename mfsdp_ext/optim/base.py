@@ -26,6 +26,8 @@ from .flat_state import FlatState, build_runs, flat_owner
 
 class FlatOptimizerMixin:
     STATE_NAMES: tuple[str, ...] = ()
+    # step() gathers the next forward's first two units (step_prefetch.py); False on an instance: the forward does
+    gather_next_forward: bool = True
     _UNSUPPORTED: tuple[tuple[str, str], ...] = ()  # (group option, what to use instead) refused when truthy
 
     def _setup_flat(self) -> None:
@@ -110,7 +112,7 @@ class FlatOptimizerMixin:
         for p, (group, i) in adopt_after:  # torch's step may have made new state tensors (SGD's first buffer)
             self._adopt(self.state[p], self._flat(group), i)
         # the next forward's first units: stepped first, then their all-gathers run under the other groups' steps
-        prefetch = step_prefetch.plan(list(flat_work))
+        prefetch = step_prefetch.plan(list(flat_work)) if self.gather_next_forward else None
         first, rest = prefetch.order(list(flat_work)) if prefetch else ([], list(flat_work))
         for group in first:
             self._step_group(group, flat_work[group])
