@@ -444,7 +444,7 @@ def _case_stale_after_materialize():
     return "ok"
 
 
-def _case_step_gathers_next_forward():
+def _case_step_gathers_next_forward(tol: float = 1e-6):
     """The flat optimizer's step gathers the next forward's first two units (root, first block) for the weights
     it writes: that forward gathers them no more, the losses are those of torch's optimizer (which gathers in the
     forward), a write after the step makes the forward gather again, and a step that leaves other groups to
@@ -469,7 +469,7 @@ def _case_step_gathers_next_forward():
         forward_gathers = [x - y for x, y in zip(gathers(), before)]
         if step > 0:  # the last step gathered the first two units
             assert forward_gathers[:2] == [0, 0] and all(n == 1 for n in forward_gathers[2:]), forward_gathers
-        assert abs(la.item() - lb.item()) <= 1e-6 * abs(lb.item()), (step, la.item(), lb.item())
+        assert abs(la.item() - lb.item()) <= tol * abs(lb.item()), (step, la.item(), lb.item())
         la.backward()
         lb.backward()
         ob.step()  # first: every optimizer step changes the weights version (one global count)
@@ -484,7 +484,7 @@ def _case_step_gathers_next_forward():
     before = gathers()
     la, lb = loss_of(a, 9), loss_of(b, 9)
     assert [x - y for x, y in zip(gathers(), before)][1] == 1  # blocks[0] gathered again
-    assert abs(la.item() - lb.item()) <= 1e-6 * abs(lb.item()), (la.item(), lb.item())
+    assert abs(la.item() - lb.item()) <= tol * abs(lb.item()), (la.item(), lb.item())
     la.backward()
     blocks, rest = list(a.blocks.parameters()), [p for n, p in a.named_parameters() if not n.startswith("blocks.")]
     for opt in (mo.AdamW(blocks, **ADAMW), mo.AdamW(rest, **ADAMW)):
@@ -536,6 +536,8 @@ def test_mixed_owned_unowned(kind):
 def test_gpu_parity(gpu_pool, kind):
     print(gpu_pool.run(_case_parity, kind, "full", 20, 1e-5)[0])
     print(gpu_pool.run(_case_mixed_owned_unowned, kind, 1e-5)[0])
+    if kind == "adamw":  # the step's early gathers on the all-gather stream, under the other groups' kernels
+        print(gpu_pool.run(_case_step_gathers_next_forward, 1e-5)[0])
 
 
 @pytest.mark.gpu
