@@ -14,20 +14,12 @@ from .layout import FlatLayout
 
 
 class FlatBuffer:
-    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, *, rank: int | None = None,
-                 data: torch.Tensor | None = None):
-        """``rank=None`` makes the param-major unsharded buffer; otherwise that rank's shard. ``data``: use this
-        flat tensor (of that numel, dtype and device, owning its whole storage) instead of allocating one."""
+    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, *, rank: int | None = None):
+        """``rank=None`` makes the param-major unsharded buffer; otherwise that rank's shard."""
         self.layout = layout
         self.rank = rank
         numel = layout.unsharded_numel if rank is None else layout.shard_numel
-        if data is not None:
-            if not owns_whole_storage(data) or data.numel() != numel or data.dtype != dtype:
-                raise ValueError(f"FlatBuffer: data must be a flat {dtype} tensor of {numel} elements that owns its "
-                                 f"whole storage, got {data.dtype} of {data.numel()}")
-            self.data = data
-        else:
-            self.data = torch.empty(numel, dtype=dtype, device=device)
+        self.data = torch.empty(numel, dtype=dtype, device=device)
         self._nbytes = self.data.untyped_storage().nbytes()
         self._view_args = layout.view_args(rank)  # param_view's as_strided arguments, made once per layout
 
@@ -81,10 +73,3 @@ class FlatBuffer:
 
     def nbytes(self) -> int:
         return self.data.untyped_storage().nbytes()
-
-
-def owns_whole_storage(t: torch.Tensor) -> bool:
-    """``t`` is a contiguous 1-D tensor spanning its whole storage (not a view into a larger buffer): freeing
-    or resizing that storage affects ``t`` alone."""
-    return (t.dim() == 1 and t.is_contiguous() and t.storage_offset() == 0
-            and t.untyped_storage().nbytes() == t.numel() * t.element_size())

@@ -25,7 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _native, dist_ops, replaced_params
 from .collectives import TORCH_TRANSPORT, AllGather, ReduceScatter
-from .flat_buffer import FlatBuffer, owns_whole_storage
+from .flat_buffer import FlatBuffer
 from .layout import FlatLayout, contiguous_stride
 
 
@@ -463,21 +463,13 @@ class ParamGroup:
         attached = [self.grad_attached(i) for i in trainable]  # one walk for the decision and the zeroing
         accumulate = any(attached)  # grads_attached()
         # A new accumulation gets a new buffer: the last one is gone with its .grads, or a .grad the user still
-        # holds keeps it, and keeps its values. When the reduced shard is already what main_grad would hold (its
-        # dtype, unscaled, a tensor of its own: the plain reduce-scatter's output), it becomes main_grad: no copy.
-        if accumulate:
-            main_grad = self.main_grad
-        elif (scale == 1.0 and reduced.dtype == self.main_grad_dtype and owns_whole_storage(reduced)
-              and reduced.numel() == self.layout.shard_numel):
-            main_grad = self._new_main_grad(reduced)
-        else:
-            main_grad = self._new_main_grad()
+        # holds keeps it, and keeps its values.
+        main_grad = self.main_grad if accumulate else self._new_main_grad()
         if accumulate and not all(attached):  # one without .grad starts afresh (torch's accumulation into None)
             for i, has in zip(trainable, attached):
                 if not has:
                     main_grad.param_view(i).zero_()
-        if main_grad.data is not reduced:
-            _native.grad_accumulate(main_grad.data, reduced, scale, accumulate)
+        _native.grad_accumulate(main_grad.data, reduced, scale, accumulate)
         self.attach_grads(with_grad)
 
     @property
@@ -487,8 +479,8 @@ class ParamGroup:
         what FSDP2 holds, with no hook on the optimizer."""
         return None if self._main_grad_ref is None else self._main_grad_ref()
 
-    def _new_main_grad(self, data: torch.Tensor | None = None) -> FlatBuffer:
-        main_grad = FlatBuffer(self.layout, self.main_grad_dtype, self.device, rank=self.rank, data=data)
+    def _new_main_grad(self) -> FlatBuffer:
+        main_grad = FlatBuffer(self.layout, self.main_grad_dtype, self.device, rank=self.rank)
         self._main_grad_ref = weakref.ref(main_grad)
         for info in self.infos:  # views of the last buffer, if a reference the user kept still holds it
             info.grad_ref = None

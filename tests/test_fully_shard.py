@@ -193,43 +193,6 @@ def _case_unsharded_storage_released():
     return {"after_forward": after_forward, "after_backward": after_backward, "unit_bytes": unit_bytes}
 
 
-def _case_reduced_shard_becomes_main_grad():
-    """A fresh accumulation adopts the reduce-scatter's output as main_grad when it already is what main_grad
-    holds (fp32, unscaled, a tensor of its own): no copy. Accumulating into it, and a bf16 reduction into fp32
-    main grads, still go through the accumulate kernel; the gradients are the reference model's either way."""
-    from .models import batch, lm_loss
-
-    results = {}
-    for reduce_dtype in (torch.float32, torch.bfloat16):
-        torch.manual_seed(5)
-        ref = TinyLM(n_layers=2)
-        model = shard_tiny_lm(copy.deepcopy(ref), fully_shard,
-                              mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=reduce_dtype))
-        groups = [g for m in (*model.blocks, model) for g in m._mfsdp_unit.groups if g.requires_grad]
-        outputs = {}
-        for g in groups:
-            def recorded(group, scale, op=g.reduce_scatter_op):
-                outputs[id(group)] = op(group, scale)
-                return outputs[id(group)]
-            g.reduce_scatter_op = recorded
-        for micro in range(2):  # the second backward accumulates into the first one's buffers
-            tokens, targets = batch(micro, 4)
-            lm_loss(model, tokens, targets).backward()
-            lm_loss(ref, tokens, targets).backward()
-            adopted = [g.main_grad.data is outputs[id(g)] for g in groups]
-            if micro == 0:
-                first_buffers = [g.main_grad.data for g in groups]
-                assert adopted == [reduce_dtype == torch.float32] * len(groups), adopted
-            else:
-                assert not any(adopted), adopted
-                assert all(g.main_grad.data is b for g, b in zip(groups, first_buffers))
-        tol = 1e-5 if reduce_dtype == torch.float32 else 1e-2
-        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=tol, atol=tol, msg=name)
-        results[str(reduce_dtype)] = sum(adopted)
-    return results
-
-
 def _case_main_grad_released_after_zero_grad():
     """zero_grad(set_to_none=True) frees the gradient shards at once, as FSDP2 does (so memory between steps is
     FSDP2's, and forward and backward run without a whole gradient shard held); the next reduction makes them again.
@@ -693,10 +656,6 @@ def test_parameterless_parent(cpu_pool):
 
 def test_unsharded_storage_released(cpu_pool):
     print(cpu_pool.run(_case_unsharded_storage_released)[0])
-
-
-def test_reduced_shard_becomes_main_grad(cpu_pool):
-    print(cpu_pool.run(_case_reduced_shard_becomes_main_grad)[0])
 
 
 def test_main_grad_released_after_zero_grad(cpu_pool):
