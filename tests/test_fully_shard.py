@@ -705,3 +705,23 @@ def test_forward_method(cpu_pool):
 
 def test_list_of_modules(cpu_pool):
     print(cpu_pool.run(_case_list_of_modules)[0])
+
+
+def test_tensor_tree_fast_paths_match_pytree():
+    """The hooks' walk skips pytree for a lone tensor and for tensor-only positional calls: same leaves in the same
+    order as pytree's walk, and the rebuilt structure is the original one over the new leaves."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    from mfsdp_ext import tensor_tree
+
+    a, b, c = torch.zeros(1), torch.ones(2), torch.full((3,), 2.0)
+    trees = [a, ((a, (b, c)), {}), ((a,), {}), ((), {}),  # fast paths
+             ((a, 3), {}), ((a,), {"k": b}), ((a, [b, c]), {}), [a, b], ((a, (b, None)), {})]  # pytree's
+    for tree in trees:
+        leaves, rebuild = tensor_tree.flatten(tree)
+        ref_leaves, spec = tree_flatten(tree)
+        assert len(leaves) == len(ref_leaves) and all(x is y for x, y in zip(leaves, ref_leaves)), tree
+        new = [x * 2 if torch.is_tensor(x) else x for x in leaves]
+        rebuilt, expected = rebuild(new), tree_unflatten(new, spec)
+        assert tree_flatten(rebuilt)[1] == spec, (tree, rebuilt)
+        assert all(x is y for x, y in zip(tree_flatten(rebuilt)[0], tree_flatten(expected)[0])), tree
