@@ -31,12 +31,11 @@ class NextForwardGather:
 
     def __init__(self, units: list["FsdpUnit"]):
         self.units = units
-        self.groups = {id(g) for u in units for g in u.groups}
+        self.groups = {g for u in units for g in u.groups}
 
     def order(self, stepped: list["ParamGroup"]) -> tuple[list["ParamGroup"], list["ParamGroup"]]:
         """(the first units' groups, the others), each in the given order."""
-        first = [g for g in stepped if id(g) in self.groups]
-        return first, [g for g in stepped if id(g) not in self.groups]
+        return [g for g in stepped if g in self.groups], [g for g in stepped if g not in self.groups]
 
     def issue(self) -> None:
         """After the first units' groups were stepped (kernels queued on the current stream): their all-gathers,
@@ -48,19 +47,18 @@ class NextForwardGather:
 def plan(stepped: list["ParamGroup"]) -> NextForwardGather | None:
     """The gathers to issue in a step over ``stepped`` groups, or None when the step covers no root's whole tree
     or a tree is not between iterations (the first forward has not run, or a backward is under way)."""
-    ids = {id(g) for g in stepped}
+    covered = set(stepped)
     units, seen = [], set()
     for g in stepped:
         unit = g.unit() if g.unit is not None else None
         ctx = unit.context if unit is not None else None
-        if ctx is None or id(ctx) in seen:
+        if ctx is None or ctx in seen:
             continue
-        seen.add(id(ctx))
+        seen.add(ctx)
         if ctx.in_backward or not ctx.prev_forward_order or ctx.forward_order:
             continue
         if any(u.training_state is not TrainingState.IDLE for u in ctx.units):
             continue
-        trainable = [x for u in ctx.units for x in u.groups if x.requires_grad and x.trainable()]
-        if all(id(x) in ids for x in trainable):
+        if all(x in covered for u in ctx.units for x in u.groups if x.requires_grad and x.trainable()):
             units += ctx.prev_forward_order[:FIRST_UNITS]
     return NextForwardGather(units) if units else None

@@ -112,8 +112,9 @@ class FlatOptimizerMixin:
         for p, (group, i) in adopt_after:  # torch's step may have made new state tensors (SGD's first buffer)
             self._adopt(self.state[p], self._flat(group), i)
         # the next forward's first units: stepped first, then their all-gathers run under the other groups' steps
-        prefetch = step_prefetch.plan(list(flat_work)) if self.gather_next_forward else None
-        first, rest = prefetch.order(list(flat_work)) if prefetch else ([], list(flat_work))
+        stepped = list(flat_work)
+        prefetch = step_prefetch.plan(stepped) if self.gather_next_forward else None
+        first, rest = prefetch.order(stepped) if prefetch else ([], stepped)
         for group in first:
             self._step_group(group, flat_work[group])
         if prefetch:
