@@ -410,7 +410,9 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
     dist.barrier()
     times = time_fn(step, args.steps, 0, device)
     if args.profile_dir:
-        profile_step(step, device, os.path.join(args.profile_dir, f"profile_L{bc.n_layers}_d{bc.dim}_{bc.batch}x{bc.seq}_{v.name}.txt"))
+        mb = f"x{k}mb" if k > 1 else ""  # configs 4 and 5 share a shape: the microbatches tell their files apart
+        profile_step(step, device, os.path.join(args.profile_dir,
+                                                f"profile_L{bc.n_layers}_d{bc.dim}_{bc.batch}x{bc.seq}{mb}_{v.name}.txt"))
 
     # A step takes as long as its slowest rank.
     t = torch.tensor(times, dtype=torch.float64, device=device)

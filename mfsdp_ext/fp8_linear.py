@@ -81,6 +81,7 @@ class Fp8LinearConfig:
 # eligibility
 # ----------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)  # asked at every forward; a device's capability does not change
 def _cuda_capability(index: int) -> tuple:
     return torch.cuda.get_device_capability(index)
 
@@ -176,7 +177,12 @@ class Fp8LinearMixin:
         here (the error names the problem where it arises), not at every forward."""
         if fp8_weight is not None:
             _check_fp8_weight(fp8_weight, self.weight)
-        self._fp8_weight = fp8_weight
+        self._use_fp8_weight(fp8_weight)
+
+    def _use_fp8_weight(self, fp8_weight: Optional[Fp8Tensor]) -> None:
+        """set_fp8_weight for a weight already checked (fully_shard's gathered views, checked when made): a plain
+        attribute, not through nn.Module.__setattr__ (four times per layer and step)."""
+        self.__dict__["_fp8_weight"] = fp8_weight
 
     def _fp8_fallback_warning(self, reason: str) -> None:
         if self._fp8_warned:
