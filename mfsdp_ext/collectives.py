@@ -2,7 +2,9 @@
 
   AllGather(g)               fill ``g.unsharded`` (allocated by the caller) from every rank's compute-dtype shard
   ReduceScatter(g, scale)    pack ``g``'s unsharded grads (times ``scale``, in the reduce dtype) and reduce-scatter
-                             them; returns this rank's reduced shard (shard layout, reduce dtype)
+                             them; returns this rank's reduced shard (shard layout, reduce dtype). Where the group's
+                             ``reduce_comm_dtype`` is narrower (MixedPrecisionPolicy.reduce_comm_dtype), the plain
+                             one sends the grads in it and sums in the reduce dtype on arrival (all-to-all + sum)
 
 Both run on the current stream. The plain implementations here issue their collectives through a transport:
 torch.distributed (any backend; the default) or mfsdp_ext's own NCCL communicator (``native_collectives=True``,
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
-from . import dist_ops
+from . import _native, dist_ops
 
 if TYPE_CHECKING:
     from .param_group import ParamGroup
@@ -50,6 +52,9 @@ class TorchTransport:
     def reduce_scatter_into(self, output: torch.Tensor, input: torch.Tensor, group) -> None:
         dist_ops.reduce_scatter_into(output, input, group)
 
+    def all_to_all_into(self, output: torch.Tensor, input: torch.Tensor, group) -> None:
+        dist_ops.all_to_all_into(output, input, group)
+
     def all_reduce_max(self, tensor: torch.Tensor, group) -> None:
         dist_ops.all_reduce(tensor, group, op=dist.ReduceOp.MAX)
 
@@ -81,12 +86,30 @@ class PlainReduceScatter:
         self.name = transport.name
 
     def __call__(self, g: "ParamGroup", scale: float) -> torch.Tensor:
+        if g.reduce_comm_dtype != g.reduce_dtype and g.world > 1:
+            return self._sum_on_arrival(g, scale)
         packed = torch.empty(g.layout.rank_major_numel, dtype=g.reduce_dtype, device=g.device)
         g.pack_grads(packed, scale)
         if g.world == 1:
             return packed
         reduced = torch.empty(g.layout.shard_numel, dtype=g.reduce_dtype, device=g.device)
         self.transport.reduce_scatter_into(reduced, packed, g.shard_group)
+        return reduced
+
+    def _sum_on_arrival(self, g: "ParamGroup", scale: float) -> torch.Tensor:
+        """The grads packed in their own dtype (a copy, no rounding), exchanged by one all-to-all (half the bytes
+        of a float32 reduce-scatter for bf16), then this rank's W received shards summed in the reduce dtype, in
+        rank order: ``scale * shard_0``, then one fused multiply-add per further shard. Every rank adds the same
+        way, and on 2 ranks ``fma(s, b, s * a)`` is the float32 reduce-scatter's ``s * a + s * b``, one rounding
+        either way, so the bits are the same."""
+        packed = torch.empty(g.layout.rank_major_numel, dtype=g.reduce_comm_dtype, device=g.device)
+        g.pack_grads(packed, 1.0)
+        received = torch.empty_like(packed)
+        self.transport.all_to_all_into(received, packed, g.shard_group)
+        del packed  # its use by the all-to-all is in stream order (or recorded): free it before the sum's output
+        reduced = torch.empty(g.layout.shard_numel, dtype=g.reduce_dtype, device=g.device)
+        for source, shard in enumerate(received.view(g.world, g.layout.shard_numel)):
+            _native.grad_accumulate(reduced, shard, scale, source > 0)
         return reduced
 
 

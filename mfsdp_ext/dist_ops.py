@@ -39,6 +39,11 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group: dist.P
     _reduce_scatter_flat(output, input, group=group)
 
 
+def all_to_all_into(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """output's r-th of world equal slices <- rank r's slice of its input for this rank (flat, equal splits)."""
+    dist.all_to_all_single(output, input, group=group)
+
+
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM) -> None:
     dist.all_reduce(tensor, op=op, group=group)
 

@@ -64,6 +64,12 @@ class MixedPrecisionPolicy:
         keeping the FP8 shard costs 0.77 / 1.51 GiB more (configs 1 / 4), at 0-3% of step time.
     fp8: an ``Fp8Policy``: FP8 weights for the chosen linear layers (needs param_dtype bfloat16 or float16 and
         float32 main weights). None: no FP8.
+    reduce_comm_dtype: the dtype gradients travel in during the reduction (None: reduce_dtype, one reduce-scatter
+        that sums in it). With param_dtype bfloat16 / float16 and reduce_dtype float32, ``param_dtype`` (the
+        gradients' own dtype) sends them as they are, half the bytes of float32, and sums them in float32 where
+        they arrive: one all-to-all over the shard group, then this rank's shards from every rank added in float32
+        in rank order. No addition happens in the narrower dtype; on 2 ranks the result equals the float32
+        reduce-scatter's to the bit. Other values are refused.
     """
 
     param_dtype: Optional[torch.dtype] = None
@@ -73,6 +79,7 @@ class MixedPrecisionPolicy:
     main_grad_dtype: torch.dtype = torch.float32
     cache_model_weight: Optional[bool] = None
     fp8: Optional[Fp8Policy] = None
+    reduce_comm_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self):
         if self.param_dtype is not None and self.param_dtype not in COMPUTE_DTYPES:
@@ -91,8 +98,22 @@ class MixedPrecisionPolicy:
                 raise ValueError(f"MixedPrecisionPolicy(fp8=...) needs param_dtype=torch.bfloat16 (or torch.float16): "
                                  f"the FP8 layers' inputs, outputs and gradients are in it; got {self.param_dtype}")
 
+        if self.reduce_comm_dtype is not None and (
+                self.reduce_comm_dtype != self.param_dtype or self.param_dtype not in (torch.bfloat16, torch.float16)
+                or self.reduce_dtype != torch.float32):
+            raise ValueError(
+                f"reduce_comm_dtype={self.reduce_comm_dtype} needs param_dtype of that dtype (bfloat16 or float16: the "
+                f"gradients' own) and reduce_dtype=torch.float32, got param_dtype={self.param_dtype}, reduce_dtype="
+                f"{self.reduce_dtype}; leave it None to reduce-scatter in reduce_dtype")
+
     def compute_dtype(self, main_dtype: torch.dtype) -> torch.dtype:
         return self.param_dtype or main_dtype
 
     def reduction_dtype(self, main_dtype: torch.dtype) -> torch.dtype:
         return self.reduce_dtype or self.compute_dtype(main_dtype)
+
+    def reduction_comm_dtype(self, main_dtype: torch.dtype) -> torch.dtype:
+        """The dtype a group of ``main_dtype`` parameters sends its gradients in (see reduce_comm_dtype)."""
+        if self.reduce_comm_dtype is not None and self.compute_dtype(main_dtype) == self.reduce_comm_dtype:
+            return self.reduce_comm_dtype
+        return self.reduction_dtype(main_dtype)

@@ -101,7 +101,8 @@ class ParamGroup:
     def __init__(self, params: list[tuple[str, nn.Parameter, list[ParamPlace]]], mesh,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, main_grad_dtype: torch.dtype,
                  device: torch.device, shard_group: dist.ProcessGroup, replicate_group: dist.ProcessGroup | None,
-                 cache_model_weight: bool | None = None, reduce_when_ready: bool = False):
+                 cache_model_weight: bool | None = None, reduce_when_ready: bool = False,
+                 reduce_comm_dtype: torch.dtype | None = None):
         first = params[0][1]
         self.dtype = first.dtype
         self.requires_grad = first.requires_grad
@@ -114,6 +115,9 @@ class ParamGroup:
         self.device = device
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
+        # the gradients' dtype on the wire: reduce_dtype (a reduce-scatter), or narrower (an all-to-all, then a sum in
+        # reduce_dtype here: collectives.PlainReduceScatter)
+        self.reduce_comm_dtype = reduce_comm_dtype or reduce_dtype
         self.main_grad_dtype = main_grad_dtype
         self.stats = GroupStats()
         # Reduced as soon as all its trainable parameters have their gradient (the unit sets on_grads_ready), not

@@ -57,6 +57,7 @@ def make_groups(module: nn.Module, params, mesh: DeviceMesh, device: torch.devic
     for (dtype, requires_grad, marked, is_fp8, is_late), members in _group_by_kind(params, fp8, late).items():
         replicated = marked and shard_group is not None
         kwargs = dict(compute_dtype=mp_policy.compute_dtype(dtype), reduce_dtype=mp_policy.reduction_dtype(dtype),
+                      reduce_comm_dtype=mp_policy.reduction_comm_dtype(dtype),
                       main_grad_dtype=mp_policy.main_grad_dtype if dtype == torch.float32 else dtype, device=device,
                       shard_group=None if replicated else shard_group,
                       replicate_group=_whole_mesh_group(mesh) if replicated else replicate_group,

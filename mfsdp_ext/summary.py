@@ -29,12 +29,16 @@ def _group_text(g) -> str:
     if g.fp8:
         compute = f"fp8 e4m3 ({'FP8 GEMMs' if g.fp8_compute else 'dequantized to ' + compute})"
     dtypes = f"{_short(g.dtype)}->{compute}, reduce {_short(g.reduce_dtype)}"
+    if g.reduce_comm_dtype != g.reduce_dtype:
+        dtypes += f" (sent in {_short(g.reduce_comm_dtype)})"
     if g.shard_group is None:
         held, comm = f"replicated {_bytes(numel * g.dtype.itemsize)}", "grads all-reduced"
     else:
         held = (f"sharded {_bytes(g.layout.shard_numel * g.dtype.itemsize)}/rank of "
                 f"{_bytes(numel * g.dtype.itemsize)} over {g.world} ranks")
         comm = f"all-gather {'fp8 plain' if g.fp8 else g.all_gather_op.name}, reduce-scatter {g.reduce_scatter_op.name}"
+        if g.reduce_comm_dtype != g.reduce_dtype and g.world > 1:
+            comm += " (as all-to-all + sum)"
     return f"{len(g.infos)} params ({len(g.trainable())} trainable), {_count(numel)}, {dtypes}, {held}, {comm}"
 
 

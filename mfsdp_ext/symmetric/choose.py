@@ -48,7 +48,9 @@ def choose_symmetric(units) -> SymmetricStages | None:
     shard_group = groups[0][1].shard_group
     if any(g.shard_group is not shard_group for _, g in groups):
         raise ValueError("use_symm_mem: all units under one root must shard over the same group")
-    stages_bytes = _stage_bytes([g for _, g in groups], [g for _, g in groups if g.requires_grad])
+    # a group whose grads travel narrower than they are summed (reduce_comm_dtype) keeps its all-to-all
+    reduces = [g for _, g in groups if g.requires_grad and g.reduce_comm_dtype == g.reduce_dtype]
+    stages_bytes = _stage_bytes([g for _, g in groups], reduces)
     stages = SymmetricStages(shard_group, *stages_bytes)
     decisions: dict = {}  # groups of the same size and dtypes decide once
     chosen = []
@@ -60,7 +62,7 @@ def choose_symmetric(units) -> SymmetricStages | None:
             if key not in decisions:
                 decisions[key] = _measure(stages, g)
             use = decisions[key]
-        chosen.append((g, use))
+        chosen.append((g, (use[0], use[1] and g in reduces)))
     # "auto" may have kept the plain path for one collective or both: hold only the stages that are used
     # (the pool cannot shrink in place, so make it again; every rank decided alike, so all of them do)
     used = _stage_bytes([g for g, (ag, _) in chosen if ag], [g for g, (_, rs) in chosen if rs])

@@ -1,0 +1,104 @@
+"""MixedPrecisionPolicy(reduce_comm_dtype=bf16): gradients sent in bf16 (one all-to-all), summed in fp32 on arrival.
+
+Against the same model with the plain fp32 reduce-scatter: on 2 ranks the losses and weights are the same bits (one
+rounding of s*a + s*b either way); on 4 ranks (a fixed rank-order fp32 sum against gloo's) within fp32 rounding.
+The collectives are counted by wrapping mfsdp_ext.dist_ops, which the plain path issues them from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import mfsdp_ext.dist_ops as comm
+from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
+from mfsdp_ext.checkpoint import full_state_dict
+from mfsdp_ext.summary import unit_lines
+
+from .conftest import get_pool
+from .models import TinyLM, rank_device, rel_err, shard_tiny_lm, train
+from .test_fully_shard import GLOBAL_BATCH, STEPS
+
+FP32_SUM = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+BF16_WIRE = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                 reduce_comm_dtype=torch.bfloat16)
+
+
+@contextlib.contextmanager
+def wire_log():
+    """(collective name, dtype of what it sends) for every all-to-all and reduce-scatter issued."""
+    log = []
+    originals = {n: getattr(comm, n) for n in ("all_to_all_into", "reduce_scatter_into")}
+
+    def wrap(name, fn):
+        def logged(output, input, group):
+            log.append((name, input.dtype))
+            return fn(output, input, group)
+        return logged
+
+    for n, fn in originals.items():
+        setattr(comm, n, wrap(n, fn))
+    try:
+        yield log
+    finally:
+        for n, fn in originals.items():
+            setattr(comm, n, fn)
+
+
+def _case_matches_fp32_reduce_scatter(strategy: str, microbatches: int, hsdp: bool):
+    torch.manual_seed(41)
+    base = TinyLM()
+    kwargs = dict(sharding_strategy=strategy)
+    world = dist.get_world_size()
+    if hsdp:
+        kwargs["mesh"] = init_device_mesh(rank_device().type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    plain = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=FP32_SUM, **kwargs)
+    wire = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=BF16_WIRE, **kwargs)
+    with wire_log() as plain_log:
+        plain_losses = train(plain, STEPS, GLOBAL_BATCH, sharded=True, microbatches=microbatches,
+                             microbatch_ctx=microbatch)
+    with wire_log() as wire_log_:
+        wire_losses = train(wire, STEPS, GLOBAL_BATCH, sharded=True, microbatches=microbatches,
+                            microbatch_ctx=microbatch)
+    shard_world = world // 2 if hsdp else world
+    # the plain run reduce-scatters fp32; the other sends bf16 by all-to-all and reduce-scatters nothing
+    assert plain_log and all(entry == ("reduce_scatter_into", torch.float32) for entry in plain_log), plain_log
+    assert len(wire_log_) == len(plain_log), (wire_log_, plain_log)
+    assert all(entry == ("all_to_all_into", torch.bfloat16) for entry in wire_log_), wire_log_
+    lines = unit_lines(wire, [m._mfsdp_unit for m in wire.modules() if hasattr(m, "_mfsdp_unit")])
+    assert all("(sent in bf16)" in line and "all-to-all + sum" in line for line in lines), lines
+    got, want = full_state_dict(wire), full_state_dict(plain)
+    if shard_world == 2:  # one rounding of s*a + s*b on both paths: the same bits
+        assert wire_losses == plain_losses, (wire_losses, plain_losses)
+        assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+        return {"losses": wire_losses}
+    # more ranks: a rank-order fp32 sum against gloo's own order, both fp32
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(wire_losses, plain_losses))
+    param_err = max(rel_err(got[k], want[k]) for k in want)
+    assert loss_err <= 1e-5 and param_err <= 1e-5, (loss_err, param_err)
+    return {"loss_err": loss_err, "param_err": param_err}
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads", "optim"])
+def test_bf16_wire_matches_fp32_reduce_scatter(cpu_pool, strategy):
+    print(cpu_pool.run(_case_matches_fp32_reduce_scatter, strategy, 2, False)[0])
+
+
+def test_bf16_wire_hsdp():
+    print(get_pool(4, "gloo").run(_case_matches_fp32_reduce_scatter, "optim_grads_params", 2, True)[0])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(reduce_dtype=torch.float32, reduce_comm_dtype=torch.bfloat16), "param_dtype of that dtype"),
+    (dict(param_dtype=torch.bfloat16, reduce_comm_dtype=torch.bfloat16), "reduce_dtype=torch.float32"),
+    (dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, reduce_comm_dtype=torch.float16), "float16"),
+    (dict(param_dtype=torch.float32, reduce_dtype=torch.float32, reduce_comm_dtype=torch.float32), "bfloat16 or"),
+])
+def test_reduce_comm_dtype_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MixedPrecisionPolicy(**kwargs)
