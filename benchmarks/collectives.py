@@ -31,6 +31,9 @@ laid out by mfsdp_ext.layout.FlatLayout and called as fully_shard calls them, ag
   RS pack + flat            ours: bf16 grads packed (cast, scaled) rank-major in one native launch + flat RS
   RS flat                   the flat reduce-scatter alone
   RS grouped per parameter  one reduce-scatter per padded fp32 gradient, one NCCL group (no pack)
+  RS bf16 wire + fp32 sum   MixedPrecisionPolicy(reduce_comm_dtype=bf16): bf16 grads packed as they are, one flat
+                            all-to-all (half the bytes), this rank's shards summed in fp32 (grad_accumulate per rank)
+  A2A bf16                  that all-to-all alone
   AG symmetric + unpack     use_symm_mem's all-gather: shard into its slot of the NCCL symmetric stage, symmetric
                             all-gather (one collective: NCCL's symmetric kernels take no groups), native unpack
   RS symmetric pack + flat  use_symm_mem's reduce-scatter: pack into the stage, symmetric reduce-scatter
@@ -412,6 +415,15 @@ def unit_cases(shapes, group, device, rank, world, symmetric=None) -> dict:
     def grouped_reduce():
         group.reduce_scatter_tensor_coalesced(grouped_reduced, padded).wait()
 
+    packed_wire = torch.empty(layout.rank_major_numel, dtype=DTYPE, device=device)
+    received = torch.empty_like(packed_wire)
+
+    def wire_reduce():  # as collectives.PlainReduceScatter._sum_on_arrival (buffers made once here)
+        _native.pack_pieces(grads, table, packed_wire, 1.0)
+        dist_ops.all_to_all_into(received, packed_wire, group)
+        for source, part in enumerate(received.view(world, S)):
+            _native.grad_accumulate(reduced.data, part, 1.0 / world, source > 0)
+
     cases = {
         "AG grouped per parameter": lambda: dist_ops.all_gather_into(gather_out, gather_in, group),
         "AG flat": lambda: _all_gather_flat(rank_major, shard.data, group=group),
@@ -419,6 +431,8 @@ def unit_cases(shapes, group, device, rank, world, symmetric=None) -> dict:
         "RS pack + flat": pack_reduce,
         "RS flat": lambda: _reduce_scatter_flat(reduced.data, packed, group=group),
         "RS grouped per parameter": grouped_reduce,
+        "RS bf16 wire + fp32 sum": wire_reduce,
+        "A2A bf16": lambda: dist_ops.all_to_all_into(received, packed_wire, group),
     }
     if symmetric is not None:
         stage, slot = symmetric.all_gather_buffers(S, DTYPE)
@@ -438,7 +452,8 @@ def unit_cases(shapes, group, device, rank, world, symmetric=None) -> dict:
 
 
 UNIT_METHODS = ("AG grouped per parameter", "AG flat", "AG flat + unpack", "AG symmetric + unpack", "RS pack + flat",
-                "RS flat", "RS grouped per parameter", "RS symmetric pack + flat")
+                "RS flat", "RS grouped per parameter", "RS symmetric pack + flat", "RS bf16 wire + fp32 sum",
+                "A2A bf16")
 
 
 def bench_units(args, group, device, rank, world, local_rank) -> list:
@@ -486,17 +501,19 @@ def write_units_report(out_dir, world, meta, rows) -> str:
         "it includes the host's cost of issuing the calls when that is the bottleneck. Per call: the GPU time of "
         "one call (host launch time hidden by a spin queued before it). Microseconds.",
         "",
-        "| unit | MiB | params | " + " | ".join(UNIT_METHODS) + " | grouped / flat AG | pack+flat / flat RS |",
-        "|---|---:|---:|" + "---:|" * len(UNIT_METHODS) + "---:|---:|",
+        "| unit | MiB | params | " + " | ".join(UNIT_METHODS)
+        + " | grouped / flat AG | pack+flat / flat RS | bf16 wire / pack+flat RS |",
+        "|---|---:|---:|" + "---:|" * len(UNIT_METHODS) + "---:|---:|---:|",
     ]
     for kind in ("b2b_us", "call_us"):
         for r in rows:
             cells = [fmt(r[m][kind]) if m in r else "-" for m in UNIT_METHODS]
             ratio_ag = r["AG grouped per parameter"][kind] / r["AG flat"][kind]
             ratio_rs = r["RS pack + flat"][kind] / r["RS flat"][kind]
+            ratio_wire = r["RS bf16 wire + fp32 sum"][kind] / r["RS pack + flat"][kind]
             label = "latency" if kind == "b2b_us" else "per call"
             lines.append(f"| {r['unit']} ({label}) | {r['gathered_mib']:.1f} | {r['params']} | " + " | ".join(cells)
-                         + f" | {ratio_ag:.2f} | {ratio_rs:.2f} |")
+                         + f" | {ratio_ag:.2f} | {ratio_rs:.2f} | {ratio_wire:.2f} |")
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     return base

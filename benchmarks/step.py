@@ -364,6 +364,12 @@ def train_step(model, optimizer, batches, impl: str, losses: list, after_step=No
     losses.append(loss_sum)
 
 
+def dtype_or_value(val):
+    """"bfloat16" / "torch.bfloat16" -> torch.bfloat16 (e.g. mp.reduce_comm_dtype=bfloat16); anything else as is."""
+    name = val.removeprefix("torch.") if isinstance(val, str) else None
+    return getattr(torch, name) if name and isinstance(getattr(torch, name, None), torch.dtype) else val
+
+
 def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: torch.device, args) -> dict:
     rank = dist.get_rank()
     free_memory(device)
@@ -373,7 +379,7 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
     torch.manual_seed(0)
     # keys "mp.NAME" go to MixedPrecisionPolicy (e.g. mp.cache_model_weight=False), the rest to fully_shard;
     # keys "fp8.NAME" go to the FP8 layers' Fp8LinearConfig (e.g. fp8.quantize_algo=fused)
-    mp_extra = {k[3:]: val for k, val in v.extra.items() if k.startswith("mp.")}
+    mp_extra = {k[3:]: dtype_or_value(val) for k, val in v.extra.items() if k.startswith("mp.")}
     linear_extra = {k[4:]: val for k, val in v.extra.items() if k.startswith("fp8.")}
     shard_extra = {k: val for k, val in v.extra.items() if not k.startswith(("mp.", "fp8."))}
     after_step = None

@@ -16,6 +16,7 @@ from mfsdp_ext.checkpoint import full_state_dict
 
 from . import test_checkpoint as ck
 from . import test_no_shard as ns
+from . import test_reduce_comm_dtype as rcd
 from . import test_robustness as rb
 from . import test_fully_shard as fs
 from . import test_strategies as st
@@ -391,6 +392,16 @@ def test_hf_llama_resume(gpu_pool, tmp_path):
     """The issue's repro: a HuggingFace LlamaForCausalLM checkpointed the torchtitan way resumes bit-exactly."""
     pytest.importorskip("transformers")
     print(gpu_pool.run(ck._case_hf_llama_resume, str(tmp_path))[0])
+
+
+# ----------------------------------------------------------------------------------------------- bf16 wire, fp32 sum
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim"])
+def test_bf16_wire_matches_fp32_reduce_scatter(strategy):
+    print(get_pool(2, "nccl").run(rcd._case_matches_fp32_reduce_scatter, strategy, 2, False)[0])
+
+
+def test_bf16_wire_hsdp():
+    print(get_pool(4, "nccl").run(rcd._case_matches_fp32_reduce_scatter, "optim_grads_params", 2, True)[0])
 
 
 # ----------------------------------------------------------------------------------------------- robustness, no_shard

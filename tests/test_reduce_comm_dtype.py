@@ -73,11 +73,12 @@ def _case_matches_fp32_reduce_scatter(strategy: str, microbatches: int, hsdp: bo
     lines = unit_lines(wire, [m._mfsdp_unit for m in wire.modules() if hasattr(m, "_mfsdp_unit")])
     assert all("(sent in bf16)" in line and "all-to-all + sum" in line for line in lines), lines
     got, want = full_state_dict(wire), full_state_dict(plain)
-    if shard_world == 2:  # one rounding of s*a + s*b on both paths: the same bits
+    if shard_world == 2 and rank_device().type == "cpu":  # one rounding of s*a + s*b on both paths: the same bits
         assert wire_losses == plain_losses, (wire_losses, plain_losses)
         assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
         return {"losses": wire_losses}
-    # more ranks: a rank-order fp32 sum against gloo's own order, both fp32
+    # more ranks: a rank-order fp32 sum against gloo's own order, both fp32; on GPUs the two models' own kernels
+    # (e.g. atomics in an embedding's backward) need not repeat bit for bit either
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(wire_losses, plain_losses))
     param_err = max(rel_err(got[k], want[k]) for k in want)
     assert loss_err <= 1e-5 and param_err <= 1e-5, (loss_err, param_err)
