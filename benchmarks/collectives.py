@@ -421,8 +421,7 @@ def unit_cases(shapes, group, device, rank, world, symmetric=None) -> dict:
     def wire_reduce():  # as collectives.PlainReduceScatter._sum_on_arrival (buffers made once here)
         _native.pack_pieces(grads, table, packed_wire, 1.0)
         dist_ops.all_to_all_into(received, packed_wire, group)
-        for source, part in enumerate(received.view(world, S)):
-            _native.grad_accumulate(reduced.data, part, 1.0 / world, source > 0)
+        _native.grad_accumulate(reduced.data, received.view(world, S), 1.0 / world, False)
 
     cases = {
         "AG grouped per parameter": lambda: dist_ops.all_gather_into(gather_out, gather_in, group),

@@ -12,6 +12,8 @@ many repetitions):
   pack      mfsdp pack of 16 uneven fp32 tensors into one flat fp32 buffer (8 B/elem), back to back
             (misaligned) and at 64 B aligned offsets (fully_shard's layout)
             vs  torch._foreach_copy_(views of the flat buffer, tensors)
+  shard sum the sum on arrival of reduce_comm_dtype=bf16 on 2 ranks: two bf16 shards -> fp32 scaled (8 B/elem),
+            one grad_accumulate launch vs a call per shard vs torch.add
 and pack of 2000 small tensors (~4K elements each) vs _foreach_copy_ (GPU time and host time per call).
 FP8 (--parts quant,transpose; sizes in elements of a bf16 (rows, 4096) activation, shapes of FP8 matrices):
   quantize  mfsdp fp8_quantize bf16 -> e4m3, per-tensor current scaling (3 B/elem; 4 B/elem with the transpose
@@ -198,6 +200,25 @@ def _bench_pack(n: int, reps: int, t_copy: float, align: int = 1) -> tuple[list[
     return [_row(name, n, 8, t_pack, t_copy, t_foreach, "torch._foreach_copy_(views, tensors)")], ok
 
 
+def _bench_shard_sum(n: int, reps: int, t_copy: float) -> tuple[list[dict], bool]:
+    """The sum on arrival of reduce_comm_dtype=bf16 on 2 ranks: two bf16 shards -> fp32, scaled (8 B/elem), as one
+    grad_accumulate of (2, n) against two calls (one per shard) and against torch ops."""
+    parts = torch.randn(2, n, device=DEVICE).to(torch.bfloat16)
+    out = torch.empty(n, device=DEVICE)
+    t_ours = time_gpu(lambda: N.grad_accumulate(out, parts, 0.5, False), reps)
+    fused = out.clone()
+
+    def per_shard():
+        N.grad_accumulate(out, parts[0], 0.5, False)
+        N.grad_accumulate(out, parts[1], 0.5, True)
+
+    t_calls = time_gpu(per_shard, reps)
+    t_torch = time_gpu(lambda: torch.add(parts[0].float() * 0.5, parts[1].float(), alpha=0.5), reps)
+    ok = torch.equal(fused, out) and torch.equal(fused, parts[0].float() * 0.5 + parts[1].float() * 0.5)
+    return [_row("sum 2 bf16 shards -> fp32 (one launch)", n, 8, t_ours, t_copy, t_torch, "torch.add(a*s, b, alpha=s)"),
+            _row("sum 2 bf16 shards -> fp32 (a call per shard)", n, 8, t_calls, t_copy)], ok
+
+
 def bench_size(n: int, reps_base: int) -> list[dict]:
     reps = reps_for(8 * n, reps_base)
     src = torch.randn(n, device=DEVICE)
@@ -212,7 +233,9 @@ def bench_size(n: int, reps_base: int) -> list[dict]:
     rows += more
     more, ok4 = _bench_pack(n, reps, t_copy, align=ALIGN_ELEMS)
     rows += more
-    ok = ok and ok2 and ok3 and ok4
+    more, ok5 = _bench_shard_sum(n, reps, t_copy)
+    rows += more
+    ok = ok and ok2 and ok3 and ok4 and ok5
     if not ok:
         print(f"WARNING: a result check failed at n={n}", file=sys.stderr)
     for r in rows:
@@ -377,7 +400,8 @@ def write_markdown(path: str, meta: dict, rows: list[dict], goals: list[str]) ->
             lines.append(f"| {r['kernel']} | {r['ours_host_s'] * 1e6:.1f} | {r['torch_host_s'] * 1e6:.1f} |")
     lines += ["", "Goals:", ""] + [f"- {g}" for g in goals]
     lines += ["", "Legend: fp32->bf16 cast moves 6 B/elem, fp32->e4m3 cast 5 B/elem, amax 4 B/elem, "
-              "amax + cast 9 B/elem, pack fp32 8 B/elem, copy 8 B/elem (of the fp32 source). "
+              "amax + cast 9 B/elem, pack fp32 8 B/elem, sum of 2 bf16 shards into fp32 8 B/elem, copy 8 B/elem (of the "
+              "fp32 source). "
               "quantize bf16->e4m3: 3 B/elem (4 with the transpose), against a copy of the bf16 source "
               "(4 B/elem); the two-pass kernels read the source twice (5 B/elem of traffic, the second read "
               "partly from L2). fp8 transpose: 2 B/elem, against a copy of the same bytes."]

@@ -106,7 +106,12 @@ void grad_accumulate(const at::Tensor& main_grad, const at::Tensor& reduced, dou
   check_flat(reduced, fn, "reduced");
   check_device_supported(main_grad, fn);
   check_same_device(main_grad, reduced, fn, "main_grad", "reduced");
-  check_same_numel(main_grad, reduced, fn, "main_grad", "reduced");
+  // reduced: main_grad's numel, or (parts, numel): parts added in row order
+  const int64_t parts = reduced.dim() == 2 ? reduced.size(0) : 1;
+  TORCH_CHECK_VALUE((reduced.dim() == 2 && reduced.size(1) == main_grad.numel() && parts >= 1) ||
+                        (reduced.dim() != 2 && reduced.numel() == main_grad.numel()),
+                    "mfsdp_ext.grad_accumulate: reduced must have main_grad's ", main_grad.numel(),
+                    " elements, or be (parts, ", main_grad.numel(), "), got ", reduced.sizes());
   const DType md = float_dtype(main_grad, fn, "main_grad");
   const DType rd = float_dtype(reduced, fn, "reduced");
   if (main_grad.is_meta()) return;
@@ -115,7 +120,7 @@ void grad_accumulate(const at::Tensor& main_grad, const at::Tensor& reduced, dou
   if (n == 0) return;
   run_kernel(main_grad, fn,
              GradAccumulateParams{main_grad.data_ptr(), md, reduced.data_ptr(), rd, n, static_cast<float>(scale),
-                                  accumulate});
+                                  accumulate, parts});
 }
 
 }  // namespace mfsdp

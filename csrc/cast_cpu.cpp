@@ -96,10 +96,13 @@ int launch(const GradAccumulateParams& p, void*) {
       const auto* r = static_cast<const typename Red::raw*>(p.reduced);
       const float scale = p.scale;
       at::parallel_for(0, p.numel, kGrain, [&](int64_t b0, int64_t b1) {
-        if (p.accumulate) {
-          for (int64_t j = b0; j < b1; ++j) m[j] = Main::store(fma_rn(scale, Red::load(r[j]), Main::load(m[j])));
-        } else {
-          for (int64_t j = b0; j < b1; ++j) m[j] = Main::store(mul_rn(scale, Red::load(r[j])));
+        for (int64_t part = 0; part < p.parts; ++part) {  // as one call per part (main_grad stored between)
+          const auto* rp = r + part * p.numel;
+          if (p.accumulate || part > 0) {
+            for (int64_t j = b0; j < b1; ++j) m[j] = Main::store(fma_rn(scale, Red::load(rp[j]), Main::load(m[j])));
+          } else {
+            for (int64_t j = b0; j < b1; ++j) m[j] = Main::store(mul_rn(scale, Red::load(rp[j])));
+          }
         }
       });
     });

@@ -152,25 +152,82 @@ int launch_dequant(const void* src, int64_t numel, const int64_t* seg, int64_t n
 // ---------------------------------------------------------------------------------------------
 // grad accumulate
 // ---------------------------------------------------------------------------------------------
+// Several parts, everything 16-byte aligned and numel a multiple of 8 (fully_shard's shards): each thread reads 8
+// elements of every part and writes its 8 main_grad elements once, in a grid-stride loop. The rounding is that
+// of one call per part (main_grad's dtype after each part), so the result does not depend on the path.
+template <class Main, class Red>
+__global__ void __launch_bounds__(kThreads)
+    grad_acc_parts_kernel(typename Main::raw* __restrict__ main_grad, const typename Red::raw* __restrict__ red,
+                          int64_t total, float scale, bool accumulate, int64_t parts) {
+  using MR = typename Main::raw;
+  using RR = typename Red::raw;
+  constexpr int V = 8;
+  static_assert((V * sizeof(MR)) % 16 == 0 && (V * sizeof(RR)) % 16 == 0, "8 elements: whole 16-byte vectors");
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x * V;
+  for (int64_t j = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V; j < total; j += stride) {
+    float acc[V];
+    VecRegs<RR, V> r;
+    vload(r, red + j);
+    if (accumulate) {
+      VecRegs<MR, V> m;
+      vload(m, main_grad + j);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        acc[k] = Main::load(Main::store(fma_rn(scale, Red::load(r.get(k)), Main::load(m.get(k)))));
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k) acc[k] = Main::load(Main::store(mul_rn(scale, Red::load(r.get(k)))));
+    }
+    for (int64_t part = 1; part < parts; ++part) {
+      vload(r, red + part * total + j);
+#pragma unroll
+      for (int k = 0; k < V; ++k) acc[k] = Main::load(Main::store(fma_rn(scale, Red::load(r.get(k)), acc[k])));
+    }
+    VecRegs<MR, V> out;
+#pragma unroll
+    for (int k = 0; k < V; ++k) out.set(k, Main::store(acc[k]));
+    vstore(main_grad + j, out);
+  }
+}
+
+// Several parts otherwise: a block adds them into its chunk one after the other, so the chunk of main_grad it
+// rewrites (<= 64 KiB) is re-read from L2, not memory; the threads meet between parts (each part's pass may
+// split the chunk among them differently when its source is aligned differently).
 template <class Main, class Red>
 __global__ void __launch_bounds__(kThreads)
     grad_acc_kernel(typename Main::raw* __restrict__ main_grad, const typename Red::raw* __restrict__ red,
-                    int64_t total, int64_t chunk, int64_t nchunks, float scale, bool accumulate) {
+                    int64_t total, int64_t chunk, int64_t nchunks, float scale, bool accumulate, int64_t parts) {
   for_each_chunk(chunk, nchunks, total, [&](int64_t b0, int64_t b1) {
-    GradAccOp<Main, Red> op{main_grad + b0, red + b0, scale, accumulate};
-    run_range(op, b1 - b0);
+    for (int64_t part = 0; part < parts; ++part) {
+      if (part > 0) __syncthreads();
+      GradAccOp<Main, Red> op{main_grad + b0, red + part * total + b0, scale, accumulate || part > 0};
+      run_range(op, b1 - b0);
+    }
   });
 }
 
 template <class Main, class Red>
-int launch_grad_acc(void* main_grad, const void* red, int64_t numel, float scale, bool accumulate,
+int launch_grad_acc(void* main_grad, const void* red, int64_t numel, float scale, bool accumulate, int64_t parts,
                     cudaStream_t stream) {
   if (numel == 0) return 0;
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (parts > 1 && numel % 8 == 0 && aligned(main_grad) && aligned(red)) {
+    auto kernel = grad_acc_parts_kernel<Main, Red>;
+    const int64_t vectors = numel / 8;
+    const int64_t max_blocks = static_cast<int64_t>(num_sms()) * blocks_per_sm(reinterpret_cast<const void*>(kernel));
+    const int64_t need = (vectors + kThreads - 1) / kThreads;
+    const int blocks = static_cast<int>(need < max_blocks ? need : max_blocks);
+    kernel<<<blocks, kThreads, 0, stream>>>(static_cast<typename Main::raw*>(main_grad),
+                                            static_cast<const typename Red::raw*>(red), numel, scale, accumulate,
+                                            parts);
+    return last_error();
+  }
   auto kernel = grad_acc_kernel<Main, Red>;
   const Grid g = make_grid(reinterpret_cast<const void*>(kernel), numel);
   kernel<<<g.blocks, kThreads, 0, stream>>>(static_cast<typename Main::raw*>(main_grad),
                                             static_cast<const typename Red::raw*>(red), numel, g.chunk,
-                                            g.nchunks, scale, accumulate);
+                                            g.nchunks, scale, accumulate, parts);
   return last_error();
 }
 
@@ -219,7 +276,7 @@ int launch(const GradAccumulateParams& p, void* stream) {
   return for_float(p.main_grad_dtype, [&](auto main_tag) {
     return for_float(p.reduced_dtype, [&](auto red_tag) {
       return launch_grad_acc<decltype(main_tag), decltype(red_tag)>(p.main_grad, p.reduced, p.numel, p.scale,
-                                                                     p.accumulate, s);
+                                                                     p.accumulate, p.parts, s);
     });
   });
 }

@@ -62,7 +62,9 @@ struct Fp8DequantizeParams {
   DType dst_dtype;
 };
 
-// main_grad = (accumulate ? main_grad : 0) + scale * reduced, in fp32 (one rounding when accumulating)
+// main_grad = (accumulate ? main_grad : 0) + scale * reduced, in fp32 (one rounding when accumulating); with
+// parts > 1, reduced holds parts rows of numel and they are added in row order, each as one such call would
+// (row 0 with `accumulate`, every later row accumulating): the sum of the shards an all-to-all delivered
 struct GradAccumulateParams {
   void* main_grad;
   DType main_grad_dtype;
@@ -71,6 +73,7 @@ struct GradAccumulateParams {
   int64_t numel;
   float scale;
   bool accumulate;
+  int64_t parts;
 };
 
 // Copy table of pack / unpack (int64 words), num_entries entries:

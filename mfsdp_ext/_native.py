@@ -36,6 +36,8 @@ fp8_dequantize(src, segments, scale_inv, dst)
 grad_accumulate(main_grad, reduced, scale, accumulate)
     main_grad[:] = (main_grad if accumulate else 0) + scale * reduced.float()  (fp32 arithmetic; when
     accumulating, one fused multiply-add, i.e. a single rounding). main_grad and reduced must not overlap.
+    reduced may be (parts, main_grad.numel()): its rows are added in order, each as one more call would
+    (``accumulate`` for row 0, accumulating after it), in one launch: the sum of an all-to-all's shards.
 
 adamw_step(param, grad, exp_avg, exp_avg_sq, runs, coeffs)
     One AdamW step (decoupled weight decay) over the runs of flat buffers: for every run i, [start, end) =

@@ -108,8 +108,7 @@ class PlainReduceScatter:
         self.transport.all_to_all_into(received, packed, g.shard_group)
         del packed  # its use by the all-to-all is in stream order (or recorded): free it before the sum's output
         reduced = torch.empty(g.layout.shard_numel, dtype=g.reduce_dtype, device=g.device)
-        for source, shard in enumerate(received.view(g.world, g.layout.shard_numel)):
-            _native.grad_accumulate(reduced, shard, scale, source > 0)
+        _native.grad_accumulate(reduced, received.view(g.world, g.layout.shard_numel), scale, False)
         return reduced
 
 

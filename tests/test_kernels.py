@@ -454,6 +454,30 @@ def test_grad_accumulate(device, red_dtype, scale):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("main_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parts, offset, n", [(2, 0, 70_000), (4, 0, 70_000), (3, 1, 70_001), (2, 0, 70_001)])
+def test_grad_accumulate_parts(device, main_dtype, parts, offset, n):
+    """(parts, n) rows added in one launch equal one call per row, to the bit (main_grad stored between rows).
+    n a multiple of 8, rows aligned: CUDA's one-pass kernel; offset 1 or n odd: the rows start off 16-byte
+    alignment, each at a different misalignment (the chunk-by-chunk kernel)."""
+    g = gen(33)
+    flat = rand_values(parts * n + offset, g, specials=False, spread=4).to(torch.bfloat16)
+    rows = flat[offset:].view(parts, n)
+    main0 = rand_values(n, g, specials=False, spread=4).to(main_dtype)
+    for accumulate in (False, True):
+        want = main0.clone().to(device)
+        for i in range(parts):
+            N.grad_accumulate(want, rows[i].to(device), 1 / 3, accumulate or i > 0)
+        got = main0.clone().to(device)
+        N.grad_accumulate(got, flat.to(device)[offset:].view(parts, n), 1 / 3, accumulate)
+        assert_bits_equal(got, want.cpu(), f"{parts} parts, accumulate={accumulate}")
+    # two bf16 shards summed as the float32 reduce-scatter sums them: one rounding of s*a + s*b
+    got = torch.empty(n, device=device)
+    N.grad_accumulate(got, rows[:2].contiguous().to(device), 0.5, False)
+    assert_bits_equal(got, rows[0].float() * 0.5 + rows[1].float() * 0.5, "2-rank sum")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_grad_accumulate_bf16_main(device):
     g = gen(32)
     red = rand_values(5003, g, specials=False, spread=3)
@@ -499,7 +523,8 @@ def test_bad_inputs_raise_clear_errors(device):
         (ValueError, "overlaps out", lambda: N.pack([x[:10]], [20], x)),
         (ValueError, "reads past the end", lambda: N.unpack(x, [95], [torch.empty(10, device=d)])),
         (ValueError, "outs\\[0\\] must be contiguous", lambda: N.unpack(x, [0], [torch.empty(4, 4, device=d).t()])),
-        (ValueError, "same number of elements", lambda: N.grad_accumulate(x, torch.empty(3, device=d), 1.0, True)),
+        (ValueError, "main_grad's 100 elements", lambda: N.grad_accumulate(x, torch.empty(3, device=d), 1.0, True)),
+        (ValueError, "be \\(parts, 100\\)", lambda: N.grad_accumulate(x, torch.empty(2, 50, device=d), 1.0, True)),
     ]
     for exc, msg, fn in cases:
         print(f"bad input case: {msg}", flush=True)  # names the case if a crash ends the process
