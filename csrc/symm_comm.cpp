@@ -349,6 +349,39 @@ void SymmComm::flat_reduce_scatter(const at::Tensor& input, const at::Tensor& ou
                    comm_);
 }
 
+void SymmComm::all_to_all(const at::Tensor& input, const at::Tensor& output) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_open("all_to_all");
+  check_tensor(input, "all_to_all", "input");
+  check_tensor(output, "all_to_all", "output");
+  TORCH_CHECK(input.scalar_type() == output.scalar_type() && input.numel() == output.numel() &&
+                  input.numel() % world_ == 0,
+              "mfsdp_ext SymmComm.all_to_all: input and output must have one dtype and one numel divisible by the ",
+              "world size ", world_, ", got ", input.scalar_type(), " ", input.numel(), " and ", output.scalar_type(),
+              " ", output.numel());
+  TORCH_CHECK(!bytes_overlap(input.data_ptr(), (int64_t)input.nbytes(), output.data_ptr(), (int64_t)output.nbytes()),
+              "mfsdp_ext SymmComm.all_to_all: input and output must not overlap");
+  if (input.numel() == 0) return;
+  ncclDataType_t type;
+  size_t count;
+  gather_type(input.scalar_type(), input.numel() / world_, &type, &count);
+  const size_t part_bytes = (size_t)input.nbytes() / (size_t)world_;
+  const char* in = static_cast<const char*>(input.data_ptr());
+  char* out = static_cast<char*>(output.data_ptr());
+  c10::DeviceGuard guard(cuda_device(device_));
+  cudaStream_t stream = current_stream();
+  MFSDP_NCCL_CHECK(ncclGroupStart(), comm_);
+  for (int peer = 0; peer < world_; ++peer) {
+    ncclResult_t r = ncclSend(in + peer * part_bytes, count, type, peer, comm_, stream);
+    if (r == ncclSuccess) r = ncclRecv(out + peer * part_bytes, count, type, peer, comm_, stream);
+    if (r != ncclSuccess) {
+      ncclGroupEnd();  // close the group before reporting: the communicator stays usable
+      throw_nccl("ncclSend / ncclRecv(part, count, type, peer, comm, stream)", r, comm_);
+    }
+  }
+  MFSDP_NCCL_CHECK(ncclGroupEnd(), comm_);
+}
+
 void SymmComm::all_reduce_max(const at::Tensor& tensor) {
   std::lock_guard<std::mutex> lock(mu_);
   check_open("all_reduce_max");

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _native, dist_ops
+from . import _native
 from .collectives import PlainAllGather, PlainReduceScatter
 from .symmetric.comm import _exchange_unique_id, _native_reason
 
@@ -79,8 +79,7 @@ class NcclTransport:
         self.comm.all_reduce_max(tensor)
 
     def all_to_all_into(self, output: torch.Tensor, input: torch.Tensor, group) -> None:
-        # the communicator has no all-to-all: torch.distributed's, issued in the same order on every rank
-        dist_ops.all_to_all_into(output, input, group)
+        self.comm.all_to_all(input, output)
 
 
 def use_native_collectives(units) -> None:

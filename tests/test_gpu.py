@@ -282,6 +282,32 @@ def test_native_collectives_parity(gpu_pool, mode, k):
     print(gpu_pool.run(_case_native_collectives, mode, k)[0])
 
 
+def _case_native_all_to_all():
+    """Our communicator's all-to-all (reduce_comm_dtype's exchange) equals torch.distributed's, bf16 and FP8 bytes,
+    and refuses a numel the world size does not divide."""
+    import torch.distributed as dist
+
+    from mfsdp_ext.native_collectives import NcclTransport
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    transport = NcclTransport(dist.group.WORLD, rank_device())
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        src = (torch.arange(world * 1000, device=rank_device(), dtype=torch.float32) + 10_000 * rank).to(dtype)
+        got, want = torch.empty_like(src), torch.empty_like(src)
+        transport.all_to_all_into(got, src, dist.group.WORLD)
+        dist.all_to_all_single(want.view(torch.uint8), src.view(torch.uint8))
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), dtype
+    odd = torch.empty(world * 10 + 1, device=rank_device())
+    with pytest.raises(RuntimeError, match="divisible by the world size"):
+        transport.all_to_all_into(torch.empty_like(odd), odd, dist.group.WORLD)
+    return {"world": world}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_native_all_to_all(world):
+    print(get_pool(world, "nccl").run(_case_native_all_to_all)[0])
+
+
 def _case_native_comm_memory():
     """Our own communicator's device memory (NCCL's, outside PyTorch's allocator, so no peak in step.py shows it):
     the free memory lost by creating it and running a first all-gather, reduce-scatter and all-reduce, minus what
@@ -398,6 +424,10 @@ def test_hf_llama_resume(gpu_pool, tmp_path):
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim"])
 def test_bf16_wire_matches_fp32_reduce_scatter(strategy):
     print(get_pool(2, "nccl").run(rcd._case_matches_fp32_reduce_scatter, strategy, 2, False)[0])
+
+
+def test_bf16_wire_native_collectives():
+    print(get_pool(2, "nccl").run(rcd._case_matches_fp32_reduce_scatter, "optim_grads_params", 2, False, True)[0])
 
 
 def test_bf16_wire_hsdp():
