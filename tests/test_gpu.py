@@ -284,7 +284,7 @@ def test_native_collectives_parity(gpu_pool, mode, k):
 
 def _case_native_all_to_all():
     """Our communicator's all-to-all (reduce_comm_dtype's exchange) equals torch.distributed's, bf16 and FP8 bytes,
-    and refuses a numel the world size does not divide."""
+    and refuses two dtypes, or a numel the world size does not divide."""
     import torch.distributed as dist
 
     from mfsdp_ext.native_collectives import NcclTransport
@@ -297,9 +297,13 @@ def _case_native_all_to_all():
         transport.all_to_all_into(got, src, dist.group.WORLD)
         dist.all_to_all_single(want.view(torch.uint8), src.view(torch.uint8))
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), dtype
-    odd = torch.empty(world * 10 + 1, device=rank_device())
-    with pytest.raises(RuntimeError, match="divisible by the world size"):
-        transport.all_to_all_into(torch.empty_like(odd), odd, dist.group.WORLD)
+    x = torch.empty(world * 10, device=rank_device())
+    with pytest.raises(RuntimeError, match="must have one dtype"):
+        transport.all_to_all_into(torch.empty_like(x, dtype=torch.bfloat16), x, dist.group.WORLD)
+    if world > 1:
+        odd = torch.empty(world * 10 + 1, device=rank_device())
+        with pytest.raises(RuntimeError, match="divisible by the world size"):
+            transport.all_to_all_into(torch.empty_like(odd), odd, dist.group.WORLD)
     return {"world": world}
 
 
