@@ -418,7 +418,7 @@ def unit_cases(shapes, group, device, rank, world, symmetric=None) -> dict:
     packed_wire = torch.empty(layout.rank_major_numel, dtype=DTYPE, device=device)
     received = torch.empty_like(packed_wire)
 
-    def wire_reduce():  # as collectives.PlainReduceScatter._sum_on_arrival (buffers made once here)
+    def wire_reduce():  # as PlainReduceScatter._sum_on_arrival, summed into a fresh main_grad (buffers made once)
         _native.pack_pieces(grads, table, packed_wire, 1.0)
         dist_ops.all_to_all_into(received, packed_wire, group)
         _native.grad_accumulate(reduced.data, received.view(world, S), 1.0 / world, False)

@@ -14,6 +14,7 @@ pair once, at lazy init (plain over torch.distributed by default).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -34,7 +35,24 @@ class AllGather(Protocol):
 class ReduceScatter(Protocol):
     name: str
 
-    def __call__(self, g: "ParamGroup", scale: float) -> torch.Tensor: ...
+    def __call__(self, g: "ParamGroup", scale: float) -> "torch.Tensor | ArrivedShards": ...
+
+
+@dataclass
+class ArrivedShards:
+    """What reduce_comm_dtype's all-to-all delivered: this rank's shard from every rank, (world, shard numel) in the
+    narrow dtype, not yet added; ``scale`` applies to each. ParamGroup sums them where they go: straight into a
+    fresh main_grad (no reduced buffer, no copy), else into one reduce-dtype shard first (``summed``), as the
+    reduce-scatter's output would be."""
+
+    parts: torch.Tensor
+    scale: float
+
+    def summed(self, dtype: torch.dtype) -> torch.Tensor:
+        """scale * shard_0, then one fused multiply-add per further shard, in rank order (one launch)."""
+        out = torch.empty(self.parts.shape[1], dtype=dtype, device=self.parts.device)
+        _native.grad_accumulate(out, self.parts, self.scale, False)
+        return out
 
 
 class TorchTransport:
@@ -85,7 +103,7 @@ class PlainReduceScatter:
         self.transport = transport
         self.name = transport.name
 
-    def __call__(self, g: "ParamGroup", scale: float) -> torch.Tensor:
+    def __call__(self, g: "ParamGroup", scale: float) -> torch.Tensor | ArrivedShards:
         if g.reduce_comm_dtype != g.reduce_dtype and g.world > 1:
             return self._sum_on_arrival(g, scale)
         packed = torch.empty(g.layout.rank_major_numel, dtype=g.reduce_dtype, device=g.device)
@@ -96,20 +114,16 @@ class PlainReduceScatter:
         self.transport.reduce_scatter_into(reduced, packed, g.shard_group)
         return reduced
 
-    def _sum_on_arrival(self, g: "ParamGroup", scale: float) -> torch.Tensor:
+    def _sum_on_arrival(self, g: "ParamGroup", scale: float) -> ArrivedShards:
         """The grads packed in their own dtype (a copy, no rounding), exchanged by one all-to-all (half the bytes
-        of a float32 reduce-scatter for bf16), then this rank's W received shards summed in the reduce dtype, in
-        rank order: ``scale * shard_0``, then one fused multiply-add per further shard. Every rank adds the same
-        way, and on 2 ranks ``fma(s, b, s * a)`` is the float32 reduce-scatter's ``s * a + s * b``, one rounding
-        either way, so the bits are the same."""
+        of a float32 reduce-scatter for bf16): this rank's W shards, to be summed in the reduce dtype in rank order
+        (ArrivedShards). Every rank adds the same way, and on 2 ranks ``fma(s, b, s * a)`` is the float32
+        reduce-scatter's ``s * a + s * b``, one rounding either way, so the bits are the same."""
         packed = torch.empty(g.layout.rank_major_numel, dtype=g.reduce_comm_dtype, device=g.device)
         g.pack_grads(packed, 1.0)
         received = torch.empty_like(packed)
         self.transport.all_to_all_into(received, packed, g.shard_group)
-        del packed  # its use by the all-to-all is in stream order (or recorded): free it before the sum's output
-        reduced = torch.empty(g.layout.shard_numel, dtype=g.reduce_dtype, device=g.device)
-        _native.grad_accumulate(reduced, received.view(g.world, g.layout.shard_numel), scale, False)
-        return reduced
+        return ArrivedShards(received.view(g.world, g.layout.shard_numel), scale)
 
 
 TORCH_TRANSPORT = TorchTransport()

@@ -24,7 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _native, dist_ops, replaced_params
-from .collectives import TORCH_TRANSPORT, AllGather, ReduceScatter
+from .collectives import TORCH_TRANSPORT, AllGather, ArrivedShards, ReduceScatter
 from .flat_buffer import FlatBuffer
 from .layout import FlatLayout, contiguous_stride
 
@@ -435,19 +435,22 @@ class ParamGroup:
         """Per parameter: whether this rank's backward gave it a gradient (before the reduction consumes them)."""
         return [info.unsharded.grad is not None for info in self.infos]
 
-    def reduce_scatter(self, scale: float) -> torch.Tensor:
+    def reduce_scatter(self, scale: float) -> torch.Tensor | ArrivedShards:
         """Pack the unsharded grads (times ``scale``) and reduce-scatter them over the shard group, with this
-        group's reduce-scatter, on the current stream; returns this rank's reduced shard (reduce dtype)."""
+        group's reduce-scatter, on the current stream; returns this rank's reduced shard (reduce dtype), or with
+        reduce_comm_dtype the shards that arrived, summed by accumulate_reduced."""
         reduced = self.reduce_scatter_op(self, scale)
         self.stats.reduces += 1
         return reduced
 
-    def accumulate_reduced(self, reduced: torch.Tensor, defer_replicas: bool, last_microbatch: bool,
+    def accumulate_reduced(self, reduced: torch.Tensor | ArrivedShards, defer_replicas: bool, last_microbatch: bool,
                            with_grad: list[bool] | None = None) -> None:
         """Add a reduce-scattered shard into main_grad, finishing HSDP's all-reduce over replicas: at once, or
         (``defer_replicas``) once per step, on the last microbatch. ``with_grad``: the parameters some rank gave
         a gradient (the others get no ``.grad``); None: all of them."""
         if self.replicate_group is not None and not defer_replicas:
+            if isinstance(reduced, ArrivedShards):  # the replicas add reduce-dtype shards
+                reduced = reduced.summed(self.reduce_dtype)
             dist_ops.all_reduce(reduced, self.replicate_group)
         if defer_replicas and self.main_grad_replica_summed and self.grads_attached():
             # Gradients kept from the last step are already summed over replicas: the coming all-reduce
@@ -459,7 +462,7 @@ class ParamGroup:
             dist_ops.all_reduce(self.main_grad.data, self.replicate_group)
             self.main_grad_replica_summed = True
 
-    def accumulate_main_grad(self, reduced: torch.Tensor, scale: float = 1.0,
+    def accumulate_main_grad(self, reduced: torch.Tensor | ArrivedShards, scale: float = 1.0,
                              with_grad: list[bool] | None = None) -> None:
         """main_grad (+)= scale * reduced, then make sure the sharded params' .grad point at main_grad (those in
         ``with_grad``, and those already attached in this accumulation)."""
@@ -473,6 +476,12 @@ class ParamGroup:
             for i, has in zip(trainable, attached):
                 if not has:
                     main_grad.param_view(i).zero_()
+        if isinstance(reduced, ArrivedShards):
+            if accumulate or main_grad.data.dtype != self.reduce_dtype:
+                # added to main_grad as one reduce-dtype sum, as a reduce-scatter's output is: the same bits
+                reduced = reduced.summed(self.reduce_dtype)
+            else:  # a fresh main_grad of the reduce dtype: the shards are summed straight into it
+                reduced, scale = reduced.parts, scale * reduced.scale
         _native.grad_accumulate(main_grad.data, reduced, scale, accumulate)
         self.attach_grads(with_grad)
 
