@@ -4,7 +4,8 @@
   ReduceScatter(g, scale)    pack ``g``'s unsharded grads (times ``scale``, in the reduce dtype) and reduce-scatter
                              them; returns this rank's reduced shard (shard layout, reduce dtype). Where the group's
                              ``reduce_comm_dtype`` is narrower (MixedPrecisionPolicy.reduce_comm_dtype), the plain
-                             one sends the grads in it and sums in the reduce dtype on arrival (all-to-all + sum)
+                             one sends the grads in it (all-to-all) and returns the shards that arrived
+                             (ArrivedShards), which the group sums in the reduce dtype
 
 Both run on the current stream. The plain implementations here issue their collectives through a transport:
 torch.distributed (any backend; the default) or mfsdp_ext's own NCCL communicator (``native_collectives=True``,
