@@ -118,3 +118,26 @@ def run_profiled(fn):
         torch.cuda.synchronize()
     events = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
     return result, events
+
+
+@contextlib.contextmanager
+def intercept_collectives(names, on_call):
+    """``on_call(name, args)`` before each call of the mfsdp_ext.dist_ops functions ``names`` (the only place the
+    plain path issues torch.distributed collectives from), for the duration of the block."""
+    import mfsdp_ext.dist_ops as comm
+
+    originals = {n: getattr(comm, n) for n in names}
+
+    def wrap(name, fn):
+        def called(*args, **kwargs):
+            on_call(name, args)
+            return fn(*args, **kwargs)
+        return called
+
+    for n, fn in originals.items():
+        setattr(comm, n, wrap(n, fn))
+    try:
+        yield
+    finally:
+        for n, fn in originals.items():
+            setattr(comm, n, fn)

@@ -2,7 +2,7 @@
 
 Against the same model with the plain fp32 reduce-scatter: on 2 ranks the losses and weights are the same bits (one
 rounding of s*a + s*b either way); on 4 ranks (a fixed rank-order fp32 sum against gloo's) within fp32 rounding.
-The collectives are counted by wrapping mfsdp_ext.dist_ops, which the plain path issues them from.
+The collectives are logged by wrapping mfsdp_ext.dist_ops (models.intercept_collectives).
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-import mfsdp_ext.dist_ops as comm
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 from mfsdp_ext.checkpoint import full_state_dict
 from mfsdp_ext.summary import unit_lines
 
 from .conftest import get_pool
-from .models import TinyLM, rank_device, rel_err, shard_tiny_lm, train
+from .models import TinyLM, intercept_collectives, rank_device, rel_err, shard_tiny_lm, train
 from .test_fully_shard import GLOBAL_BATCH, STEPS
 
 FP32_SUM = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -33,21 +32,9 @@ BF16_WIRE = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.
 def wire_log():
     """(collective name, dtype of what it sends) for every all-to-all and reduce-scatter issued."""
     log = []
-    originals = {n: getattr(comm, n) for n in ("all_to_all_into", "reduce_scatter_into")}
-
-    def wrap(name, fn):
-        def logged(output, input, group):
-            log.append((name, input.dtype))
-            return fn(output, input, group)
-        return logged
-
-    for n, fn in originals.items():
-        setattr(comm, n, wrap(n, fn))
-    try:
+    with intercept_collectives(("all_to_all_into", "reduce_scatter_into"),
+                               lambda name, args: log.append((name, args[1].dtype))):  # args: (output, input, group)
         yield log
-    finally:
-        for n, fn in originals.items():
-            setattr(comm, n, fn)
 
 
 def _case_matches_fp32_reduce_scatter(strategy: str, microbatches: int, hsdp: bool, native: bool = False):

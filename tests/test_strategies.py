@@ -19,11 +19,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-import mfsdp_ext.dist_ops as comm
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 from mfsdp_ext.checkpoint import full_state_dict
 
-from .models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm, train
+from .models import TinyLM, batch, intercept_collectives, lm_loss, rank_device, rel_err, shard_tiny_lm, train
 from .test_fully_shard import GLOBAL_BATCH, STEPS, _compare_params
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -32,21 +31,9 @@ STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 @contextlib.contextmanager
 def count_collectives():
     counts = Counter()
-    originals = {n: getattr(comm, n) for n in ("all_gather_into", "reduce_scatter_into", "all_reduce")}
-
-    def wrap(name, fn):
-        def counted(*args, **kwargs):
-            counts[name] += 1
-            return fn(*args, **kwargs)
-        return counted
-
-    for n, fn in originals.items():
-        setattr(comm, n, wrap(n, fn))
-    try:
+    with intercept_collectives(("all_gather_into", "reduce_scatter_into", "all_reduce"),
+                               lambda name, args: counts.update([name])):
         yield counts
-    finally:
-        for n, fn in originals.items():
-            setattr(comm, n, fn)
 
 
 def _units(model):
