@@ -32,7 +32,7 @@ laid out by mfsdp_ext.layout.FlatLayout and called as fully_shard calls them, ag
   RS flat                   the flat reduce-scatter alone
   RS grouped per parameter  one reduce-scatter per padded fp32 gradient, one NCCL group (no pack)
   RS bf16 wire + fp32 sum   MixedPrecisionPolicy(reduce_comm_dtype=bf16): bf16 grads packed as they are, one flat
-                            all-to-all (half the bytes), this rank's shards summed in fp32 (grad_accumulate per rank)
+                            all-to-all (half the bytes), this rank's shards summed in fp32 (one grad_accumulate)
   A2A bf16                  that all-to-all alone
   AG symmetric + unpack     use_symm_mem's all-gather: shard into its slot of the NCCL symmetric stage, symmetric
                             all-gather (one collective: NCCL's symmetric kernels take no groups), native unpack

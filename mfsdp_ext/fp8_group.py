@@ -44,7 +44,6 @@ class Fp8ParamGroup(ParamGroup):
         self.keep_when_regathered = keep_fp8_shard is None
         self._scales_pending = False  # new scales computed: gemm_scale_inv follows at this version's first cast
         self.fp8_views: list[Fp8Tensor] | None = None  # compute=True: the gathered weights' FP8 views, made once
-        self._fp8_views_checked = False
         if kwargs.get("compute_dtype") not in (torch.bfloat16, torch.float16):
             raise ValueError(f"FP8 weights need a bfloat16 or float16 compute dtype, got {kwargs.get('compute_dtype')}")
         bad = [f"{fqn} ({p.dtype})" for fqn, p, _ in params if p.dtype != torch.float32]
@@ -141,7 +140,6 @@ class Fp8ParamGroup(ParamGroup):
                 # made once (at the first gather: a meta-initialised group has real storage by then) and kept: the
                 # views stay valid across free / alloc, and they carry no transpose (Fp8Linear's backward makes
                 # its own), so nothing in them belongs to one gather
-                self._fp8_views_checked = False
                 self.fp8_views = [Fp8Tensor(self.unsharded_fp8.param_view(i), self.gemm_scale_inv[i, 0])
                                   for i in range(len(self.infos))]
             return
@@ -165,15 +163,9 @@ class Fp8ParamGroup(ParamGroup):
     def use_unsharded_params(self) -> None:
         super().use_unsharded_params()
         if self.fp8_compute and self.fp8_views is not None:
-            # the views are checked against the unsharded parameters once (set_fp8_weight), then only handed over
-            fresh = not self._fp8_views_checked
+            # views of the parameters' own slots (their shape, e4m3, contiguous): no check needed
             for info, fp8 in zip(self.infos, self.fp8_views):
-                module = info.places[0].module
-                if fresh:
-                    module.set_fp8_weight(fp8)
-                else:
-                    module._use_fp8_weight(fp8)
-            self._fp8_views_checked = True
+                info.places[0].module._use_fp8_weight(fp8)
 
     def use_sharded_params(self) -> None:
         super().use_sharded_params()

@@ -81,7 +81,6 @@ class Fp8LinearConfig:
 # eligibility
 # ----------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)  # asked at every forward; a device's capability does not change
 def _cuda_capability(index: int) -> tuple:
     return torch.cuda.get_device_capability(index)
 
@@ -180,8 +179,9 @@ class Fp8LinearMixin:
         self._use_fp8_weight(fp8_weight)
 
     def _use_fp8_weight(self, fp8_weight: Optional[Fp8Tensor]) -> None:
-        """set_fp8_weight for a weight already checked (fully_shard's gathered views, checked when made): a plain
-        attribute, not through nn.Module.__setattr__ (four times per layer and step)."""
+        """set_fp8_weight without the check, for a weight right by construction (fully_shard's gathered views, made
+        from the parameters' own layout): a plain attribute, not nn.Module.__setattr__ (four times per layer and
+        step)."""
         self.__dict__["_fp8_weight"] = fp8_weight
 
     def _fp8_fallback_warning(self, reason: str) -> None:

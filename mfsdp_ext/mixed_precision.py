@@ -97,7 +97,6 @@ class MixedPrecisionPolicy:
             if self.param_dtype not in (torch.bfloat16, torch.float16):
                 raise ValueError(f"MixedPrecisionPolicy(fp8=...) needs param_dtype=torch.bfloat16 (or torch.float16): "
                                  f"the FP8 layers' inputs, outputs and gradients are in it; got {self.param_dtype}")
-
         if self.reduce_comm_dtype is not None and (
                 self.reduce_comm_dtype != self.param_dtype or self.param_dtype not in (torch.bfloat16, torch.float16)
                 or self.reduce_dtype != torch.float32):
@@ -113,7 +112,6 @@ class MixedPrecisionPolicy:
         return self.reduce_dtype or self.compute_dtype(main_dtype)
 
     def reduction_comm_dtype(self, main_dtype: torch.dtype) -> torch.dtype:
-        """The dtype a group of ``main_dtype`` parameters sends its gradients in (see reduce_comm_dtype)."""
-        if self.reduce_comm_dtype is not None and self.compute_dtype(main_dtype) == self.reduce_comm_dtype:
-            return self.reduce_comm_dtype
-        return self.reduction_dtype(main_dtype)
+        """The dtype a group of ``main_dtype`` parameters sends its gradients in (see reduce_comm_dtype: when set, it
+        is param_dtype, every group's compute dtype)."""
+        return self.reduce_comm_dtype or self.reduction_dtype(main_dtype)
