@@ -463,7 +463,7 @@ def main() -> int:
     p.add_argument("--parts", default="fp32,small,quant,transpose",
                    help="fp32 (cast / fp8_cast / pack sweep over --sizes), small (2000 small tensors), quant "
                         "(activation quantizer over --quant-sizes), transpose (over --transpose-shapes)")
-    p.add_argument("--quant-sizes", default="4M,16M,64M,256M",
+    p.add_argument("--quant-sizes", default="4M,8M,16M,64M,256M",
                    help="elements of the bf16 activation (rows x 4096); 4M = 8 MiB")
     p.add_argument("--transpose-shapes", default="4096x4096,4096x11008,11008x4096,16384x8192")
     p.add_argument("--tag", default="", help="output name kernels_<tag>_<gpu>.* (default kernels_<gpu>.*)")
