@@ -9,8 +9,10 @@
 
 Both run on the current stream. The plain implementations here issue their collectives through a transport:
 torch.distributed (any backend; the default) or mfsdp_ext's own NCCL communicator (``native_collectives=True``,
-``mfsdp_ext.native_collectives``). The NCCL symmetric-memory ones are in ``mfsdp_ext.symmetric``. A group gets its
-pair once, at lazy init (plain over torch.distributed by default).
+``mfsdp_ext.native_collectives``). A unit's groups that use them over one transport and shard group share one
+call (all_gather_together, reduce_scatter_together): each call costs ~120 us of host time through ProcessGroupNCCL.
+The NCCL symmetric-memory ones are in ``mfsdp_ext.symmetric``. A group gets its pair once, at lazy init (plain
+over torch.distributed by default).
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ class TorchTransport:
     def reduce_scatter_into(self, output: torch.Tensor, input: torch.Tensor, group) -> None:
         dist_ops.reduce_scatter_into(output, input, group)
 
+    def grouped_reduce_scatter_into(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], group) -> None:
+        dist_ops.grouped_reduce_scatter_into(outputs, inputs, group)
+
     def all_to_all_into(self, output: torch.Tensor, input: torch.Tensor, group) -> None:
         dist_ops.all_to_all_into(output, input, group)
 
@@ -90,11 +95,24 @@ class PlainAllGather:
             return
         if g.world == 1:  # one rank or replicated: the shard layout is the unsharded layout
             g.write_shard(g.unsharded.data)
-        elif g.cast_in_slot:  # no cached compute-dtype shard: cast into this rank's slots, gather in place
-            g.cast_into_own_slots()
-            self.transport.all_gather_into(g.gather_outputs, g.own_unsharded_slots, g.shard_group)
-        else:
-            self.transport.all_gather_into(g.gather_outputs, g.gather_inputs, g.shard_group)
+        else:  # from the cached compute-dtype shard, or cast into this rank's slots and gathered in place
+            self.transport.all_gather_into(*g.gather_begin(), g.shard_group)
+
+
+def all_gather_together(groups: list["ParamGroup"]) -> None:
+    """The plain all-gathers of several groups (``joins_grouped_gather``; one transport, one shard group) as one
+    call of the transport (one NCCL group; FP8 weights travel as uint8): each group's work before the collective
+    (allocation, casts), the collective, each group's work after it (dequantize, FP8 views, stats)."""
+    first = groups[0]
+    with torch.autograd._unsafe_preserve_version_counter(tuple(t for g in groups for t in g.gather_targets())):
+        outputs, inputs = [], []
+        for g in groups:
+            out, inp = g.gather_begin()
+            outputs += out
+            inputs += inp
+        first.transport.all_gather_into(outputs, inputs, first.shard_group)
+        for g in groups:
+            g.gather_end()
 
 
 class PlainReduceScatter:
@@ -107,13 +125,19 @@ class PlainReduceScatter:
     def __call__(self, g: "ParamGroup", scale: float) -> torch.Tensor | ArrivedShards:
         if g.reduce_comm_dtype != g.reduce_dtype and g.world > 1:
             return self._sum_on_arrival(g, scale)
-        packed = torch.empty(g.layout.rank_major_numel, dtype=g.reduce_dtype, device=g.device)
-        g.pack_grads(packed, scale)
+        packed = self.pack(g, scale)
         if g.world == 1:
             return packed
         reduced = torch.empty(g.layout.shard_numel, dtype=g.reduce_dtype, device=g.device)
         self.transport.reduce_scatter_into(reduced, packed, g.shard_group)
         return reduced
+
+    @staticmethod
+    def pack(g: "ParamGroup", scale: float) -> torch.Tensor:
+        """The flat reduce-scatter's input: the grads times ``scale``, rank-major, in the reduce dtype."""
+        packed = torch.empty(g.layout.rank_major_numel, dtype=g.reduce_dtype, device=g.device)
+        g.pack_grads(packed, scale)
+        return packed
 
     def _sum_on_arrival(self, g: "ParamGroup", scale: float) -> ArrivedShards:
         """The grads packed in their own dtype (a copy, no rounding), exchanged by one all-to-all (half the bytes
@@ -125,6 +149,19 @@ class PlainReduceScatter:
         received = torch.empty_like(packed)
         self.transport.all_to_all_into(received, packed, g.shard_group)
         return ArrivedShards(received.view(g.world, g.layout.shard_numel), scale)
+
+
+def reduce_scatter_together(groups: list["ParamGroup"], scales: list[float]) -> list[torch.Tensor]:
+    """The plain reduce-scatters of several groups (``joins_grouped_reduce_scatter``; one transport, shard group
+    and reduce dtype) as one call of the transport, as all_gather_together: each group's grads packed (times its
+    scale), one grouped reduce-scatter. Returns each group's reduced shard."""
+    first = groups[0]
+    packed = [PlainReduceScatter.pack(g, scale) for g, scale in zip(groups, scales)]
+    reduced = [torch.empty(g.layout.shard_numel, dtype=g.reduce_dtype, device=g.device) for g in groups]
+    first.transport.grouped_reduce_scatter_into(reduced, packed, first.shard_group)
+    for g in groups:
+        g.stats.reduces += 1
+    return reduced
 
 
 TORCH_TRANSPORT = TorchTransport()

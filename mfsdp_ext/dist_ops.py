@@ -1,8 +1,8 @@
 """The torch.distributed collectives the flat buffers use, with fallbacks where gloo lacks one.
 
-All-gathers are grouped: one call gathers every parameter of a group, each into its own place in the param-major
-buffer (one NCCL group, as ``ncclGroupStart/End``), so nothing is copied out afterwards. Reduce-scatters are flat:
-one rank-major input whose output is the shard itself.
+All-gathers are grouped: one call gathers every parameter of a group (or of a unit's groups), each into its own
+place in the param-major buffer (one NCCL group, as ``ncclGroupStart/End``), so nothing is copied out afterwards.
+Reduce-scatters are flat: one rank-major input whose output is the shard itself (grouped: one per group of a unit).
 
 torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``*_single``; use what exists.
 """
@@ -39,6 +39,16 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group: dist.P
     _reduce_scatter_flat(output, input, group=group)
 
 
+def grouped_reduce_scatter_into(outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                group: dist.ProcessGroup) -> None:
+    """reduce_scatter_into for every (outputs[i], inputs[i]) as one grouped collective (one NCCL group)."""
+    if _gloo_lacks(_probe_grouped_reduce_scatter, group):
+        for output, input in zip(outputs, inputs):
+            reduce_scatter_into(output, input, group)
+    else:
+        group.reduce_scatter_tensor_coalesced(outputs, inputs, dist.ReduceScatterOptions()).wait()
+
+
 def all_to_all_into(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
     """output's r-th of world equal slices <- rank r's slice of its input for this rank (flat, equal splits)."""
     dist.all_to_all_single(output, input, group=group)
@@ -56,6 +66,12 @@ def _probe_grouped_all_gather(group: dist.ProcessGroup) -> None:
 
 def _probe_reduce_scatter(group: dist.ProcessGroup) -> None:
     _reduce_scatter_flat(torch.zeros(1), torch.zeros(dist.get_world_size(group)), group=group)
+
+
+def _probe_grouped_reduce_scatter(group: dist.ProcessGroup) -> None:
+    world = dist.get_world_size(group)
+    group.reduce_scatter_tensor_coalesced([torch.zeros(1), torch.zeros(1)], [torch.zeros(world), torch.zeros(world)],
+                                          dist.ReduceScatterOptions()).wait()
 
 
 _GLOO_SUPPORT: dict[tuple, bool] = {}  # (probe, id(group)) -> whether gloo ran it

@@ -3,8 +3,9 @@
 Buffers, beside ParamGroup's main_weight (fp32 shard) and main_grad:
   model_weight     shard        float8_e4m3fn, cast once per optimizer step with per-parameter current scaling:
                                 segment_amax over this rank's rows of each parameter, one all-reduce(MAX) of the
-                                amax vector (shard group, and replicate group under HSDP) so every rank uses the
-                                same scale, then fp8_cast; ``scale_inv`` (fp32, one per parameter) kept.
+                                amax vector (shard group, and replicate group under HSDP; one for all the tree's
+                                FP8 groups: sync_scales) so every rank uses the same scale, then fp8_cast;
+                                ``scale_inv`` (fp32, one per parameter) kept.
                                 keep_fp8_shard=False (cache_model_weight=False, and None until a third gather of
                                 the same weights): the amax once per step, the fp8_cast at every all-gather into
                                 storage freed right after it
@@ -83,14 +84,13 @@ class Fp8ParamGroup(ParamGroup):
     def sync_model_weight(self, version: tuple) -> None:
         """Cast main_weight into the FP8 model weight with per-parameter scales every rank agrees on, unless it was
         cast at this weights_version(). Collective over the shard (and replicate) group: every rank decides alike,
-        as weights_version() counts the same optimizer steps and writes on every rank."""
-        if self._synced_version == version:
-            return
-        _native.segment_amax(self.main_weight.data, self.segments, self.amax)
-        if self.world > 1:
-            self.transport.all_reduce_max(self.amax, self.shard_group)
-        if self.replicate_group is not None and dist.get_world_size(self.replicate_group) > 1:
-            dist_ops.all_reduce(self.amax, self.replicate_group, op=dist.ReduceOp.MAX)
+        as weights_version() counts the same optimizer steps and writes on every rank. (A unit's gather syncs the
+        scales of all its tree's FP8 groups that need them at once first: FsdpUnit._sync_fp8_scales.)"""
+        if self._synced_version != version:
+            sync_scales([self], [version])
+
+    def _scales_synced(self, version: tuple) -> None:
+        """The amax vector holds every rank's maximum for ``version``: the scales follow at the next cast."""
         self._synced_version = version
         self.stats.scale_syncs += 1
         self._scales_pending = True
@@ -121,15 +121,29 @@ class Fp8ParamGroup(ParamGroup):
     def all_gather(self, op=None) -> None:
         """Gather every rank's FP8 shard into unsharded_fp8 (through ``transport``: ``op`` is not used), then
         dequantize it into the compute-dtype buffer (compute=False) or make the layers' FP8 views (compute=True)."""
+        with torch.autograd._unsafe_preserve_version_counter(self.gather_targets()):
+            outputs, inputs = self.gather_begin()
+            if self.world == 1:  # one rank: the shard layout is the unsharded layout
+                self.unsharded_fp8.data.copy_(self.model_weight.data)
+            else:
+                self.transport.all_gather_into(outputs, inputs, self.shard_group)
+            self.gather_end()
+
+    def gather_targets(self) -> tuple[torch.Tensor, ...]:
+        return self.unsharded_fp8.data, self.unsharded.data
+
+    def gather_begin(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Up to the collective: the FP8 shard cast for this gather where none is kept; returns the collective's
+        (outputs, inputs), uint8 views."""
         self.unsharded_fp8.alloc()
         if not self.keep_fp8_shard:
             self.model_weight.alloc()
             self._cast_fp8_shard()
-        with torch.autograd._unsafe_preserve_version_counter(self.unsharded_fp8.data):
-            if self.world == 1:  # one rank: the shard layout is the unsharded layout
-                self.unsharded_fp8.data.copy_(self.model_weight.data)
-            else:
-                self.transport.all_gather_into(self.fp8_gather_outputs, self.fp8_gather_inputs, self.shard_group)
+        return self.fp8_gather_outputs, self.fp8_gather_inputs
+
+    def gather_end(self) -> None:
+        """After the collective (issued, on this stream): the per-gather FP8 shard freed, then the compute-dtype
+        weights dequantized (compute=False) or the layers' FP8 views made (compute=True)."""
         if not self.keep_fp8_shard:
             # freed in the all-gather stream's order (this runs on it): reused only after the collective
             self.model_weight.free()
@@ -144,9 +158,7 @@ class Fp8ParamGroup(ParamGroup):
                                   for i in range(len(self.infos))]
             return
         self.unsharded.alloc()
-        with torch.autograd._unsafe_preserve_version_counter(self.unsharded.data):
-            _native.fp8_dequantize(self.unsharded_fp8.data, self.unsharded_segments, self.scale_inv,
-                                   self.unsharded.data)
+        _native.fp8_dequantize(self.unsharded_fp8.data, self.unsharded_segments, self.scale_inv, self.unsharded.data)
         self.unsharded_fp8.free()
 
     def free_unsharded(self) -> None:
@@ -179,3 +191,25 @@ class Fp8ParamGroup(ParamGroup):
     def cast_into_own_slots(self) -> None:
         raise RuntimeError("mfsdp_ext: FP8 groups keep their FP8 shard; nothing is cast into the gathered slots")
 
+
+def sync_scales(groups: list[Fp8ParamGroup], versions: list[tuple]) -> None:
+    """The amax vectors of ``groups`` (which share their shard group, replicate group and transport) at
+    ``versions``: each group's amax over this rank's rows, then one all-reduce(MAX) of them all, back to back
+    (and one over the replicate group under HSDP): one collective per optimizer step rather than one per group,
+    each ~120 us of host time through ProcessGroupNCCL. MAX is exact: the same bits as a reduction per group."""
+    first = groups[0]
+    if len(groups) == 1:
+        amax, parts = first.amax, [first.amax]
+    else:  # each group's amax straight into its place in one vector; copied back after the all-reduce
+        amax = torch.empty(sum(g.amax.numel() for g in groups), dtype=torch.float32, device=first.device)
+        parts = list(amax.split([g.amax.numel() for g in groups]))
+    for g, part in zip(groups, parts):
+        _native.segment_amax(g.main_weight.data, g.segments, part)
+    if first.world > 1:
+        first.transport.all_reduce_max(amax, first.shard_group)
+    if first.replicate_group is not None and dist.get_world_size(first.replicate_group) > 1:
+        dist_ops.all_reduce(amax, first.replicate_group, op=dist.ReduceOp.MAX)
+    if len(groups) > 1:
+        torch._foreach_copy_([g.amax for g in groups], parts)
+    for g, version in zip(groups, versions):
+        g._scales_synced(version)

@@ -24,7 +24,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 
-from . import dist_ops, finite_grads, same_model, summary, tensor_tree
+from . import dist_ops, finite_grads, fp8_group, same_model, summary, tensor_tree
+from .collectives import all_gather_together, reduce_scatter_together
 from .context import FsdpContext
 from .mixed_precision import MixedPrecisionPolicy
 from .native_collectives import use_native_collectives
@@ -172,17 +173,44 @@ class FsdpUnit:
         if gathered and versions == self.gathered_versions:
             return
         with ctx.device.label(f"mfsdp.unshard {self.name}"), ctx.device.use_stream(ctx.ag_stream):
+            together: dict[tuple, list[ParamGroup]] = {}  # one all-gather call per (transport, shard group)
             for i, g in enumerate(self.groups):
                 if g.replicated and self.gathered_versions[i] == versions[i]:
                     continue  # replicated groups stay gathered: refreshed only when their weights change
                 if training:
                     g.note_gather(versions[i])
                 if ctx.weight_sync_allowed() or g._synced_version is None:
+                    if g.fp8 and g._synced_version != versions[i]:
+                        self._sync_fp8_scales(g, versions[i], after_step)
                     g.sync_model_weight(versions[i])
-                g.all_gather()
+                if g.joins_grouped_gather():
+                    together.setdefault((g.transport, g.shard_group), []).append(g)
+                else:
+                    g.all_gather()
                 self.gathered_versions[i] = versions[i]
+            for groups in together.values():  # e.g. a unit's FP8 weights and its bf16 norms and biases
+                all_gather_together(groups)
             self.unshard_event = ctx.device.record_event(ctx.ag_stream)
         self.sharded_state = ShardedState.UNSHARDED
+
+    def _sync_fp8_scales(self, g: ParamGroup, version: tuple, after_step: bool) -> None:
+        """The FP8 group ``g`` needs scales for a new weights version: sync those of every FP8 group of the tree that
+        shares its collectives and needs new ones too, in one all-reduce (fp8_group.sync_scales): once per step
+        rather than once per group. Every rank decides alike (the versions count the same ops on every rank); a
+        group whose weights change after this (a user's write) syncs again by itself at its gather. Inside an
+        optimizer step (``after_step``) only this unit's groups: the step has not yet updated the others."""
+        ctx = self.context
+        key = (g.shard_group, g.replicate_group, g.transport)
+        groups, versions = [g], [version]
+        for unit in [self] if after_step else ctx.units:
+            for other in unit.groups:
+                if other is g or not other.fp8 or (other.shard_group, other.replicate_group, other.transport) != key:
+                    continue
+                v = other.weights_version(pending_step=after_step) + (ctx.weights_epoch,)
+                if other._synced_version != v and (ctx.weight_sync_allowed() or other._synced_version is None):
+                    groups.append(other)
+                    versions.append(v)
+        fp8_group.sync_scales(groups, versions)
 
     def wait_unshard(self) -> None:
         """Make compute wait for this unit's all-gather only, then compute on the gathered parameters."""
@@ -342,26 +370,55 @@ class FsdpUnit:
             return
         self.training_state = TrainingState.POST_BACKWARD
         with self.context.device.label(f"mfsdp.reduce {self.name}"):
-            for g in self.groups:
-                if g.has_unsharded_grads():
-                    self._reduce(g)
+            groups = [g for g in self.groups if g.has_unsharded_grads()]
+            scattered = self._reduce_scatter_together(groups)
+            for g in groups:
+                self._reduce(g, scattered.get(g))
         self.show_sharded_params()
 
-    def _reduce(self, g: ParamGroup) -> None:
-        """Reduce-scatter the group's gradients into main_grad on the reduce-scatter stream, or keep them
-        accumulating locally where the strategy defers the reduction to the last microbatch."""
+    def _reduce_scatter_together(self, groups: list[ParamGroup]) -> dict[ParamGroup, torch.Tensor]:
+        """Of the groups reduced now, those whose plain reduce-scatters can share one call (same transport, shard
+        group and reduce dtype: e.g. a block's FP8 weights and its bf16 norms and biases), reduce-scattered
+        together on the reduce-scatter stream: their reduced shards, which _reduce takes on from there."""
         ctx = self.context
-        last = self.requires_gradient_sync and ctx.is_last_microbatch
-        every_microbatch = self.strategy.reduces_every_microbatch and not g.replicated
-        if not (self.requires_gradient_sync if every_microbatch else last):
+        together: dict[tuple, list[ParamGroup]] = {}
+        for g in groups:
+            if g.joins_grouped_reduce_scatter() and self._reduces_now(g):
+                together.setdefault((g.transport, g.shard_group, g.reduce_dtype), []).append(g)
+        scattered = {}
+        for members in together.values():
+            if len(members) > 1:
+                scales = [self._grad_scale(g) for g in members]
+                with ctx.device.use_stream(ctx.rs_stream):
+                    scattered.update(zip(members, reduce_scatter_together(members, scales)))
+        return scattered
+
+    def _reduces_now(self, g: ParamGroup) -> bool:
+        """Whether the group's gradients are reduced in this backward, or kept accumulating locally where the
+        strategy defers the reduction to the last microbatch."""
+        if self.strategy.reduces_every_microbatch and not g.replicated:
+            return self.requires_gradient_sync
+        return self.requires_gradient_sync and self.context.is_last_microbatch
+
+    def _grad_scale(self, g: ParamGroup) -> float:
+        """The factor the gradients are packed with: pre-divided, so no overflow in low precision."""
+        replicas = dist.get_world_size(g.replicate_group) if g.replicate_group is not None else 1
+        return 1.0 / (self.gradient_divide_factor or g.world * replicas)
+
+    def _reduce(self, g: ParamGroup, reduced: torch.Tensor | None = None) -> None:
+        """Reduce-scatter the group's gradients into main_grad on the reduce-scatter stream (``reduced``: already
+        reduce-scattered with other groups'), or keep them accumulating locally (_reduces_now)."""
+        ctx = self.context
+        if not self._reduces_now(g):
             ctx.grads_kept = True
             return
-        replicas = dist.get_world_size(g.replicate_group) if g.replicate_group is not None else 1
-        divide = self.gradient_divide_factor or g.world * replicas
+        last = self.requires_gradient_sync and ctx.is_last_microbatch
+        every_microbatch = self.strategy.reduces_every_microbatch and not g.replicated
         with_grad = None if self.reduce_scatter_unused_params else self._params_given_a_grad(g)
         main_grad_before = g.main_grad
         with ctx.device.use_stream(ctx.rs_stream):
-            reduced = g.reduce_scatter(scale=1.0 / divide)  # pre-divide: no overflow in low precision
+            if reduced is None:
+                reduced = g.reduce_scatter(scale=self._grad_scale(g))
             for grad in g.drop_unsharded_grads():
                 if ctx.grads_freed_at_end is not None:
                     ctx.grads_freed_at_end.append(grad)

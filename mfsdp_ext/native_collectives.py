@@ -75,6 +75,10 @@ class NcclTransport:
     def reduce_scatter_into(self, output: torch.Tensor, input: torch.Tensor, group) -> None:
         self.comm.flat_reduce_scatter(input, output)
 
+    def grouped_reduce_scatter_into(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], group) -> None:
+        for output, input in zip(outputs, inputs):  # SymmComm has no grouped reduce-scatter: one C++ call each
+            self.comm.flat_reduce_scatter(input, output)
+
     def all_reduce_max(self, tensor: torch.Tensor, group) -> None:
         self.comm.all_reduce_max(tensor)
 

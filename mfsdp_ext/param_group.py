@@ -24,7 +24,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _native, dist_ops, replaced_params
-from .collectives import TORCH_TRANSPORT, AllGather, ArrivedShards, ReduceScatter
+from .collectives import (TORCH_TRANSPORT, AllGather, ArrivedShards, PlainAllGather, PlainReduceScatter,
+                          ReduceScatter)
 from .flat_buffer import FlatBuffer
 from .layout import FlatLayout, contiguous_stride
 
@@ -367,9 +368,32 @@ class ParamGroup:
     def all_gather(self, op: AllGather | None = None) -> None:
         """Gather every rank's compute-dtype shard into the param-major unsharded buffer, with this group's
         all-gather (or ``op``), on the current stream."""
-        self.unsharded.alloc()
-        with torch.autograd._unsafe_preserve_version_counter(self.unsharded.data):
+        with torch.autograd._unsafe_preserve_version_counter(self.gather_targets()):
+            self.unsharded.alloc()
             (op or self.all_gather_op)(self)
+        self.gather_end()
+
+    def joins_grouped_gather(self) -> bool:
+        """Whether this group's gather is the plain grouped all-gather over several ranks, whose collective can be
+        one call with other such groups' (collectives.all_gather_together): gather_begin, the collective,
+        gather_end."""
+        return self.world > 1 and isinstance(self.all_gather_op, PlainAllGather)
+
+    def gather_targets(self) -> tuple[torch.Tensor, ...]:
+        """The buffers a gather writes: their autograd version counters must not move (the backward saved views)."""
+        return (self.unsharded.data,)
+
+    def gather_begin(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The plain all-gather up to its collective: the buffer allocated, this rank's chunks cast into their slots
+        where no compute-dtype shard is kept; returns the collective's (outputs, inputs)."""
+        self.unsharded.alloc()
+        if self.cast_in_slot:
+            self.cast_into_own_slots()
+            return self.gather_outputs, self.own_unsharded_slots
+        return self.gather_outputs, self.gather_inputs
+
+    def gather_end(self) -> None:
+        """After the all-gather's collective (issued, on this stream)."""
         self.stats.all_gathers += 1
         if not self.replicated:
             self.stats.all_gather_bytes += self.gathered_bytes(self.compute_dtype)
@@ -442,6 +466,12 @@ class ParamGroup:
         reduced = self.reduce_scatter_op(self, scale)
         self.stats.reduces += 1
         return reduced
+
+    def joins_grouped_reduce_scatter(self) -> bool:
+        """Whether this group's reduce-scatter is the plain flat one over several ranks (not reduce_comm_dtype's
+        all-to-all), which can be one call with other such groups' (collectives.reduce_scatter_together)."""
+        return (self.world > 1 and isinstance(self.reduce_scatter_op, PlainReduceScatter)
+                and self.reduce_comm_dtype == self.reduce_dtype)
 
     def accumulate_reduced(self, reduced: torch.Tensor | ArrivedShards, defer_replicas: bool, last_microbatch: bool,
                            with_grad: list[bool] | None = None) -> None:

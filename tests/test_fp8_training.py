@@ -303,6 +303,75 @@ def _case_meta_init_and_summary():
     return lines
 
 
+# ---------------------------------------------------------------------------------------------- (g) collectives
+def _case_collectives_per_step(strategy: str):
+    """The FP8 scales of every FP8 group of the tree (one per block) travel in one all-reduce(MAX) per optimizer
+    step, whatever the microbatches and recomputes; each unit gathers its groups (a block's FP8 weights and its
+    bf16 norm and biases; the root's two) in one all-gather call, and a block reduce-scatters its two groups in one
+    call. The losses and parameters are bit for bit those of a collective per group (MAX is exact; grouped
+    collectives move and add the same bytes)."""
+    from collections import Counter
+
+    from mfsdp_ext import fp8_group
+    from mfsdp_ext.param_group import ParamGroup
+
+    from .models import intercept_collectives
+
+    def run():
+        model = shard_tiny_lm(_tiny_lm(seed=1, checkpointing="non_reentrant"), fully_shard,
+                              mp_policy=_policy(compute=False), sharding_strategy=strategy)
+        counts = Counter()
+        with intercept_collectives(("all_gather_into", "reduce_scatter_into", "grouped_reduce_scatter_into",
+                                    "all_reduce"), lambda name, args: counts.update([name])):
+            losses = _train(model, microbatches=2)
+        params = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+        return model, losses, params, counts
+
+    model, losses, params, counts = run()
+    groups = _fp8_groups(model)
+    assert len(groups) == 2 and counts["all_reduce"] == STEPS, counts  # the scales, once per step for both blocks
+    assert [g.stats.scale_syncs for g in groups] == [STEPS] * len(groups)
+    units = [m._mfsdp_unit for m in model.modules() if isinstance(m, FsdpModule)]
+    gathers = [{g.stats.all_gathers for g in u.groups} for u in units]
+    assert all(len(u.groups) == 2 for u in units) and all(len(n) == 1 for n in gathers), gathers
+    assert counts["all_gather_into"] == sum(n for [n] in gathers), (counts, gathers)  # one call per unit gather
+    # the blocks' two groups reduce together; the root's two by themselves (the final norm and aux head early)
+    reduces = [[g.stats.reduces for g in u.groups] for u in units]
+    assert counts["grouped_reduce_scatter_into"] == sum(g.stats.reduces for g in groups), (counts, reduces)
+    assert counts["reduce_scatter_into"] == sum(g.stats.reduces for g in model._mfsdp_unit.groups), (counts, reduces)
+    # the same training with a collective per group
+    sync_scales = fp8_group.sync_scales
+    joins = ParamGroup.joins_grouped_gather, ParamGroup.joins_grouped_reduce_scatter
+    fp8_group.sync_scales = lambda gs, vs: [sync_scales([g], [v]) for g, v in zip(gs, vs)]
+    ParamGroup.joins_grouped_gather = ParamGroup.joins_grouped_reduce_scatter = lambda self: False
+    try:
+        _, per_group_losses, per_group_params, per_group_counts = run()
+    finally:
+        fp8_group.sync_scales = sync_scales
+        ParamGroup.joins_grouped_gather, ParamGroup.joins_grouped_reduce_scatter = joins
+    assert per_group_counts["all_reduce"] == STEPS * len(groups), per_group_counts
+    assert per_group_counts["all_gather_into"] == 2 * counts["all_gather_into"], (per_group_counts, counts)
+    assert per_group_counts["reduce_scatter_into"] == sum(map(sum, reduces)), (per_group_counts, reduces)
+    assert not per_group_counts["grouped_reduce_scatter_into"], per_group_counts
+    assert losses == per_group_losses, (losses, per_group_losses)
+    assert all(torch.equal(params[k], per_group_params[k]) for k in params)
+
+    # weights written after the tree's scales were synced (here by a hook between the blocks' gathers) get their
+    # own all-reduce at their gather
+    def write(module, args, output):
+        with torch.no_grad():
+            model.blocks[1].fc1.weight.mul_(2.0)
+            model.blocks[1].fc2.weight.mul_(2.0)
+
+    model.blocks[0].register_forward_hook(write)
+    with torch.no_grad(), intercept_collectives(("all_reduce",), lambda name, args: counts.update(["eval"])):
+        model(_batch(0, rank_device())[0])
+    block = model.blocks[1]
+    amax = torch.stack([block.fc1.weight.full_tensor().abs().max(), block.fc2.weight.full_tensor().abs().max()])
+    assert counts["eval"] == 2 and torch.equal(groups[1].amax, amax), (counts, groups[1].amax, amax)
+    return {"together": dict(counts), "per_group": dict(per_group_counts)}
+
+
 def test_policy_validation():
     with pytest.raises(ValueError, match="param_dtype=torch.bfloat16"):
         MixedPrecisionPolicy(fp8=Fp8Policy())
@@ -361,6 +430,11 @@ def test_hsdp(pool2):  # (replicate 2, shard 1): the amax all-reduce over replic
 @pytest.mark.parametrize("compute", [False, True], ids=["dequantize", "fp8_compute"])
 def test_hsdp_2x2(compute):  # 4 ranks: 2 sequences of 8 tokens each, M = 16 rows (no microbatches)
     print(get_pool(4, "gloo").run(_case_training_tracks_bf16, compute, "optim_grads_params", "off", 1, True)[0])
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
+def test_collectives_per_step(pool2, strategy):
+    print(pool2.run(_case_collectives_per_step, strategy)[0])
 
 
 def test_compute_memory_and_fallback(pool2):

@@ -254,8 +254,8 @@ def _case_late_group_reduced_first():
     for m in (*model.blocks, model):
         unit = m._mfsdp_unit
         original = unit._reduce
-        unit._reduce = lambda g, unit=unit, original=original: (order.append((unit.name, g.reduce_when_ready)),
-                                                                original(g))
+        unit._reduce = lambda g, *rest, unit=unit, original=original: (
+            order.append((unit.name, g.reduce_when_ready)), original(g, *rest))
     for step in range(2):
         order.clear()
         tokens, targets = batch(step, 4)

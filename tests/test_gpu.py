@@ -312,6 +312,42 @@ def test_native_all_to_all(world):
     print(get_pool(world, "nccl").run(_case_native_all_to_all)[0])
 
 
+def _case_grouped_collectives():
+    """A unit's groups share one call (collectives.all_gather_together / reduce_scatter_together): an all-gather of
+    bf16 and uint8 (FP8 bytes) pairs and a grouped reduce-scatter of two float32 pairs, through torch.distributed
+    (ProcessGroupNCCL's coalesced calls) and through our communicator, equal to one collective per pair."""
+    import torch.distributed as dist
+
+    from mfsdp_ext.collectives import TORCH_TRANSPORT
+    from mfsdp_ext.native_collectives import NcclTransport
+
+    world, rank, dev = dist.get_world_size(), dist.get_rank(), rank_device()
+    group = dist.group.WORLD
+    for transport in (TORCH_TRANSPORT, NcclTransport(group, dev)):
+        inputs = [(torch.arange(1000, device=dev) + 1000 * rank).to(torch.bfloat16),
+                  (torch.arange(777, device=dev) % 251 + rank).to(torch.uint8)]
+        outputs = [torch.empty(world * x.numel(), dtype=x.dtype, device=dev) for x in inputs]
+        transport.all_gather_into(outputs, inputs, group)
+        for out, x in zip(outputs, inputs):
+            want = torch.empty_like(out)
+            dist.all_gather_into_tensor(want, x)
+            assert torch.equal(out, want), (transport.name, x.dtype)
+        packed = [torch.randn(world * n, device=dev, generator=torch.Generator(dev).manual_seed(rank * 10 + n))
+                  for n in (4096, 333)]
+        reduced = [torch.empty(x.numel() // world, device=dev) for x in packed]
+        transport.grouped_reduce_scatter_into(reduced, packed, group)
+        for out, x in zip(reduced, packed):
+            want = torch.empty_like(out)
+            dist.reduce_scatter_tensor(want, x.clone())
+            assert torch.equal(out, want), transport.name
+    return {"world": world}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_grouped_collectives(world):
+    print(get_pool(world, "nccl").run(_case_grouped_collectives)[0])
+
+
 def _case_native_comm_memory():
     """Our own communicator's device memory (NCCL's, outside PyTorch's allocator, so no peak in step.py shows it):
     the free memory lost by creating it and running a first all-gather, reduce-scatter and all-reduce, minus what

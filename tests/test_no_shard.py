@@ -53,11 +53,11 @@ def _case_no_shard_parity(microbatches: int):
     # sharded groups: gathered in forward and (but the root's) in backward, one reduce-scatter per microbatch;
     # replicated parameters: gathered never, the trainable ones all-reduced once per step (the frozen ones never)
     # sharded groups: blocks 1 and 2 (block 0 made no unit), and the root's two (the embedding; the final norm and
-    # aux head, used after the blocks, reduced as soon as their grads are ready)
+    # aux head, used after the blocks, reduced as soon as their grads are ready), which it gathers in one call
     # microbatch(is_last=False) keeps the first two units of the forward (the root, block 1) gathered after backward
-    sharded_groups, root_groups, iterations = 4, 2, STEPS * microbatches
-    kept_for_next_microbatch = STEPS * (microbatches - 1) * (root_groups + 1)
-    assert counts["all_gather_into"] == (iterations * (2 * sharded_groups - root_groups) - (iterations - 1)
+    units, sharded_groups, iterations = 3, 4, STEPS * microbatches
+    kept_for_next_microbatch = STEPS * (microbatches - 1) * 2
+    assert counts["all_gather_into"] == (iterations * (2 * units - 1) - (iterations - 1)
                                          - kept_for_next_microbatch), counts
     assert counts["reduce_scatter_into"] == iterations * sharded_groups, counts
     assert counts["all_reduce"] == STEPS, counts  # block 1's replicated group

@@ -31,7 +31,7 @@ STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 @contextlib.contextmanager
 def count_collectives():
     counts = Counter()
-    with intercept_collectives(("all_gather_into", "reduce_scatter_into", "all_reduce"),
+    with intercept_collectives(("all_gather_into", "reduce_scatter_into", "grouped_reduce_scatter_into", "all_reduce"),
                                lambda name, args: counts.update([name])):
         yield counts
 
@@ -71,23 +71,25 @@ def _case_strategy_matrix():
 
 def _check_counts(results):
     """Collectives per run of STEPS steps: 4 units (root + 3 blocks), 5 groups: one per block, two in the root (the
-    embedding, and the final norm and aux head used after the blocks: reduced as soon as their grads are ready)."""
-    groups, root_groups = 5, 2
+    embedding, and the final norm and aux head used after the blocks: reduced as soon as their grads are ready).
+    A unit's gather is one all-gather call (the root's two groups together); each group reduces by itself (the
+    root's two at different times: no grouped reduce-scatter)."""
+    units, groups = 4, 5
     for (strategy, k, ac), (_, _, c) in results.items():
         ag, rs, ar = c.get("all_gather_into", 0), c.get("reduce_scatter_into", 0), c.get("all_reduce", 0)
         if strategy == "optim_grads_params":
-            # forward: every group per microbatch; backward: every group but the root's (kept gathered after
-            # forward) and, from the second iteration on, the last block's (kept gathered: backward needs it first);
-            # microbatch(is_last=False) keeps the first two units of the forward (the root's groups and the first
-            # block's) gathered after backward, so the next microbatch's forward gathers neither
-            iterations, kept_for_next_microbatch = STEPS * k, STEPS * (k - 1) * (root_groups + 1)
-            assert ag == iterations * (2 * groups - root_groups) - (iterations - 1) - kept_for_next_microbatch, (
+            # forward: every unit per microbatch; backward: every unit but the root (kept gathered after forward)
+            # and, from the second iteration on, the last block (kept gathered: backward needs it first);
+            # microbatch(is_last=False) keeps the first two units of the forward (the root and the first block)
+            # gathered after backward, so the next microbatch's forward gathers neither
+            iterations, kept_for_next_microbatch = STEPS * k, STEPS * (k - 1) * 2
+            assert ag == iterations * (2 * units - 1) - (iterations - 1) - kept_for_next_microbatch, (
                 strategy, k, ac, c)
             assert rs == STEPS * k * groups and ar == 0, (strategy, k, ac, c)
         elif strategy == "optim_grads":
-            assert ag == STEPS * groups and rs == STEPS * k * groups and ar == 0, (strategy, k, ac, c)
+            assert ag == STEPS * units and rs == STEPS * k * groups and ar == 0, (strategy, k, ac, c)
         elif strategy == "optim":
-            assert ag == STEPS * groups and rs == STEPS * groups and ar == 0, (strategy, k, ac, c)
+            assert ag == STEPS * units and rs == STEPS * groups and ar == 0, (strategy, k, ac, c)
         else:  # no_shard: nothing to gather, one all-reduce per group per step
             assert ag == 0 and rs == 0 and ar == STEPS * groups, (strategy, k, ac, c)
 
@@ -246,12 +248,12 @@ def _case_units_inside_checkpoint():
         loss_err = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
         param_err = _compare_params(model, ref)
         assert loss_err <= 1e-5 and param_err <= 1e-5, (reentrant, loss_err, param_err)
-        # 5 groups (3 blocks, the root's 2: see _check_counts): one reduction each per step; a gather in forward
-        # and one for backward but the root's (non-reentrant: the last block stays gathered for the backward from
-        # the second step on, as without checkpointing; reentrant: the forward ran without grad, so every block is
-        # gathered in the recompute)
-        groups, root_groups = 5, 2
-        gathers = STEPS * (2 * groups - root_groups) - (0 if reentrant else STEPS - 1)
+        # 5 groups (3 blocks, the root's 2: see _check_counts): one reduction each per step; 4 units: a gather in
+        # forward and one for backward but the root's (non-reentrant: the last block stays gathered for the
+        # backward from the second step on, as without checkpointing; reentrant: the forward ran without grad, so
+        # every block is gathered in the recompute)
+        units, groups = 4, 5
+        gathers = STEPS * (2 * units - 1) - (0 if reentrant else STEPS - 1)
         assert counts["reduce_scatter_into"] == STEPS * groups and counts["all_gather_into"] == gathers, counts
         results["reentrant" if reentrant else "non_reentrant"] = (loss_err, param_err, dict(counts))
     return results
@@ -436,9 +438,9 @@ def _case_fsdp2_module_controls(control: str):
     loss_err = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
     param_err = _compare_params(model, ref)
     assert loss_err <= 1e-5 and param_err <= 1e-5, (control, loss_err, param_err)
-    groups = 5  # 3 blocks, and the root's two (see _check_counts)
+    units, groups = 4, 5  # 3 blocks, and the root with two groups (see _check_counts)
     if control == "reshard_after_backward":  # only the first microbatch's forward gathers the blocks
-        assert counts["all_gather_into"] < STEPS * k * 2 * groups, counts
+        assert counts["all_gather_into"] < STEPS * k * 2 * units, counts
         gathered = [b._mfsdp_unit.groups[0].unsharded.nbytes() > 0 for b in model.blocks]
         assert all(gathered), gathered  # kept after backward
     if control == "requires_all_reduce":  # reduce-scatter every microbatch, all-reduce over replicas once per step
