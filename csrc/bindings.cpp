@@ -151,6 +151,8 @@ void register_symm_comm(py::module_& m) {
            "One NCCL group of ncclAllGather(inputs[i] -> outputs[i]) on the current stream; any device memory.")
       .def("flat_reduce_scatter", &SymmComm::flat_reduce_scatter, py::arg("input"), py::arg("output"), release(),
            "ncclReduceScatter(ncclSum) on the current stream; any device memory.")
+      .def("grouped_reduce_scatter", &SymmComm::grouped_reduce_scatter, py::arg("inputs"), py::arg("outputs"),
+           release(), "One NCCL group of ncclReduceScatter(ncclSum, inputs[i] -> outputs[i]) on the current stream.")
       .def("all_to_all", &SymmComm::all_to_all, py::arg("input"), py::arg("output"), release(),
            "Equal-split all-to-all as one NCCL group of ncclSend / ncclRecv on the current stream.")
       .def("all_reduce_max", &SymmComm::all_reduce_max, py::arg("tensor"), release(),

@@ -349,6 +349,31 @@ void SymmComm::flat_reduce_scatter(const at::Tensor& input, const at::Tensor& ou
                    comm_);
 }
 
+void SymmComm::grouped_reduce_scatter(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_open("grouped_reduce_scatter");
+  TORCH_CHECK(inputs.size() == outputs.size(), "mfsdp_ext SymmComm.grouped_reduce_scatter: ", inputs.size(),
+              " inputs but ", outputs.size(), " outputs");
+  std::vector<ncclDataType_t> types;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_shard_and_full("grouped_reduce_scatter", outputs[i], "outputs[i]", inputs[i], "inputs[i]", false);
+    types.push_back(reduce_type(inputs[i].scalar_type()));
+  }
+  c10::DeviceGuard guard(cuda_device(device_));
+  cudaStream_t stream = current_stream();
+  MFSDP_NCCL_CHECK(ncclGroupStart(), comm_);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (outputs[i].numel() == 0) continue;
+    ncclResult_t r = ncclReduceScatter(inputs[i].data_ptr(), outputs[i].data_ptr(), (size_t)outputs[i].numel(),
+                                       types[i], ncclSum, comm_, stream);
+    if (r != ncclSuccess) {
+      ncclGroupEnd();  // close the group before reporting: the communicator stays usable
+      throw_nccl("ncclReduceScatter(input, output, count, type, ncclSum, comm, stream)", r, comm_);
+    }
+  }
+  MFSDP_NCCL_CHECK(ncclGroupEnd(), comm_);
+}
+
 void SymmComm::all_to_all(const at::Tensor& input, const at::Tensor& output) {
   std::lock_guard<std::mutex> lock(mu_);
   check_open("all_to_all");

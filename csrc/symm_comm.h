@@ -129,6 +129,8 @@ class SymmComm {
   void grouped_all_gather(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs);
   // output = sum over ranks of input[rank * n : (rank + 1) * n] (ncclSum); bf16/fp16/fp32.
   void flat_reduce_scatter(const at::Tensor& input, const at::Tensor& output);
+  // flat_reduce_scatter(inputs[i], outputs[i]) for every i, as one NCCL group: a unit's groups in one call.
+  void grouped_reduce_scatter(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs);
   // output[r * n : (r + 1) * n] = rank r's input[rank * n : (rank + 1) * n] (n = numel / world), one NCCL group of
   // ncclSend / ncclRecv per rank: reduce_comm_dtype's exchange of gradient shards.
   void all_to_all(const at::Tensor& input, const at::Tensor& output);

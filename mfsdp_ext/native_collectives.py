@@ -76,8 +76,7 @@ class NcclTransport:
         self.comm.flat_reduce_scatter(input, output)
 
     def grouped_reduce_scatter_into(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], group) -> None:
-        for output, input in zip(outputs, inputs):  # SymmComm has no grouped reduce-scatter: one C++ call each
-            self.comm.flat_reduce_scatter(input, output)
+        self.comm.grouped_reduce_scatter(inputs, outputs)
 
     def all_reduce_max(self, tensor: torch.Tensor, group) -> None:
         self.comm.all_reduce_max(tensor)
