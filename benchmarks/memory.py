@@ -74,6 +74,17 @@ def owner_of(frames: list) -> str:
     return f"other ({os.path.basename(inner.get('filename', '?'))}:{inner.get('name', '?')})"
 
 
+SITE_FRAMES = 3  # --site-frames
+
+
+def site_of(frames: list) -> str:
+    """Where a block was allocated, finer than its owner: its innermost SITE_FRAMES frames (file:line function)."""
+    if not frames:
+        return "(no Python frame: autograd engine)"
+    return " < ".join(f"{os.path.basename(fr.get('filename', '?'))}:{fr.get('line', 0)} {fr.get('name', '?')}"
+                      for fr in frames[:SITE_FRAMES])
+
+
 def replay_peaks(trace: list, phases: list[str]) -> dict:
     """Replay the allocator's events. ``phases`` are the names of marker functions whose allocations start each
     phase of the measured step; returns per phase (peak bytes, live blocks at the peak, event index)."""
@@ -146,7 +157,10 @@ def measure(impl: str, bc, mesh, device: torch.device, args) -> dict:
                 owners[owner_of(frames)] += size / GIB
             if result["symmetric_pool_gib"]:
                 owners["NCCL symmetric pool"] += result["symmetric_pool_gib"]
-            result["phases"][PHASES[marker]] = dict(peak_gib=peak / GIB, owners=dict(owners),
+            sites: dict[str, float] = collections.defaultdict(float)
+            for size, frames in live.values():
+                sites[site_of(frames)] += size / GIB
+            result["phases"][PHASES[marker]] = dict(peak_gib=peak / GIB, owners=dict(owners), sites=dict(sites),
                                                     context=_context(trace, index))
         result["replayed_peak_gib"] = max(p["peak_gib"] for p in result["phases"].values())
     if hasattr(model, "release_symmetric_memory"):
@@ -186,6 +200,7 @@ def write_report(results: dict, world: int, out: str) -> None:
             ta, tb = sum(a_own.values()), sum(b_own.values())
             lines += [f"| **total** | **{ta:.3f}** | **{tb:.3f}** | **{ta - tb:+.3f}** |", "",
                       f"reached at: ours `{a_ph.get('context', '')}`; fsdp2 `{b_ph.get('context', '')}`", ""]
+            lines += _site_differences(a_ph.get("sites", {}), b_ph.get("sites", {}))
     os.makedirs(out, exist_ok=True)
     stem = os.path.join(out, f"memory_{world}gpu")
     with open(stem + ".md", "w") as f:
@@ -195,6 +210,22 @@ def write_report(results: dict, world: int, out: str) -> None:
     print("\n".join(lines))
 
 
+def _site_differences(ours: dict, fsdp2: dict, top: int = 8) -> list[str]:
+    """The allocation sites outside either framework (the model, autograd, torch) whose live GiB differ most
+    between the two at the peak: what the owners' "activations" and "autograd" lines do not explain."""
+    def outside(site: str) -> bool:
+        return "_fully_shard" not in site and not any(m in site for m in ("param_group.py", "flat_buffer.py",
+                                                                              "collectives.py", "fp8_group.py"))
+    diffs = sorted(((ours.get(k, 0.0) - fsdp2.get(k, 0.0), k) for k in set(ours) | set(fsdp2) if outside(k)),
+                   key=lambda d: -abs(d[0]))
+    rows = [f"| `{k}` | {ours.get(k, 0.0):.4f} | {fsdp2.get(k, 0.0):.4f} | {d:+.4f} |" for d, k in diffs[:top]
+            if abs(d) >= 0.0005]
+    if not rows:
+        return []
+    return [f"Largest differences by allocation site (innermost {SITE_FRAMES} frames), outside both frameworks:", "",
+            "| site | ours GiB | fsdp2 GiB | ours - fsdp2 |", "|---|---:|---:|---:|", *rows, ""]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="1,4")
@@ -202,7 +233,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--init", choices=["meta", "full"], default="meta")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--site-frames", type=int, default=3, help="frames that name an allocation site in the report")
     args = p.parse_args()
+    global SITE_FRAMES
+    SITE_FRAMES = args.site_frames
     device = gpt.setup_distributed("cuda")
     from torch.distributed.device_mesh import init_device_mesh
 
