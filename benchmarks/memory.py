@@ -137,13 +137,18 @@ def measure(impl: str, bc, mesh, device: torch.device, args) -> dict:
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     markers = [forward_backward_begins(device)]
+    before = torch.cuda.memory_allocated(device)
     gpt.forward_backward(model, impl, batches)
+    torch.cuda.synchronize(device)
+    grads = sum(_local(p.grad).numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    # what one forward + backward leaves allocated besides the gradients (the allocator's own count, not the replay)
+    left_mib = (torch.cuda.memory_allocated(device) - before - grads) / 2**20
     markers.append(optimizer_step_begins(device))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     torch.cuda.synchronize(device)
     del markers
-    result = dict(max_allocated_gib=torch.cuda.max_memory_allocated(device) / GIB)
+    result = dict(max_allocated_gib=torch.cuda.max_memory_allocated(device) / GIB, left_after_backward_mib=left_mib)
     symmetric = getattr(getattr(getattr(model, "_mfsdp_unit", None), "context", None), "symmetric", None)
     result["symmetric_pool_gib"] = symmetric.comm.native.capacity / GIB if symmetric is not None else 0.0
     if record:
@@ -170,6 +175,10 @@ def measure(impl: str, bc, mesh, device: torch.device, args) -> dict:
     return result
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _context(trace: list, index: int) -> str:
     """Where the peak is: the Python frames of the allocation that reached it."""
     frames = trace[index].get("frames", []) if index < len(trace) else []
@@ -187,7 +196,10 @@ def write_report(results: dict, world: int, out: str) -> None:
         bc = step_bench.CONFIGS[int(cid)]
         lines += [f"## config {cid}: {bc.describe()}, {bc.batch}x{bc.seq}, {bc.microbatches} microbatch(es)", "",
                   f"max_memory_allocated (+ symmetric pool): ours {ours.get('max_allocated_gib', 0) + ours.get('symmetric_pool_gib', 0):.3f}, "
-                  f"fsdp2 {fsdp2.get('max_allocated_gib', 0):.3f} GiB", ""]
+                  f"fsdp2 {fsdp2.get('max_allocated_gib', 0):.3f} GiB", "",
+                  "left allocated by the measured forward + backward besides the gradients (the allocator's count): "
+                  f"ours {ours.get('left_after_backward_mib', 0):.1f}, fsdp2 {fsdp2.get('left_after_backward_mib', 0):.1f} MiB",
+                  ""]
         for phase in PHASES.values():
             a_ph, b_ph = ours.get("phases", {}).get(phase, {}), fsdp2.get("phases", {}).get(phase, {})
             a_own, b_own = a_ph.get("owners", {}), b_ph.get("owners", {})
