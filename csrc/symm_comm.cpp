@@ -67,6 +67,21 @@ static ncclResult_t wait_ready(ncclComm_t comm) {
     if (mfsdp_r_ != ncclSuccess) throw_nccl(#call, mfsdp_r_, (comm));  \
   } while (0)
 
+// issue(i) for every i in [0, n) inside one NCCL group (ncclGroupStart / End): the grouped collectives. A call
+// that fails closes the group before the error (named by `calls`) is reported: the communicator stays usable.
+template <class Issue>
+static void nccl_group(ncclComm_t comm, size_t n, const char* calls, Issue&& issue) {
+  MFSDP_NCCL_CHECK(ncclGroupStart(), comm);
+  for (size_t i = 0; i < n; ++i) {
+    const ncclResult_t r = issue(i);
+    if (r != ncclSuccess) {
+      ncclGroupEnd();
+      throw_nccl(calls, r, comm);
+    }
+  }
+  MFSDP_NCCL_CHECK(ncclGroupEnd(), comm);
+}
+
 static int runtime_nccl_version() {
   int v = 0;
   ncclResult_t r = ncclGetVersion(&v);
@@ -322,19 +337,13 @@ void SymmComm::grouped_all_gather(const std::vector<at::Tensor>& inputs, const s
   }
   c10::DeviceGuard guard(cuda_device(device_));
   cudaStream_t stream = current_stream();
-  MFSDP_NCCL_CHECK(ncclGroupStart(), comm_);
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (inputs[i].numel() == 0) continue;
+  nccl_group(comm_, inputs.size(), "ncclAllGather(input, output, count, type, comm, stream)", [&](size_t i) {
+    if (inputs[i].numel() == 0) return ncclSuccess;
     ncclDataType_t type;
     size_t count;
     gather_type(inputs[i].scalar_type(), inputs[i].numel(), &type, &count);
-    ncclResult_t r = ncclAllGather(inputs[i].data_ptr(), outputs[i].data_ptr(), count, type, comm_, stream);
-    if (r != ncclSuccess) {
-      ncclGroupEnd();  // close the group before reporting: the communicator stays usable
-      throw_nccl("ncclAllGather(input, output, count, type, comm, stream)", r, comm_);
-    }
-  }
-  MFSDP_NCCL_CHECK(ncclGroupEnd(), comm_);
+    return ncclAllGather(inputs[i].data_ptr(), outputs[i].data_ptr(), count, type, comm_, stream);
+  });
 }
 
 void SymmComm::flat_reduce_scatter(const at::Tensor& input, const at::Tensor& output) {
@@ -361,17 +370,12 @@ void SymmComm::grouped_reduce_scatter(const std::vector<at::Tensor>& inputs, con
   }
   c10::DeviceGuard guard(cuda_device(device_));
   cudaStream_t stream = current_stream();
-  MFSDP_NCCL_CHECK(ncclGroupStart(), comm_);
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (outputs[i].numel() == 0) continue;
-    ncclResult_t r = ncclReduceScatter(inputs[i].data_ptr(), outputs[i].data_ptr(), (size_t)outputs[i].numel(),
-                                       types[i], ncclSum, comm_, stream);
-    if (r != ncclSuccess) {
-      ncclGroupEnd();  // close the group before reporting: the communicator stays usable
-      throw_nccl("ncclReduceScatter(input, output, count, type, ncclSum, comm, stream)", r, comm_);
-    }
-  }
-  MFSDP_NCCL_CHECK(ncclGroupEnd(), comm_);
+  nccl_group(comm_, inputs.size(), "ncclReduceScatter(input, output, count, type, ncclSum, comm, stream)",
+             [&](size_t i) {
+               if (outputs[i].numel() == 0) return ncclSuccess;
+               return ncclReduceScatter(inputs[i].data_ptr(), outputs[i].data_ptr(), (size_t)outputs[i].numel(),
+                                        types[i], ncclSum, comm_, stream);
+             });
 }
 
 void SymmComm::all_to_all(const at::Tensor& input, const at::Tensor& output) {
@@ -395,16 +399,10 @@ void SymmComm::all_to_all(const at::Tensor& input, const at::Tensor& output) {
   char* out = static_cast<char*>(output.data_ptr());
   c10::DeviceGuard guard(cuda_device(device_));
   cudaStream_t stream = current_stream();
-  MFSDP_NCCL_CHECK(ncclGroupStart(), comm_);
-  for (int peer = 0; peer < world_; ++peer) {
-    ncclResult_t r = ncclSend(in + peer * part_bytes, count, type, peer, comm_, stream);
-    if (r == ncclSuccess) r = ncclRecv(out + peer * part_bytes, count, type, peer, comm_, stream);
-    if (r != ncclSuccess) {
-      ncclGroupEnd();  // close the group before reporting: the communicator stays usable
-      throw_nccl("ncclSend / ncclRecv(part, count, type, peer, comm, stream)", r, comm_);
-    }
-  }
-  MFSDP_NCCL_CHECK(ncclGroupEnd(), comm_);
+  nccl_group(comm_, (size_t)world_, "ncclSend / ncclRecv(part, count, type, peer, comm, stream)", [&](size_t peer) {
+    const ncclResult_t r = ncclSend(in + peer * part_bytes, count, type, (int)peer, comm_, stream);
+    return r == ncclSuccess ? ncclRecv(out + peer * part_bytes, count, type, (int)peer, comm_, stream) : r;
+  });
 }
 
 void SymmComm::all_reduce_max(const at::Tensor& tensor) {

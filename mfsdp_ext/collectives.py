@@ -123,7 +123,7 @@ class PlainReduceScatter:
         self.name = transport.name
 
     def __call__(self, g: "ParamGroup", scale: float) -> torch.Tensor | ArrivedShards:
-        if g.reduce_comm_dtype != g.reduce_dtype and g.world > 1:
+        if g.sums_on_arrival:
             return self._sum_on_arrival(g, scale)
         packed = self.pack(g, scale)
         if g.world == 1:

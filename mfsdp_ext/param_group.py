@@ -467,11 +467,16 @@ class ParamGroup:
         self.stats.reduces += 1
         return reduced
 
+    @property
+    def sums_on_arrival(self) -> bool:
+        """The gradients travel narrower than they are summed (reduce_comm_dtype): an all-to-all over several
+        ranks, then the sum in reduce_dtype here, instead of a reduce-scatter."""
+        return self.reduce_comm_dtype != self.reduce_dtype and self.world > 1
+
     def joins_grouped_reduce_scatter(self) -> bool:
         """Whether this group's reduce-scatter is the plain flat one over several ranks (not reduce_comm_dtype's
         all-to-all), which can be one call with other such groups' (collectives.reduce_scatter_together)."""
-        return (self.world > 1 and isinstance(self.reduce_scatter_op, PlainReduceScatter)
-                and self.reduce_comm_dtype == self.reduce_dtype)
+        return self.world > 1 and isinstance(self.reduce_scatter_op, PlainReduceScatter) and not self.sums_on_arrival
 
     def accumulate_reduced(self, reduced: torch.Tensor | ArrivedShards, defer_replicas: bool, last_microbatch: bool,
                            with_grad: list[bool] | None = None) -> None:

@@ -37,7 +37,7 @@ def _group_text(g) -> str:
         held = (f"sharded {_bytes(g.layout.shard_numel * g.dtype.itemsize)}/rank of "
                 f"{_bytes(numel * g.dtype.itemsize)} over {g.world} ranks")
         comm = f"all-gather {'fp8 plain' if g.fp8 else g.all_gather_op.name}, reduce-scatter {g.reduce_scatter_op.name}"
-        if g.reduce_comm_dtype != g.reduce_dtype and g.world > 1:
+        if g.sums_on_arrival:
             comm += " (as all-to-all + sum)"
     return f"{len(g.infos)} params ({len(g.trainable())} trainable), {_count(numel)}, {dtypes}, {held}, {comm}"
 

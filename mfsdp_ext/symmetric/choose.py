@@ -49,7 +49,7 @@ def choose_symmetric(units) -> SymmetricStages | None:
     if any(g.shard_group is not shard_group for _, g in groups):
         raise ValueError("use_symm_mem: all units under one root must shard over the same group")
     # a group whose grads travel narrower than they are summed (reduce_comm_dtype) keeps its all-to-all
-    reduces = [g for _, g in groups if g.requires_grad and g.reduce_comm_dtype == g.reduce_dtype]
+    reduces = [g for _, g in groups if g.requires_grad and not g.sums_on_arrival]
     stages_bytes = _stage_bytes([g for _, g in groups], reduces)
     stages = SymmetricStages(shard_group, *stages_bytes)
     decisions: dict = {}  # groups of the same size and dtypes decide once
