@@ -74,13 +74,16 @@ def _probe_grouped_reduce_scatter(group: dist.ProcessGroup) -> None:
                                           dist.ReduceScatterOptions()).wait()
 
 
-_GLOO_SUPPORT: dict[tuple, bool] = {}  # (probe, id(group)) -> whether gloo ran it
+# (probe, group name, backend) -> whether gloo ran it. Keyed by name, not id(group): c10d names groups alike on
+# every rank, while a new group may get a freed group's id on one rank and not on another, and then only some ranks
+# would run the probe's collective.
+_GLOO_SUPPORT: dict[tuple, bool] = {}
 
 
 def _gloo_lacks(probe, group: dist.ProcessGroup) -> bool:
     """Some gloo builds lack a grouped all-gather or a flat reduce-scatter (NCCL has both): run the small probe
     collective once per group (every rank does, in the same order), then take the fallback where it failed."""
-    key = (probe, id(group))
+    key = (probe, group.group_name, dist.get_backend(group))
     if key not in _GLOO_SUPPORT:
         supported = True
         if dist.get_backend(group) == "gloo":
