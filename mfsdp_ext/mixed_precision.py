@@ -9,6 +9,7 @@ import torch
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+NARROW_WIRE_DTYPES = (torch.bfloat16, torch.float16)  # gradients that may travel narrower than they are summed
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,15 @@ class MixedPrecisionPolicy:
         keeping the FP8 shard costs 0.77 / 1.51 GiB more (configs 1 / 4), at 0-3% of step time.
     fp8: an ``Fp8Policy``: FP8 weights for the chosen linear layers (needs param_dtype bfloat16 or float16 and
         float32 main weights). None: no FP8.
-    reduce_comm_dtype: the dtype gradients travel in during the reduction (None: reduce_dtype, one reduce-scatter
-        that sums in it). With param_dtype bfloat16 / float16 and reduce_dtype float32, ``param_dtype`` (the
-        gradients' own dtype) sends them as they are, half the bytes of float32, and sums them in float32 where
-        they arrive: one all-to-all over the shard group, then this rank's shards from every rank added in float32
-        in rank order. No addition happens in the narrower dtype; on 2 ranks the result equals the float32
-        reduce-scatter's to the bit. Other values are refused.
+    reduce_comm_dtype: the dtype gradients travel in during the reduction. With param_dtype bfloat16 / float16 and
+        reduce_dtype float32, the gradients are made in param_dtype, so sending them in it loses nothing: one
+        all-to-all over the shard group (half the bytes of a float32 reduce-scatter), then this rank's shards from
+        every rank added in float32 in rank order where they arrive. No addition happens in the narrower dtype; on 2
+        ranks the result equals the float32 reduce-scatter's to the bit. None (default): that, where it was
+        measured to win (NCCL shard groups whose ranks share one host: 2 H100, configs 4 / 1 / 5 of
+        benchmarks/step.py 13% / 5% / 5% faster, benchmarks/results/README.md), else one reduce-scatter in
+        reduce_dtype (gloo, shard groups spanning hosts, other dtypes). ``param_dtype``: the all-to-all on any
+        group; ``reduce_dtype`` (float32): always the reduce-scatter. Other values are refused.
     """
 
     param_dtype: Optional[torch.dtype] = None
@@ -97,13 +101,14 @@ class MixedPrecisionPolicy:
             if self.param_dtype not in (torch.bfloat16, torch.float16):
                 raise ValueError(f"MixedPrecisionPolicy(fp8=...) needs param_dtype=torch.bfloat16 (or torch.float16): "
                                  f"the FP8 layers' inputs, outputs and gradients are in it; got {self.param_dtype}")
-        if self.reduce_comm_dtype is not None and (
-                self.reduce_comm_dtype != self.param_dtype or self.param_dtype not in (torch.bfloat16, torch.float16)
+        if self.reduce_comm_dtype is not None and self.reduce_comm_dtype != self.reduce_dtype and (
+                self.reduce_comm_dtype != self.param_dtype or self.param_dtype not in NARROW_WIRE_DTYPES
                 or self.reduce_dtype != torch.float32):
             raise ValueError(
                 f"reduce_comm_dtype={self.reduce_comm_dtype} needs param_dtype of that dtype (bfloat16 or float16: the "
                 f"gradients' own) and reduce_dtype=torch.float32, got param_dtype={self.param_dtype}, reduce_dtype="
-                f"{self.reduce_dtype}; leave it None to reduce-scatter in reduce_dtype")
+                f"{self.reduce_dtype}; pass reduce_comm_dtype=reduce_dtype to always reduce-scatter in it, or None "
+                "for the default")
 
     def compute_dtype(self, main_dtype: torch.dtype) -> torch.dtype:
         return self.param_dtype or main_dtype
@@ -111,7 +116,18 @@ class MixedPrecisionPolicy:
     def reduction_dtype(self, main_dtype: torch.dtype) -> torch.dtype:
         return self.reduce_dtype or self.compute_dtype(main_dtype)
 
-    def reduction_comm_dtype(self, main_dtype: torch.dtype) -> torch.dtype:
-        """The dtype a group of ``main_dtype`` parameters sends its gradients in (see reduce_comm_dtype: when set, it
-        is param_dtype, every group's compute dtype)."""
-        return self.reduce_comm_dtype or self.reduction_dtype(main_dtype)
+    def reduction_comm_dtype(self, main_dtype: torch.dtype, narrow_wins: bool = False) -> torch.dtype:
+        """The dtype a group of ``main_dtype`` parameters sends its gradients in (see reduce_comm_dtype).
+        ``narrow_wins``: the shard group is one where the default sends them in their own dtype."""
+        reduce = self.reduction_dtype(main_dtype)
+        if self.reduce_comm_dtype is not None:
+            return self.reduce_comm_dtype
+        if narrow_wins and self.sends_narrow_by_default(main_dtype):
+            return self.compute_dtype(main_dtype)
+        return reduce
+
+    def sends_narrow_by_default(self, main_dtype: torch.dtype) -> bool:
+        """Whether the default (reduce_comm_dtype=None) sends this group's gradients in their own, narrower dtype
+        on a shard group where that wins: bf16 / fp16 gradients summed in float32."""
+        return (self.reduce_comm_dtype is None and self.reduction_dtype(main_dtype) == torch.float32
+                and self.compute_dtype(main_dtype) in NARROW_WIRE_DTYPES)

@@ -2,7 +2,7 @@
 # The whole GPU check, in stages so one device call fits its 10-minute limit:
 #   scripts/gpu_check.sh build tests kernels symm units optim step step6 hostcost memory noshard fp8 fp8train jit hf mainjob
 #   (not in the default list: gpt200: 200 training steps, bf16 vs FP8; fp8step, fp8cache: FP8 step rows on any GPU
-#   count; fp8host: the FP8 layer's host time; step6ac: config 6 with less recomputation; ctas: NCCL_MAX_CTAS sweep; wire, wirefp8: bf16-sent, fp32-summed gradients; native: native_collectives
+#   count; fp8host: the FP8 layer's host time; step6ac: config 6 with less recomputation; ctas: NCCL_MAX_CTAS sweep; wire, wirefp8: the default bf16-sent, fp32-summed gradients vs the fp32 reduce-scatter; native: native_collectives
 #   against torch.distributed's collectives; timeline: where the GPU waits in each config's step)
 #   scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
 #   scripts/gpu_check.sh build fp8train FP8 weights in fully_shard: GPU tests + step.py's FP8 variants (2 GPUs)
@@ -114,20 +114,21 @@ for stage in $stages; do
         run timeline_fp8 timeout -k 10 150 torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \
             benchmarks/step.py --configs 1,4 --impls ours_fp8_fused --extra-fp8-fused native_collectives=True \
             --no-floor --steps 5 --warmup 2 --profile-dir "$OUT/timeline_fp8" --out "$OUT/timeline_fp8" ;;
-    wire)  # MixedPrecisionPolicy(reduce_comm_dtype=bf16): grads sent in bf16, summed in fp32 (all-to-all + sum) against
-           # the fp32 reduce-scatter: GPU tests, one unit's collectives, steps of configs 4, 1, 5 (FP8: stage wirefp8)
+    wire)  # the default reduction of bf16 grads summed in fp32 on one host (sent in bf16: all-to-all + sum) against the
+           # fp32 reduce-scatter (MixedPrecisionPolicy(reduce_comm_dtype=float32)): GPU tests, one unit's collectives,
+           # steps of configs 4, 1, 5 (FP8: stage wirefp8)
         n=$(nvidia-smi -L | wc -l)
         run wire_tests timeout -k 10 200 python3 -m pytest -m gpu -q -s tests/test_gpu.py -k bf16_wire
         run wire_units timeout -k 10 150 torchrun --standalone --nproc-per-node "$n" benchmarks/collectives.py --units \
             --out "$OUT/wire_units"
         run wire_step timeout -k 10 300 torchrun --standalone --nproc-per-node "$n" benchmarks/step.py \
-            --configs 4,1,5 --impls ours_fused,fsdp2 --extra-fused mp.reduce_comm_dtype=bfloat16 --no-floor \
+            --configs 4,1,5 --impls ours_fused,fsdp2 --extra-fused mp.reduce_comm_dtype=float32 --no-floor \
             --steps 10 --warmup 3 --out "$OUT/wire_step" ;;
     wirefp8)  # the same with FP8 weights, configs 4 and 1 (a call of its own: with stage wire it passes 600 s)
         n=$(nvidia-smi -L | wc -l)
         run wire_fp8step timeout -k 10 200 torchrun --standalone --nproc-per-node "$n" benchmarks/step.py \
-            --configs 4,1 --impls ours_fused,ours_fp8_fused --extra-fused mp.reduce_comm_dtype=bfloat16 \
-            --extra-fp8-fused mp.reduce_comm_dtype=bfloat16 --no-floor --steps 10 --warmup 3 \
+            --configs 4,1 --impls ours_fused,ours_fp8_fused --extra-fused mp.reduce_comm_dtype=float32 \
+            --extra-fp8-fused mp.reduce_comm_dtype=float32 --no-floor --steps 10 --warmup 3 \
             --out "$OUT/wire_fp8step" ;;
     ctas)  # how many SMs NCCL's kernels take from compute (NCCL_MAX_CTAS per kernel), configs 4 and 1, ours (both
            # transports) vs FSDP2 under the same setting; CTAS="default 16 8 4" to choose the sweep

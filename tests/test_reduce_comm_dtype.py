@@ -1,4 +1,5 @@
-"""MixedPrecisionPolicy(reduce_comm_dtype=bf16): gradients sent in bf16 (one all-to-all), summed in fp32 on arrival.
+"""MixedPrecisionPolicy(reduce_comm_dtype=bf16): gradients sent in bf16 (one all-to-all), summed in fp32 on arrival;
+the default (None) does so on NCCL shard groups of one host and reduce-scatters in fp32 elsewhere (gloo here).
 
 Against the same model with the plain fp32 reduce-scatter: on 2 ranks the losses and weights are the same bits (one
 rounding of s*a + s*b either way); on 4 ranks (a fixed rank-order fp32 sum against gloo's) within fp32 rounding.
@@ -23,7 +24,9 @@ from .conftest import get_pool
 from .models import TinyLM, intercept_collectives, rank_device, rel_err, shard_tiny_lm, train
 from .test_fully_shard import GLOBAL_BATCH, STEPS
 
-FP32_SUM = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+FP32_SUM = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                reduce_comm_dtype=torch.float32)
+DEFAULT = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 BF16_WIRE = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                  reduce_comm_dtype=torch.bfloat16)
 
@@ -48,6 +51,9 @@ def _case_matches_fp32_reduce_scatter(strategy: str, microbatches: int, hsdp: bo
         kwargs["mesh"] = init_device_mesh(rank_device().type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
     plain = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=FP32_SUM, **kwargs)
     wire = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=BF16_WIRE, **kwargs)
+    default = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=DEFAULT, **kwargs)
+    with wire_log() as default_log:  # one step: which collectives the default chose
+        train(default, 1, GLOBAL_BATCH, sharded=True, microbatches=microbatches, microbatch_ctx=microbatch)
     with wire_log() as plain_log:
         plain_losses = train(plain, STEPS, GLOBAL_BATCH, sharded=True, microbatches=microbatches,
                              microbatch_ctx=microbatch)
@@ -60,6 +66,9 @@ def _case_matches_fp32_reduce_scatter(strategy: str, microbatches: int, hsdp: bo
         assert plain_log and all(entry == ("reduce_scatter_into", torch.float32) for entry in plain_log), plain_log
         assert len(wire_log_) == len(plain_log), (wire_log_, plain_log)
         assert all(entry == ("all_to_all_into", torch.bfloat16) for entry in wire_log_), wire_log_
+        # the default: the bf16 all-to-all on NCCL (every test machine's GPUs share one host), fp32 on gloo
+        sent = torch.bfloat16 if dist.get_backend() == "nccl" else torch.float32
+        assert default_log and {dtype for _, dtype in default_log} == {sent}, default_log
     lines = unit_lines(wire, [m._mfsdp_unit for m in wire.modules() if hasattr(m, "_mfsdp_unit")])
     assert all("(sent in bf16)" in line and "all-to-all + sum" in line for line in lines), lines
     got, want = full_state_dict(wire), full_state_dict(plain)
@@ -88,8 +97,34 @@ def test_bf16_wire_hsdp():
     (dict(reduce_dtype=torch.float32, reduce_comm_dtype=torch.bfloat16), "param_dtype of that dtype"),
     (dict(param_dtype=torch.bfloat16, reduce_comm_dtype=torch.bfloat16), "reduce_dtype=torch.float32"),
     (dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, reduce_comm_dtype=torch.float16), "float16"),
-    (dict(param_dtype=torch.float32, reduce_dtype=torch.float32, reduce_comm_dtype=torch.float32), "bfloat16 or"),
+    (dict(param_dtype=torch.float32, reduce_dtype=torch.float32, reduce_comm_dtype=torch.bfloat16), "bfloat16 or"),
+    (dict(param_dtype=torch.bfloat16, reduce_comm_dtype=torch.float32), "reduce_dtype=torch.float32"),
 ])
 def test_reduce_comm_dtype_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MixedPrecisionPolicy(**kwargs)
+
+
+@pytest.mark.parametrize("policy, narrow_wins, sent", [
+    (DEFAULT, True, torch.bfloat16),     # bf16 grads summed in fp32 on a group where the all-to-all wins
+    (DEFAULT, False, torch.float32),     # elsewhere (gloo, several hosts): the fp32 reduce-scatter
+    (FP32_SUM, True, torch.float32),     # the opt-out holds everywhere
+    (BF16_WIRE, False, torch.bfloat16),  # the opt-in too
+    (MixedPrecisionPolicy(param_dtype=torch.bfloat16), True, torch.bfloat16),  # reduced in bf16: nothing to choose
+    (MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32), True, torch.float16),
+    (MixedPrecisionPolicy(reduce_dtype=torch.float32), True, torch.float32),  # fp32 compute: fp32 grads
+])
+def test_default_comm_dtype(policy, narrow_wins, sent):
+    assert policy.reduction_comm_dtype(torch.float32, narrow_wins) == sent
+
+
+def _case_one_host():
+    from mfsdp_ext import dist_ops
+    group = dist.new_group(list(range(dist.get_world_size())))
+    return dist_ops.on_one_host(group), dist_ops.on_one_host(group)  # the second from the cache, no collective
+
+
+def test_on_one_host(cpu_pool):
+    """Ranks of one machine are found on one host, by their host names (no LOCAL_WORLD_SIZE in the pool)."""
+    results = cpu_pool.run(_case_one_host)
+    assert len(results) >= 2 and all(r == (True, True) for r in results), results
