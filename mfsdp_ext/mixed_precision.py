@@ -70,8 +70,8 @@ class MixedPrecisionPolicy:
         all-to-all over the shard group (half the bytes of a float32 reduce-scatter), then this rank's shards from
         every rank added in float32 in rank order where they arrive. No addition happens in the narrower dtype; on 2
         ranks the result equals the float32 reduce-scatter's to the bit. None (default): that, where it was
-        measured to win (NCCL shard groups whose ranks share one host: 2 H100, configs 4 / 1 / 5 of
-        benchmarks/step.py 13% / 5% / 5% faster, benchmarks/results/README.md), else one reduce-scatter in
+        measured to win (NCCL shard groups whose ranks share one host: on 2 H100, configs 4 / 1 / 5 of
+        benchmarks/step.py 49.7 / 69.2 / 143.0 ms against 57.2 / 72.8 / 149.8 ms), else one reduce-scatter in
         reduce_dtype (gloo, shard groups spanning hosts, other dtypes). ``param_dtype``: the all-to-all on any
         group; ``reduce_dtype`` (float32): always the reduce-scatter. Other values are refused.
     """
