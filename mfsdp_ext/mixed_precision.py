@@ -119,12 +119,11 @@ class MixedPrecisionPolicy:
     def reduction_comm_dtype(self, main_dtype: torch.dtype, narrow_wins: bool = False) -> torch.dtype:
         """The dtype a group of ``main_dtype`` parameters sends its gradients in (see reduce_comm_dtype).
         ``narrow_wins``: the shard group is one where the default sends them in their own dtype."""
-        reduce = self.reduction_dtype(main_dtype)
         if self.reduce_comm_dtype is not None:
             return self.reduce_comm_dtype
         if narrow_wins and self.sends_narrow_by_default(main_dtype):
             return self.compute_dtype(main_dtype)
-        return reduce
+        return self.reduction_dtype(main_dtype)
 
     def sends_narrow_by_default(self, main_dtype: torch.dtype) -> bool:
         """Whether the default (reduce_comm_dtype=None) sends this group's gradients in their own, narrower dtype

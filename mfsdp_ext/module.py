@@ -478,8 +478,9 @@ class FsdpUnit:
             if unit.training_state is TrainingState.PRE_BACKWARD:
                 for g in unit.groups:
                     g.drop_unsharded_grads()
+            # a unit that stays gathered keeps the event of a gather the failed pass issued (e.g. a backward
+            # prefetch) and not yet waited for: its next forward waits for it instead of reading the buffer early
             unit.show_sharded_params()
-            unit.unshard_event = None
         ctx.device.wait_stream(ctx.rs_stream)  # reductions the failed backward started
         self._end_iteration()
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
+from mfsdp_ext.device import DeviceHandle
 
 from .models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm
 from .test_fully_shard import GLOBAL_BATCH, _compare_params
@@ -99,6 +100,58 @@ def _case_failed_step(where: str, microbatches: int, strategy: str):
             assert all(g.unsharded.nbytes() == 0 for g in unit.groups), unit.name
             assert not any(g.has_unsharded_grads() for g in unit.groups), unit.name
     return {"losses": got}
+
+
+
+class _TokenDevice(DeviceHandle):
+    """A CPU DeviceHandle whose gather events are tokens and whose waits are logged: the stream bookkeeping that
+    CUDA runs (a unit computes only after its compute stream waited for the gather it uses) checked on gloo."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.waited = set()
+
+    def record_event(self, stream):
+        return object()
+
+    def wait_event(self, event) -> None:
+        if event is not None:
+            self.waited.add(event)
+
+
+def _case_gather_waited_after_failed_step(strategy: str):
+    """After a backward that raised midway through microbatches, the next forward computes each unit only after
+    waiting for the last gather issued for it. (A gather issued in the failed backward, for a unit that stays
+    gathered into the next microbatch's forward, once lost its event: that forward then read the buffer while NCCL
+    could still be writing it, which on 2 GPUs now and then gave the next steps other losses.)"""
+    torch.manual_seed(32)
+    model = shard_tiny_lm(TinyLM(), fully_shard, sharding_strategy=strategy)
+    _train_with_failures(model, 1, {}, microbatches=3)  # lazy init
+    units = [m._mfsdp_unit for m in model.modules() if hasattr(m, "_mfsdp_unit")]
+    device = units[0].context.device = _TokenDevice(units[0].context.device.device)
+    last_gather, unwaited = {}, []
+
+    def note_gather(unit, unshard):
+        def wrapped(*args, **kwargs):
+            before = unit.unshard_event
+            unshard(*args, **kwargs)
+            if unit.unshard_event is not None and unit.unshard_event is not before:
+                last_gather[unit] = unit.unshard_event
+        return wrapped
+
+    def check_waited(unit):
+        def hook(module, args):  # runs after the unit's own pre-forward hook (registered before this one)
+            if unit in last_gather and last_gather[unit] not in device.waited:
+                unwaited.append(unit.name)
+        return hook
+
+    for unit in units:
+        unit.unshard = note_gather(unit, unit.unshard)
+        unit.module.register_forward_pre_hook(check_waited(unit))
+    losses = _train_with_failures(model, 3, {0: "backward"}, microbatches=3)
+    assert losses[0] is None and all(loss is not None for loss in losses[1:]), losses
+    assert not unwaited, f"computed before waiting for their gather: {unwaited}"
+    return {"gathers": len(last_gather), "waits": len(device.waited)}
 
 
 def _case_freeze_after_fully_shard():
@@ -387,6 +440,11 @@ def _case_grad_set_to_none_by_hand():
     ("backward", 3, "optim_grads_params"), ("forward", 3, "optim_grads_params"), ("backward", 3, "optim")])
 def test_failed_step_leaves_model_usable(cpu_pool, where, microbatches, strategy):
     print(cpu_pool.run(_case_failed_step, where, microbatches, strategy)[0])
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
+def test_gather_waited_after_failed_step(cpu_pool, strategy):
+    print(cpu_pool.run(_case_gather_waited_after_failed_step, strategy)[0])
 
 
 def test_freeze_after_fully_shard(cpu_pool):
