@@ -480,6 +480,10 @@ def test_failed_step_recovery(where):
     print(get_pool(2, "nccl").run(rb._case_failed_step, where, 3, "optim_grads_params")[0])
 
 
+def test_gather_in_flight_after_failed_step():
+    print(get_pool(2, "nccl").run(rb._case_gather_in_flight_after_failed_step)[0])
+
+
 def test_resting_memory_flat():
     print(get_pool(2, "nccl").run(rb._case_resting_memory_flat)[0])
 

@@ -154,6 +154,58 @@ def _case_gather_waited_after_failed_step(strategy: str):
     return {"gathers": len(last_gather), "waits": len(device.waited)}
 
 
+def _case_gather_in_flight_after_failed_step():
+    """CUDA: the same as _case_gather_waited_after_failed_step on real streams. The failing backward's gathers are
+    held back on the all-gather stream (a ~0.1 s spin queued before block 1's pre-backward prefetches block 0);
+    the next step's forward of block 0, which stays gathered between microbatches, must start on the compute
+    stream after that gather has finished, not while it is pending."""
+    torch.manual_seed(33)
+    model = shard_tiny_lm(TinyLM(), fully_shard)
+    _train_with_failures(model, 1, {}, microbatches=3)  # lazy init
+    ag_stream = model._mfsdp_unit.context.ag_stream
+    marks = {}
+
+    def on_output_grad(fn):
+        return lambda module, args, out: out.register_hook(fn)
+
+    def hold_back_gathers(grad):  # block 2's output gradient: before block 1's pre-backward
+        with torch.cuda.stream(ag_stream):
+            torch.cuda._sleep(200_000_000)
+
+    def fail_after_prefetch(grad):  # block 1's output gradient: after its pre-backward prefetched block 0
+        marks["gathered"] = ag_stream.record_event(torch.cuda.Event(enable_timing=True))
+        raise _Boom("this step fails")
+
+    def note_compute(module, args):  # after block 0's own pre-forward hook, which waits for what it needs
+        marks.setdefault("computed", torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True)))
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens, targets = batch(0, GLOBAL_BATCH, device=rank_device())
+    pieces = list(zip(tokens.chunk(world)[rank].chunk(3), targets.chunk(world)[rank].chunk(3)))
+    for i, (t, y) in enumerate(pieces[:2]):  # a step that fails in its second microbatch's backward
+        with microbatch(model, is_first=i == 0, is_last=False):
+            hooks = [model.blocks[2].register_forward_hook(on_output_grad(hold_back_gathers)),
+                     model.blocks[1].register_forward_hook(on_output_grad(fail_after_prefetch))] if i == 1 else []
+            try:
+                lm_loss(model, t, y).backward()
+            except _Boom:
+                pass
+            finally:
+                for h in hooks:
+                    h.remove()
+    assert "gathered" in marks
+    model.zero_grad()
+    hook = model.blocks[0].register_forward_pre_hook(note_compute)
+    for i, (t, y) in enumerate(pieces):  # the next step
+        with microbatch(model, is_first=i == 0, is_last=i == 2):
+            lm_loss(model, t, y).backward()
+    hook.remove()
+    torch.cuda.synchronize()
+    after_ms = marks["gathered"].elapsed_time(marks["computed"])
+    assert after_ms >= 0, f"block 0 computed {-after_ms:.1f} ms before its gather finished"
+    return {"block 0 computed after its gather by ms": after_ms}
+
+
 def _case_freeze_after_fully_shard():
     """requires_grad_(False) after fully_shard: no gradient, the weights unchanged, the rest trains as in one process."""
     torch.manual_seed(31)
