@@ -98,25 +98,21 @@ def _gloo_lacks(probe, group: dist.ProcessGroup) -> bool:
     return not _GLOO_SUPPORT[key]
 
 
-# group name -> the host names of its ranks (group_hosts)
-_HOSTS: dict[str, tuple[str, ...]] = {}
-
-
-def group_hosts(group: dist.ProcessGroup) -> tuple[str, ...]:
-    """The distinct host names of ``group``'s ranks, sorted: all-gathered once per group (collective: every rank
-    asks alike, in the same order), then cached by the group's name."""
-    name = group.group_name
-    if name not in _HOSTS:
-        hosts = [None] * dist.get_world_size(group)
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        _HOSTS[name] = tuple(sorted(set(hosts)))
-    return _HOSTS[name]
+# group name -> whether all its ranks run on one host (on_one_host)
+_ONE_HOST: dict[str, bool] = {}
 
 
 def on_one_host(group: dist.ProcessGroup) -> bool:
     """Whether every rank of ``group`` runs on this host. No collective where torchrun's LOCAL_WORLD_SIZE says the
-    whole world is one node; otherwise group_hosts."""
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    if local.isdigit() and dist.get_world_size() <= int(local):
-        return True
-    return len(group_hosts(group)) == 1
+    whole world is one node; otherwise the host names are all-gathered once per group (every rank asks alike:
+    fully_shard, in the same order on every rank)."""
+    name = group.group_name
+    if name not in _ONE_HOST:
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        if local.isdigit() and dist.get_world_size() <= int(local):
+            _ONE_HOST[name] = True
+        else:
+            hosts = [None] * dist.get_world_size(group)
+            dist.all_gather_object(hosts, socket.gethostname(), group=group)
+            _ONE_HOST[name] = len(set(hosts)) == 1
+    return _ONE_HOST[name]
