@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check, in stages so one device call fits its 10-minute limit:
 #   scripts/gpu_check.sh build tests kernels symm units optim step step6 hostcost memory noshard fp8 fp8train jit hf mainjob
-#   (not in the default list: gpt200: 200 training steps, bf16 vs FP8; fp8step, fp8cache: FP8 step rows on any GPU
+#   (not in the default list: race: the failed-step race test, also with its fix undone; gpt200: 200 training steps, bf16 vs FP8; fp8step, fp8cache: FP8 step rows on any GPU
 #   count; fp8host: the FP8 layer's host time; step6ac: config 6 with less recomputation; ctas: NCCL_MAX_CTAS sweep; wire, wirefp8: the default bf16-sent, fp32-summed gradients vs the fp32 reduce-scatter; native: native_collectives
 #   against torch.distributed's collectives; timeline: where the GPU waits in each config's step)
 #   scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
@@ -42,9 +42,9 @@ for stage in $stages; do
                 --nproc-per-node $n benchmarks/collectives.py --units --out "$OUT"
         done ;;
     step) run step bash scripts/gpu_step.sh ;;
-    step6)  # real size: the Llama-3-8B shape, seq 8192, activation checkpointing per block; MFU (2 GPUs)
+    step6)  # real size: the Llama-3-8B shape, seq 8192, activation checkpointing per block; MFU, bf16 and FP8 (2 GPUs)
         run step6 timeout -k 10 420 torchrun --standalone --nproc-per-node 2 benchmarks/step.py --configs 6 \
-            --steps 5 --warmup 2 --init meta --out "$OUT" ;;
+            --impls ours_fused,ours_fp8_fused,fsdp2 --steps 5 --warmup 2 --init meta --out "$OUT" ;;
     step6ac)  # what the fused optimizer's memory buys at config 6 (2 GPUs): ours_fused and FSDP2 with every block
               # recomputed (same run), then ours_fused with its last K blocks not recomputed
         run step6ac timeout -k 10 240 torchrun --standalone --nproc-per-node 2 benchmarks/step.py --configs 6 \
@@ -146,6 +146,21 @@ for stage in $stages; do
                 examples/train_gpt.py --steps 200 "${flag[@]}" --metrics-file "$OUT/gpt200_$mode.jsonl"
         done
         run gpt200_compare python3 scripts/compare_final_loss.py "$OUT/gpt200_bf16.jsonl" "$OUT/gpt200_fp8.jsonl" ;;
+    race)  # the failed-step race (4aedd2a): its GPU tests RACE_RUNS times, then the race test once with the fix
+           # undone (module.py edited here, restored after), where it must fail
+        for i in $(seq "${RACE_RUNS:-3}"); do
+            run race$i timeout -k 10 120 python3 -m pytest -m gpu -q -s tests/test_gpu.py -k "gather_in_flight or failed_step"
+        done
+        cp mfsdp_ext/module.py "$OUT/module.py.fixed"
+        python3 - <<'EOF'
+p = "mfsdp_ext/module.py"
+s = open(p).read()
+kept = "instead of reading the buffer early\n            unit.show_sharded_params()\n"
+assert s.count(kept) == 1, "the abandoned-iteration code moved: update this stage"
+open(p, "w").write(s.replace(kept, kept + "            unit.unshard_event = None  # the fix undone\n"))
+EOF
+        run race_unfixed_must_fail bash -c '! timeout -k 10 120 python3 -m pytest -m gpu -q -s tests/test_gpu.py -k gather_in_flight'
+        cp "$OUT/module.py.fixed" mfsdp_ext/module.py ;;
     jit) run jit bash scripts/gpu_jit.sh ;;          # fresh venv, no ahead-of-time build: import compiles CUDA + NCCL
     hf) run hf bash scripts/gpu_hf.sh ;;             # train_hf.py: ours vs FSDP2 (fp32 1e-5), bf16, AC + compile
     mainjob) run mainjob bash scripts/gpu_mainjob.sh ;;  # main job x3 exits 0, kill-free resume from step 6

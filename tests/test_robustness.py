@@ -166,7 +166,9 @@ def _case_gather_in_flight_after_failed_step():
     marks = {}
 
     def on_output_grad(fn):
-        return lambda module, args, out: out.register_hook(fn)
+        def forward_hook(module, args, out):
+            out.register_hook(fn)  # returns None: the module's output stays as it is
+        return forward_hook
 
     def hold_back_gathers(grad):  # block 2's output gradient: before block 1's pre-backward
         with torch.cuda.stream(ag_stream):
