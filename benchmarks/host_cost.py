@@ -122,6 +122,7 @@ def measure(impl: str, shape: dict, device: torch.device, mesh, steps: int, warm
         import pstats
 
         profiler.disable()
+        profiler.dump_stats(pyprofile + ".prof")  # the raw stats, for pstats' callers / callees
         text = io.StringIO()
         for order in ("tottime", "cumulative"):  # where the time is spent, and under which calls
             pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(60)

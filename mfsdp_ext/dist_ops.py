@@ -10,11 +10,11 @@ torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``*
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
+from .hosts import group_hosts
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -98,21 +98,11 @@ def _gloo_lacks(probe, group: dist.ProcessGroup) -> bool:
     return not _GLOO_SUPPORT[key]
 
 
-# group name -> whether all its ranks run on one host (on_one_host)
-_ONE_HOST: dict[str, bool] = {}
-
-
 def on_one_host(group: dist.ProcessGroup) -> bool:
     """Whether every rank of ``group`` runs on this host. No collective where torchrun's LOCAL_WORLD_SIZE says the
-    whole world is one node; otherwise the host names are all-gathered once per group (every rank asks alike:
-    fully_shard, in the same order on every rank)."""
-    name = group.group_name
-    if name not in _ONE_HOST:
-        local = os.environ.get("LOCAL_WORLD_SIZE", "")
-        if local.isdigit() and dist.get_world_size() <= int(local):
-            _ONE_HOST[name] = True
-        else:
-            hosts = [None] * dist.get_world_size(group)
-            dist.all_gather_object(hosts, socket.gethostname(), group=group)
-            _ONE_HOST[name] = len(set(hosts)) == 1
-    return _ONE_HOST[name]
+    whole world is one node; otherwise the host names, gathered once per group (hosts.group_hosts: every rank asks
+    alike, as fully_shard does, in the same order on every rank)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit() and dist.get_world_size() <= int(local):
+        return True
+    return len(set(group_hosts(group))) == 1

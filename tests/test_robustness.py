@@ -204,7 +204,9 @@ def _case_gather_in_flight_after_failed_step():
     hook.remove()
     torch.cuda.synchronize()
     after_ms = marks["gathered"].elapsed_time(marks["computed"])
-    assert after_ms >= 0, f"block 0 computed {-after_ms:.1f} ms before its gather finished"
+    # Not ">= 0": the mark is queued behind the gather on the all-gather stream and lands a few microseconds after
+    # the event the compute stream waits for. A forward that does not wait starts ~100 ms early (the hold-back).
+    assert after_ms > -10.0, f"block 0 computed {-after_ms:.3f} ms before its gather finished"
     return {"block 0 computed after its gather by ms": after_ms}
 
 

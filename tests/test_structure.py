@@ -15,7 +15,7 @@ LAYERS = [
     ["_C", "_build_config"],
     ["_jit"],
     ["_native", "layout", "mixed_precision", "device", "states", "marks", "dtensor_norms", "replaced_params",
-     "tensor_tree"],
+     "tensor_tree", "hosts"],
     ["flat_buffer", "dist_ops", "symmetric.comm", "fp8_tensor"],
     ["collectives", "fp8_linear"],
     ["symmetric.collectives", "native_collectives"],

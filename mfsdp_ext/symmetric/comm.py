@@ -37,13 +37,13 @@ Example::
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 from typing import Optional, Tuple
 
 import torch
 
 from .. import _native as _native_module
+from ..hosts import group_hosts
 
 # defined once in C++ (csrc/symm_comm.h, symm_offset_allocator.h), read from the extension
 MIN_NCCL_VERSION: int = _native_module.MIN_NCCL_VERSION  # NCCL 2.28.7
@@ -129,10 +129,9 @@ def _group_reason(group, check_hosts: bool) -> Optional[str]:
             "are single-node; pass check_hosts=True to compare host names instead)"
         )
     if check_hosts and size > 1:
-        hosts = [None] * size
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        if len(set(hosts)) > 1:
-            return f"the group spans several hosts: {sorted(set(hosts))}"
+        hosts = set(group_hosts(group))
+        if len(hosts) > 1:
+            return f"the group spans several hosts: {sorted(hosts)}"
     return None
 
 
