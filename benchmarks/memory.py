@@ -119,10 +119,12 @@ def optimizer_step_begins(device: torch.device) -> torch.Tensor:
 PHASES = {"forward_backward_begins": "forward + backward", "optimizer_step_begins": "optimizer step"}
 
 
-def _requested(device: torch.device, which: str) -> int:
-    """Bytes the program asked the caching allocator for ("current" or "peak"). max_memory_allocated counts blocks,
-    which are rounded up and, in the large pool, keep an unsplit remainder of up to 1 MiB."""
-    return torch.cuda.memory_stats(device)[f"requested_bytes.all.{which}"]
+def _requested_peak(device: torch.device) -> int:
+    """The peak of the bytes the program asked the caching allocator for. max_memory_allocated counts blocks, which
+    are rounded up and, in the large pool, keep an unsplit remainder of up to 1 MiB. (Its current value is no
+    leftover measure: a block freed while another stream still uses it (record_stream) stays counted until the
+    allocator has seen that stream's event.)"""
+    return torch.cuda.memory_stats(device)["requested_bytes.all.peak"]
 
 
 def measure(impl: str, bc, mesh, device: torch.device, args) -> dict:
@@ -143,21 +145,19 @@ def measure(impl: str, bc, mesh, device: torch.device, args) -> dict:
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     markers = [forward_backward_begins(device)]
-    before, before_requested = torch.cuda.memory_allocated(device), _requested(device, "current")
+    before = torch.cuda.memory_allocated(device)
     gpt.forward_backward(model, impl, batches)
     torch.cuda.synchronize(device)
     grads = sum(_local(p.grad).numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-    # what one forward + backward leaves allocated besides the gradients (the allocator's own count, not the replay),
-    # in blocks and in the bytes asked for
+    # what one forward + backward leaves allocated besides the gradients (the allocator's own count, not the replay)
     left_mib = (torch.cuda.memory_allocated(device) - before - grads) / 2**20
-    left_requested_mib = (_requested(device, "current") - before_requested - grads) / 2**20
     markers.append(optimizer_step_begins(device))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     torch.cuda.synchronize(device)
     del markers
     result = dict(max_allocated_gib=torch.cuda.max_memory_allocated(device) / GIB, left_after_backward_mib=left_mib,
-                  max_requested_gib=_requested(device, "peak") / GIB, left_requested_mib=left_requested_mib)
+                  max_requested_gib=_requested_peak(device) / GIB)
     symmetric = getattr(getattr(getattr(model, "_mfsdp_unit", None), "context", None), "symmetric", None)
     result["symmetric_pool_gib"] = symmetric.comm.native.capacity / GIB if symmetric is not None else 0.0
     if record:
@@ -207,11 +207,10 @@ def write_report(results: dict, world: int, out: str) -> None:
                   f"max_memory_allocated (+ symmetric pool): ours {ours.get('max_allocated_gib', 0) + ours.get('symmetric_pool_gib', 0):.3f}, "
                   f"fsdp2 {fsdp2.get('max_allocated_gib', 0):.3f} GiB", "",
                   "peak of the bytes asked for (torch.cuda.memory_stats requested_bytes; blocks are rounded up): "
-                  f"ours {ours.get('max_requested_gib', 0) + ours.get('symmetric_pool_gib', 0):.4f}, "
-                  f"fsdp2 {fsdp2.get('max_requested_gib', 0):.4f} GiB", "",
+                  f"ours {ours.get('max_requested_gib', 0) + ours.get('symmetric_pool_gib', 0):.6f}, "
+                  f"fsdp2 {fsdp2.get('max_requested_gib', 0):.6f} GiB", "",
                   "left allocated by the measured forward + backward besides the gradients (the allocator's count): "
-                  f"ours {ours.get('left_after_backward_mib', 0):.1f}, fsdp2 {fsdp2.get('left_after_backward_mib', 0):.1f} MiB; "
-                  f"asked for: ours {ours.get('left_requested_mib', 0):.2f}, fsdp2 {fsdp2.get('left_requested_mib', 0):.2f} MiB",
+                  f"ours {ours.get('left_after_backward_mib', 0):.1f}, fsdp2 {fsdp2.get('left_after_backward_mib', 0):.1f} MiB",
                   ""]
         for phase in PHASES.values():
             a_ph, b_ph = ours.get("phases", {}).get(phase, {}), fsdp2.get("phases", {}).get(phase, {})
