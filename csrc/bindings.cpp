@@ -44,7 +44,10 @@ void register_kernels(py::module_& m) {
   m.def("fp8_gemm_calls", &mfsdp::fp8_gemm_calls);
   m.def("fp8_linear", &mfsdp::fp8_linear, release(), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("w8"),
         py::arg("w_scale_inv"), py::arg("w8t"), py::arg("grad_dtype"), py::arg("need_dx"), py::arg("need_dw"),
-        py::arg("fp8_wgrad"), py::arg("fast_accum"), py::arg("eps"), py::arg("algo"));
+        py::arg("fp8_wgrad"), py::arg("fast_accum"), py::arg("eps"), py::arg("algo"), py::arg("x8") = py::none(),
+        py::arg("x_scale_inv") = py::none(), py::arg("x8t") = py::none());
+  m.def("fp8_quantize_input", &mfsdp::fp8_quantize_input, release(), py::arg("x"), py::arg("keep_x_t"),
+        py::arg("eps"), py::arg("algo"));
   m.def("fp8_linear_forward", &mfsdp::fp8_linear_forward, release(), py::arg("x"), py::arg("w8"),
         py::arg("w_scale_inv"), py::arg("bias"), py::arg("keep_x_t"), py::arg("fast_accum"), py::arg("eps"),
         py::arg("algo"));

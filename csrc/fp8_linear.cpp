@@ -22,6 +22,20 @@ at::Tensor fp8_empty(const at::Tensor& like, int64_t rows, int64_t cols, at::Sca
 
 }  // namespace
 
+std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> fp8_quantize_input(const at::Tensor& x, bool keep_x_t,
+                                                                                 double eps, int64_t algo) {
+  TORCH_CHECK_VALUE(x.dim() >= 1, "mfsdp_ext.fp8_quantize_input: x must have a feature dimension, got a scalar");
+  const int64_t k = x.size(-1);
+  const at::Tensor x2 = x.reshape({-1, k}).contiguous();
+  const int64_t m = x2.size(0);
+  at::Tensor x8 = fp8_empty(x2, m, k, at::kFloat8_e4m3fn);
+  at::Tensor x_scale_inv = at::empty({}, x2.options().dtype(at::kFloat));
+  std::optional<at::Tensor> x8t;
+  if (keep_x_t) x8t = fp8_empty(x2, k, m, at::kFloat8_e4m3fn);
+  fp8_quantize(x2, x8, x_scale_inv, std::nullopt, x8t, eps, algo);
+  return {x8, x_scale_inv, x8t};
+}
+
 std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor> fp8_linear_forward(
     const at::Tensor& x, const at::Tensor& w8, const at::Tensor& w_scale_inv, const std::optional<at::Tensor>& bias,
     bool keep_x_t, bool fast_accum, double eps, int64_t algo) {
@@ -30,12 +44,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>, at::Tensor> fp8_linear_forward
   check_matrix(w8, fn, "w8");
   TORCH_CHECK_TYPE(w8.scalar_type() == at::kFloat8_e4m3fn, "mfsdp_ext.fp8_linear_forward: w8 must be float8_e4m3fn, "
                    "got ", w8.scalar_type());
-  const int64_t m = x.size(0), k = x.size(1);
-  at::Tensor x8 = fp8_empty(x, m, k, at::kFloat8_e4m3fn);
-  at::Tensor x_scale_inv = at::empty({}, x.options().dtype(at::kFloat));
-  std::optional<at::Tensor> x8t;
-  if (keep_x_t) x8t = fp8_empty(x, k, m, at::kFloat8_e4m3fn);
-  fp8_quantize(x, x8, x_scale_inv, std::nullopt, x8t, eps, algo);
+  auto [x8, x_scale_inv, x8t] = fp8_quantize_input(x, keep_x_t, eps, algo);
   at::Tensor y = fp8_gemm(x8, w8, x_scale_inv, w_scale_inv, bias, x.scalar_type(), fast_accum);
   return {y, x8t, x_scale_inv};
 }
@@ -74,11 +83,29 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, const at::Tensor& w8, const at::Tensor& w_scale_inv,
                             const std::optional<at::Tensor>& w8t, at::ScalarType grad_dtype, bool need_dx,
-                            bool need_dw, bool fp8_wgrad, bool fast_accum, double eps, int64_t algo) {
+                            bool need_dw, bool fp8_wgrad, bool fast_accum, double eps, int64_t algo,
+                            const std::optional<at::Tensor>& given_x8, const std::optional<at::Tensor>& given_x_scale_inv,
+                            const std::optional<at::Tensor>& given_x8t) {
     const int64_t k = x.size(-1);
-    const at::Tensor x2 = x.reshape({-1, k}).contiguous();
     const bool keep_x_t = need_dw && fp8_wgrad;
-    auto [y, x8t, x_scale_inv] = fp8_linear_forward(x2, w8, w_scale_inv, bias, keep_x_t, fast_accum, eps, algo);
+    at::Tensor y, x_scale_inv;
+    std::optional<at::Tensor> x8t;
+    if (given_x8) {  // quantized by the caller (fp8_quantize_input of this x), maybe for another layer too
+      TORCH_CHECK_VALUE(given_x_scale_inv && (given_x8t || !keep_x_t) && given_x8->dim() == 2 &&
+                            given_x8->size(1) == k && given_x8->numel() == x.numel(),
+                        "mfsdp_ext.fp8_linear: x8 must be fp8_quantize_input(x) of this x, with x_scale_inv, and "
+                        "x8t where the weight gradient is made in FP8");
+      TORCH_CHECK_TYPE(w8.scalar_type() == at::kFloat8_e4m3fn, "mfsdp_ext.fp8_linear: w8 must be float8_e4m3fn, got ",
+                       w8.scalar_type());
+      x_scale_inv = *given_x_scale_inv;
+      if (keep_x_t) x8t = given_x8t;
+      y = fp8_gemm(*given_x8, w8, x_scale_inv, w_scale_inv, bias, x.scalar_type(), fast_accum);
+    } else {
+      std::tie(y, x8t, x_scale_inv) =
+          fp8_linear_forward(x.reshape({-1, k}).contiguous(), w8, w_scale_inv, bias, keep_x_t, fast_accum, eps, algo);
+    }
+    const bool keep_x = need_dw && !fp8_wgrad;
+    const at::Tensor x2 = keep_x ? x.reshape({-1, k}).contiguous() : at::Tensor();
     // saved: what backward reads (undefined where it reads nothing). For dgrad, the weight's transpose when the
     // caller has one, else the FP8 weight itself, transposed in backward: a transpose made here would stay alive
     // from forward to backward, though fully_shard frees the gathered weight in between (its saved view is
@@ -87,7 +114,7 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     ctx->saved_data["w_transposed"] = has_t;
     ctx->save_for_backward({need_dx ? (has_t ? *w8t : w8) : at::Tensor(), need_dx ? w_scale_inv : at::Tensor(),
                             keep_x_t ? *x8t : at::Tensor(), keep_x_t ? x_scale_inv : at::Tensor(),
-                            need_dw && !fp8_wgrad ? x2 : at::Tensor()});
+                            x2});
     ctx->saved_data["grad_dtype"] = static_cast<int64_t>(grad_dtype);
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
@@ -133,7 +160,7 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     }
     if (need_dw && !fp8_dw) dw = at::mm(dy2.t(), x2.to(dy2.scalar_type())).to(dtype("w_dtype"));
     if (need_db) db = dy2.sum(0).to(dtype("b_dtype"));
-    variable_list out(13);  // one per argument of forward after ctx
+    variable_list out(16);  // one per argument of forward after ctx
     out[0] = dx;
     out[1] = dw;
     out[2] = db;
@@ -146,7 +173,8 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                       const at::Tensor& w8, const at::Tensor& w_scale_inv, const std::optional<at::Tensor>& w8t,
                       at::ScalarType grad_dtype, bool need_dx, bool need_dw, bool fp8_wgrad, bool fast_accum,
-                      double eps, int64_t algo) {
+                      double eps, int64_t algo, const std::optional<at::Tensor>& x8,
+                      const std::optional<at::Tensor>& x_scale_inv, const std::optional<at::Tensor>& x8t) {
   TORCH_CHECK_VALUE(x.dim() >= 1 && w8.dim() == 2 && x.size(-1) == w8.size(1),
                     "mfsdp_ext.fp8_linear: x (..., K) and w8 (N, K) must share K, got sizes ", x.sizes(), " and ",
                     w8.sizes());
@@ -154,7 +182,8 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const std::
     return t.has_value() && t->defined() ? t : std::optional<at::Tensor>();
   };
   return Fp8LinearFunction::apply(x, weight, present(bias), w8, w_scale_inv, present(w8t), grad_dtype, need_dx,
-                                  need_dw, fp8_wgrad, fast_accum, eps, algo);
+                                  need_dw, fp8_wgrad, fast_accum, eps, algo, present(x8), present(x_scale_inv),
+                                  present(x8t));
 }
 
 }  // namespace mfsdp

@@ -95,11 +95,16 @@ fp8_linear_forward(x, w8, w_scale_inv, bias, keep_x_t, fast_accum, eps, algo) ->
 fp8_linear_backward(dy, grad_dtype, w8t, w_scale_inv, x8t, x_scale_inv, dx_dtype, dw_dtype, eps, algo) -> (dx, dw)
     fp8_quantize(dy) to grad_dtype (with its transpose when x8t is given), then dx = dy @ W = fp8_gemm(dy8, w8t)
     when w8t (K, N) is given, dW = dy.T @ x = fp8_gemm(dy8t, x8t) when x8t (K, M) is given; None for the other.
-fp8_linear(x, weight, bias, w8, w_scale_inv, w8t, grad_dtype, need_dx, need_dw, fp8_wgrad, fast_accum, eps, algo)
+fp8_quantize_input(x, keep_x_t, eps, algo) -> (x8, x_scale_inv, x8t or None)
+    x (..., K) quantized as fp8_linear_forward quantizes it: x8 (M, K) e4m3 and its transpose (K, M) when keep_x_t.
+fp8_linear(x, weight, bias, w8, w_scale_inv, w8t, grad_dtype, need_dx, need_dw, fp8_wgrad, fast_accum, eps, algo,
+           x8=None, x_scale_inv=None, x8t=None)
     y = x @ W.T (+ bias) as a C++ autograd function: forward = fp8_linear_forward on x (..., K), backward =
     fp8_linear_backward, plus db = dy.sum(0) and, without fp8_wgrad, dW = dy.T @ x in x's dtype. W is read only
     as w8 (N, K) e4m3 and, for dx, w8t (K, N) when given, else backward transposes w8; ``weight`` receives dW.
     need_dx / need_dw: whether x / weight get gradients (the caller decides: grad mode and requires_grad).
+    x8 / x_scale_inv / x8t: fp8_quantize_input(x) made beforehand (x8t needed when need_dw and fp8_wgrad), so
+    layers sharing an input quantize it once; x's values are then not read (x receives dx).
 
 Segment tables: rows sorted and non-overlapping, ``0 <= start_i <= end_i <= src.numel()`` and
 ``end_{i-1} <= start_i``; an empty row is written ``(e, e)`` at its place in order (e.g. clipping each
@@ -292,12 +297,18 @@ def fp8_linear_backward(dy: torch.Tensor, grad_dtype: torch.dtype, w8t: torch.Te
                                   float(eps), _algo_code("fp8_linear_backward", algo))
 
 
+def fp8_quantize_input(x: torch.Tensor, keep_x_t: bool, eps: float = 1e-12, algo: str = "auto"):
+    return _C.fp8_quantize_input(x, bool(keep_x_t), float(eps), _algo_code("fp8_quantize_input", algo))
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w8: torch.Tensor,
                w_scale_inv: torch.Tensor, w8t: torch.Tensor | None, grad_dtype: torch.dtype, need_dx: bool,
                need_dw: bool, fp8_wgrad: bool, fast_accum: bool, eps: float = 1e-12,
-               algo: str = "auto") -> torch.Tensor:
+               algo: str = "auto", x8: torch.Tensor | None = None, x_scale_inv: torch.Tensor | None = None,
+               x8t: torch.Tensor | None = None) -> torch.Tensor:
     return _C.fp8_linear(x, weight, bias, w8, w_scale_inv, w8t, grad_dtype, bool(need_dx), bool(need_dw),
-                         bool(fp8_wgrad), bool(fast_accum), float(eps), _algo_code("fp8_linear", algo))
+                         bool(fp8_wgrad), bool(fast_accum), float(eps), _algo_code("fp8_linear", algo), x8,
+                         x_scale_inv, x8t)
 
 
 def grad_accumulate(main_grad: torch.Tensor, reduced: torch.Tensor, scale: float, accumulate: bool) -> None:

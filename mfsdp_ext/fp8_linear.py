@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -56,6 +57,12 @@ class Fp8LinearConfig:
     fast_accum: the forward GEMM's fast accumulation (as torchao; dgrad and wgrad always accumulate exactly).
     eps: amax floor of the scale, ``scale = fp8_max / max(amax, eps)``.
     quantize_algo: the native quantizer's CUDA algorithm ("auto", "two_pass", "fused"; same bits).
+    reuse_input: FP8 layers called one after another on the same input tensor (the same object, unchanged since:
+        same version; e.g. attention's q, k and v projections, the MLP's gate and up projections) quantize it once
+        and share the FP8 copy and its transpose: the same bits as quantizing it per layer. What it keeps: the
+        last input's FP8 copy, until that input is freed or another input comes (at most one activation's size
+        in FP8). A write that bypasses the version counter (``x.data``) between two such calls is not seen:
+        turn it off there.
     """
 
     grad_dtype: torch.dtype = E5M2
@@ -63,6 +70,7 @@ class Fp8LinearConfig:
     fast_accum: bool = True
     eps: float = 1e-12
     quantize_algo: str = "auto"
+    reuse_input: bool = True
 
     def __post_init__(self):
         if self.grad_dtype not in (E4M3, E5M2):
@@ -136,11 +144,43 @@ def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     grad = torch.is_grad_enabled()
     need_dx = grad and x.requires_grad
     need_dw = grad and weight.requires_grad
+    fp8_wgrad = cfg.wgrad == "fp8"
     w = fp8_weight
     if w is None:
         w = quantize(weight.detach().contiguous(), E4M3, transpose=need_dx, eps=cfg.eps, algo=cfg.quantize_algo)
+    xq = _LAST_INPUT.quantized(x, need_dw and fp8_wgrad, cfg) if cfg.reuse_input else (None, None, None)
     return N.fp8_linear(x, weight, bias, w.data, w.scale_inv, w.data_t if need_dx else None, cfg.grad_dtype,
-                        need_dx, need_dw, cfg.wgrad == "fp8", cfg.fast_accum, cfg.eps, cfg.quantize_algo)
+                        need_dx, need_dw, fp8_wgrad, cfg.fast_accum, cfg.eps, cfg.quantize_algo, *xq)
+
+
+class _LastInput:
+    """The FP8 copy of the last input an FP8 layer quantized, for the next layer called on the same tensor
+    (Fp8LinearConfig.reuse_input). Dropped as soon as that input is freed (a weakref callback), so it outlives its
+    source only while another reference keeps the source alive."""
+
+    def __init__(self):
+        self.entry = None  # (weakref to x, x's version, data_ptr, shape, stream, eps, (x8, x_scale_inv, x8t))
+
+    def quantized(self, x: torch.Tensor, need_t: bool, cfg: "Fp8LinearConfig"):
+        """(x8, x_scale_inv, x8t or None) of ``x``: the last one when it is this x's and has what is needed, else
+        made now and remembered."""
+        stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
+        entry = self.entry  # read once: the comparison and the use see the same entry
+        if (entry is not None and entry[0]() is x and entry[1] == x._version and entry[2] == x.data_ptr()
+                and entry[3] == x.shape and entry[4] == stream and entry[5] == cfg.eps
+                and (entry[6][2] is not None or not need_t)):
+            return entry[6]
+        made = N.fp8_quantize_input(x, need_t, cfg.eps, cfg.quantize_algo)
+        self.entry = (weakref.ref(x, self._forget), x._version, x.data_ptr(), x.shape, stream, cfg.eps, made)
+        return made
+
+    def _forget(self, ref) -> None:
+        entry = self.entry
+        if entry is not None and entry[0] is ref:
+            self.entry = None
+
+
+_LAST_INPUT = _LastInput()
 
 
 class _DequantizedWeight(torch.autograd.Function):

@@ -216,6 +216,88 @@ def test_activation_checkpointing_recomputes_identically(device):
 
 
 # ----------------------------------------------------------------------------------------------
+# layers sharing an input quantize it once (Fp8LinearConfig.reuse_input)
+# ----------------------------------------------------------------------------------------------
+class QuantizeInputCounter:
+    """Counts N.fp8_quantize_input calls (the reuse path's quantizations) while installed."""
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        original = N.fp8_quantize_input
+
+        def counted(*args, **kwargs):
+            self.n += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(N, "fp8_quantize_input", counted)
+
+
+def _qkv(reuse: bool, device: str):
+    """Three FP8 layers of different widths on one shared input, as attention's q, k, v projections."""
+    cfg = FL.Fp8LinearConfig(reuse_input=reuse)
+    layers = [make_case(64, 128, n, bias=n == 96, device=device, seed=n)[0] for n in (96, 32, 48)]
+    return [FL.to_fp8_linear(lin, config=cfg) for lin in layers]
+
+
+def _run_shared(layers, x, between=None):
+    """Forward of each layer on the same non-leaf input h = 2 x (``between(h)`` after the first), backward of the
+    sum of their outputs' squares: outputs, dx and every parameter's gradient."""
+    x = x.detach().clone().requires_grad_()
+    h = x * 2
+    ys = []
+    for i, lin in enumerate(layers):
+        for p in lin.parameters():
+            p.grad = None
+        if i == 1 and between is not None:
+            between(h)
+        ys.append(lin(h))
+    sum(y.float().square().sum() for y in ys).backward()
+    return [y.detach() for y in ys] + [x.grad] + [p.grad for lin in layers for p in lin.parameters()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_shared_input_quantized_once_same_bits(device, monkeypatch):
+    x = make_case(device=device)[1]
+    separate = _run_shared(_qkv(False, device), x)
+    counter = QuantizeInputCounter(monkeypatch)
+    shared = _run_shared(_qkv(True, device), x)
+    assert counter.n == 1, f"one input, {counter.n} quantizations"
+    for a, b in zip(separate, shared):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_shared_input_changed_in_place_is_quantized_again(device, monkeypatch):
+    def write(h):
+        with torch.no_grad():
+            h.add_(1.0)  # bumps the version: the next layer must not use the FP8 copy of the old values
+
+    x = make_case(device=device)[1]
+    separate = _run_shared(_qkv(False, device), x, between=write)
+    counter = QuantizeInputCounter(monkeypatch)
+    shared = _run_shared(_qkv(True, device), x, between=write)
+    assert counter.n == 2
+    for a, b in zip(separate, shared):
+        assert torch.equal(a, b)
+
+
+def test_shared_input_fp8_copy_goes_with_its_input():
+    """What the cache keeps: the FP8 copy of the last input only while that input lives; a layer that needs the
+    transpose (training) after one that did not (no_grad) quantizes again."""
+    layers = _qkv(True, "cpu")
+    x = make_case()[1].requires_grad_()
+    with torch.no_grad():
+        layers[0](x)
+    assert FL._LAST_INPUT.entry is not None and FL._LAST_INPUT.entry[6][2] is None  # no transpose without grads
+    y = layers[1](x)
+    assert FL._LAST_INPUT.entry[6][2] is not None
+    y.sum().backward()
+    assert layers[1].weight.grad is not None
+    del x, y
+    assert FL._LAST_INPUT.entry is None
+
+
+# ----------------------------------------------------------------------------------------------
 # fallback: one warning per module, naming it
 # ----------------------------------------------------------------------------------------------
 def test_fallback_warns_once_per_module_and_matches_f_linear():
@@ -383,8 +465,11 @@ def test_cuda_launches_per_call():
     ours, gemm = kernels(lambda: y.backward(dy))
     assert ours == 2 and 2 <= gemm <= 4, (ours, gemm)  # quantize dy with its transpose, dgrad, wgrad
     lin.set_fp8_weight(quantize(lin.weight.detach(), transpose=True))
-    ours, gemm = kernels(lambda: lin(x))
+    x_new = x.detach().clone().requires_grad_()  # x itself was quantized already (reuse_input)
+    ours, gemm = kernels(lambda: lin(x_new))
     assert ours == 2, "a supplied FP8 weight must not be re-quantized"
+    ours, gemm = kernels(lambda: lin(x_new))
+    assert ours == 0, "an input quantized by the last call must not be quantized again"
 
 
 @pytest.mark.gpu
