@@ -30,7 +30,7 @@ import functools
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -153,30 +153,43 @@ def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
                         need_dx, need_dw, fp8_wgrad, cfg.fast_accum, cfg.eps, cfg.quantize_algo, *xq)
 
 
+class _QuantizedInput(NamedTuple):
+    """An input as an FP8 layer quantized it, and what tells whether the same tensor is still unchanged."""
+
+    source: weakref.ref  # the input tensor
+    version: int
+    data_ptr: int
+    shape: torch.Size
+    stream: int  # the CUDA stream it was quantized on (0 on CPU)
+    eps: float
+    quantized: tuple  # (x8, x_scale_inv, x8t or None): fp8_linear's x8 / x_scale_inv / x8t
+
+
 class _LastInput:
     """The FP8 copy of the last input an FP8 layer quantized, for the next layer called on the same tensor
     (Fp8LinearConfig.reuse_input). Dropped as soon as that input is freed (a weakref callback), so it outlives its
     source only while another reference keeps the source alive."""
 
     def __init__(self):
-        self.entry = None  # (weakref to x, x's version, data_ptr, shape, stream, eps, (x8, x_scale_inv, x8t))
+        self.entry: Optional[_QuantizedInput] = None
 
     def quantized(self, x: torch.Tensor, need_t: bool, cfg: "Fp8LinearConfig"):
         """(x8, x_scale_inv, x8t or None) of ``x``: the last one when it is this x's and has what is needed, else
         made now and remembered."""
         stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
-        entry = self.entry  # read once: the comparison and the use see the same entry
-        if (entry is not None and entry[0]() is x and entry[1] == x._version and entry[2] == x.data_ptr()
-                and entry[3] == x.shape and entry[4] == stream and entry[5] == cfg.eps
-                and (entry[6][2] is not None or not need_t)):
-            return entry[6]
+        e = self.entry  # read once: the comparison and the use see the same entry
+        if (e is not None and e.source() is x and e.version == x._version and e.data_ptr == x.data_ptr()
+                and e.shape == x.shape and e.stream == stream and e.eps == cfg.eps
+                and (e.quantized[2] is not None or not need_t)):
+            return e.quantized
         made = N.fp8_quantize_input(x, need_t, cfg.eps, cfg.quantize_algo)
-        self.entry = (weakref.ref(x, self._forget), x._version, x.data_ptr(), x.shape, stream, cfg.eps, made)
+        self.entry = _QuantizedInput(weakref.ref(x, self._forget), x._version, x.data_ptr(), x.shape, stream,
+                                     cfg.eps, made)
         return made
 
     def _forget(self, ref) -> None:
         entry = self.entry
-        if entry is not None and entry[0] is ref:
+        if entry is not None and entry.source is ref:
             self.entry = None
 
 
