@@ -41,6 +41,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-vocab", type=int, help="tokens used by the corpus (default min(vocab, 1024))")
     p.add_argument("--branching", type=int, default=4, help="successors per token in the Markov chain")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deterministic", action="store_true",
+                   help="two runs with one seed give bit-identical losses on GPU: attention on SDPA's math backend "
+                        "(slower, more memory); see use_deterministic_attention")
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--metrics-file", help="rank 0 appends one JSON line per step (exact losses) to this file")
     p.add_argument("--ckpt-dir", help="folder of DCP checkpoints (step-<N>/ each)")
@@ -59,6 +62,16 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error("--ckpt-every must be >= 0 (0: no checkpoints)")
     if (args.ckpt_every or args.resume) and not args.ckpt_dir:
         p.error("--ckpt-every and --resume need --ckpt-dir")
+
+
+def use_deterministic_attention() -> None:
+    """Attention on SDPA's math backend only. Flash, memory-efficient and cuDNN attention add up their backward
+    in an order that varies between runs, and on GPU that is the one source of run-to-run differences this job
+    has: with the math backend, two runs of 20 steps on 2 H100 gave bit-identical losses and gradient norms, bf16
+    and FP8 (`gpu_check.sh repeat`); with flash attention they differed from the first step's gradients on."""
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def log(*args) -> None:
@@ -136,6 +149,8 @@ def run(model, args, device: torch.device, *, impl: str, vocab_size: int, flops_
     ``describe``: the lines about the model that rank 0 prints first; ``loss_fn(model, inputs, targets)``: the mean
     loss of a microbatch (default ``model(inputs, targets)``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.deterministic:
+        use_deterministic_attention()
     params = list(model.parameters())
     optimizer_class = torch.optim.AdamW
     if getattr(args, "optimizer", "torch") == "fused":
@@ -154,7 +169,8 @@ def run(model, args, device: torch.device, *, impl: str, vocab_size: int, flops_
     for line in describe:
         log(line)
     log(f"batch={args.batch_size}x{args.seq_len} per rank x {args.microbatches} microbatches x {world} ranks "
-        f"= {tokens_per_step} tokens/step; lr={args.lr} warmup={args.warmup} steps={args.steps}")
+        f"= {tokens_per_step} tokens/step; lr={args.lr} warmup={args.warmup} steps={args.steps}"
+        + ("; deterministic attention (SDPA math)" if args.deterministic else ""))
     log(f"data: Markov chain over {data_vocab} tokens, {args.branching} successors each; "
         f"best achievable loss (entropy rate) = {corpus.entropy:.3f}; uniform guess = {math.log(vocab_size):.3f}")
 

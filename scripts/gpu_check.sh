@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check, in stages so one device call fits its 10-minute limit:
 #   scripts/gpu_check.sh build tests kernels symm units optim step step6 hostcost memory noshard fp8 fp8train jit hf mainjob
-#   (not in the default list: race: the failed-step race test, also with its fix undone; gpt200: 200 training steps, bf16 vs FP8; fp8step, fp8cache: FP8 step rows on any GPU
+#   (not in the default list: race: the failed-step race test, also with its fix undone; repeat: the main job
+#   run twice per mode with --deterministic, bit-identical; gpt200: 200 training steps, bf16 vs FP8; fp8step, fp8cache: FP8 step rows on any GPU
 #   count; fp8host: the FP8 layer's host time; step6ac: config 6 with less recomputation; ctas: NCCL_MAX_CTAS sweep; wire, wirefp8: the default bf16-sent, fp32-summed gradients vs the fp32 reduce-scatter; native: native_collectives
 #   against torch.distributed's collectives; timeline: where the GPU waits in each config's step)
 #   scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
@@ -146,6 +147,17 @@ for stage in $stages; do
                 examples/train_gpt.py --steps 200 "${flag[@]}" --metrics-file "$OUT/gpt200_$mode.jsonl"
         done
         run gpt200_compare python3 scripts/compare_final_loss.py "$OUT/gpt200_bf16.jsonl" "$OUT/gpt200_fp8.jsonl" ;;
+    repeat)  # run-to-run repeatability: the main job twice per mode (bf16, FP8) with one seed and --deterministic
+             # (attention on SDPA's math backend); every step's loss and gradient norm must be bit-identical
+        for mode in bf16 fp8; do
+            flag=(); [ $mode = fp8 ] && flag=(--fp8)
+            for r in 1 2; do
+                run repeat_${mode}_$r timeout -k 10 100 torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \
+                    examples/train_gpt.py --steps 20 --deterministic "${flag[@]}" --metrics-file "$OUT/repeat_${mode}_$r.jsonl"
+            done
+            run repeat_${mode}_compare python3 scripts/compare_final_loss.py --exact "$OUT/repeat_${mode}_1.jsonl" \
+                "$OUT/repeat_${mode}_2.jsonl"
+        done ;;
     race)  # the failed-step race (4aedd2a): its GPU tests RACE_RUNS times, then the race test once with the fix
            # undone (module.py edited here, restored after), where it must fail
         for i in $(seq "${RACE_RUNS:-3}"); do

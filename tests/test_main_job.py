@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -12,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import checkpointing  # noqa: E402
@@ -120,3 +122,42 @@ def test_bad_flags_are_reported(bad, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         training.check_args(p, p.parse_args(bad))
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_deterministic_flag_selects_math_attention():
+    """--deterministic leaves SDPA only its math backend (flash / memory-efficient / cuDNN attention backward is
+    not repeatable run to run on GPU; gpu_check.sh repeat shows two runs bit-identical with the flag)."""
+    p = argparse.ArgumentParser()
+    training.add_args(p)
+    assert p.parse_args(["--deterministic"]).deterministic and not p.parse_args([]).deterministic
+    backends = torch.backends.cuda
+    before = (backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled(), backends.cudnn_sdp_enabled())
+    try:
+        training.use_deterministic_attention()
+        assert not backends.flash_sdp_enabled() and not backends.mem_efficient_sdp_enabled()
+        assert not backends.cudnn_sdp_enabled() and backends.math_sdp_enabled()
+    finally:
+        backends.enable_flash_sdp(before[0])
+        backends.enable_mem_efficient_sdp(before[1])
+        backends.enable_cudnn_sdp(before[2])
+
+
+def _write_rows(path, rows) -> str:
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return str(path)
+
+
+def test_compare_exact_needs_every_bit(tmp_path):
+    """scripts/compare_final_loss.py --exact: equal files pass; a gradient norm one ulp apart fails and is named."""
+    script = os.path.join(ROOT, "scripts", "compare_final_loss.py")
+    rows = [{"step": s, "loss": 5.0 / s, "grad_norm": 1.0 + s / 3} for s in range(1, 4)]
+    ref = _write_rows(tmp_path / "a.jsonl", rows)
+    same = _write_rows(tmp_path / "b.jsonl", [dict(r) for r in reversed(rows)])  # order on disk does not matter
+    off = [dict(r) for r in rows]
+    off[1]["grad_norm"] = math.nextafter(off[1]["grad_norm"], 2.0)
+    differs = _write_rows(tmp_path / "c.jsonl", off)
+    ok = subprocess.run([sys.executable, script, "--exact", ref, same], capture_output=True, text=True)
+    assert ok.returncode == 0 and "bit-identical" in ok.stdout, ok.stdout + ok.stderr
+    bad = subprocess.run([sys.executable, script, "--exact", ref, differs], capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stdout.startswith("step 2:"), bad.stdout + bad.stderr
