@@ -88,22 +88,22 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
                             const std::optional<at::Tensor>& given_x8t) {
     const int64_t k = x.size(-1);
     const bool keep_x_t = need_dw && fp8_wgrad;
-    at::Tensor y, x_scale_inv;
+    TORCH_CHECK_TYPE(w8.scalar_type() == at::kFloat8_e4m3fn, "mfsdp_ext.fp8_linear: w8 must be float8_e4m3fn, got ",
+                     w8.scalar_type());
+    at::Tensor x8, x_scale_inv;
     std::optional<at::Tensor> x8t;
     if (given_x8) {  // quantized by the caller (fp8_quantize_input of this x), maybe for another layer too
       TORCH_CHECK_VALUE(given_x_scale_inv && (given_x8t || !keep_x_t) && given_x8->dim() == 2 &&
                             given_x8->size(1) == k && given_x8->numel() == x.numel(),
                         "mfsdp_ext.fp8_linear: x8 must be fp8_quantize_input(x) of this x, with x_scale_inv, and "
                         "x8t where the weight gradient is made in FP8");
-      TORCH_CHECK_TYPE(w8.scalar_type() == at::kFloat8_e4m3fn, "mfsdp_ext.fp8_linear: w8 must be float8_e4m3fn, got ",
-                       w8.scalar_type());
+      x8 = *given_x8;
       x_scale_inv = *given_x_scale_inv;
       if (keep_x_t) x8t = given_x8t;
-      y = fp8_gemm(*given_x8, w8, x_scale_inv, w_scale_inv, bias, x.scalar_type(), fast_accum);
     } else {
-      std::tie(y, x8t, x_scale_inv) =
-          fp8_linear_forward(x.reshape({-1, k}).contiguous(), w8, w_scale_inv, bias, keep_x_t, fast_accum, eps, algo);
+      std::tie(x8, x_scale_inv, x8t) = fp8_quantize_input(x, keep_x_t, eps, algo);
     }
+    const at::Tensor y = fp8_gemm(x8, w8, x_scale_inv, w_scale_inv, bias, x.scalar_type(), fast_accum);
     const bool keep_x = need_dw && !fp8_wgrad;
     const at::Tensor x2 = keep_x ? x.reshape({-1, k}).contiguous() : at::Tensor();
     // saved: what backward reads (undefined where it reads nothing). For dgrad, the weight's transpose when the
