@@ -9,12 +9,10 @@ torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``*
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
-from .hosts import group_hosts
+from .hosts import group_hosts, torchrun_local_world_size
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -102,7 +100,7 @@ def on_one_host(group: dist.ProcessGroup) -> bool:
     """Whether every rank of ``group`` runs on this host. No collective where torchrun's LOCAL_WORLD_SIZE says the
     whole world is one node; otherwise the host names, gathered once per group (hosts.group_hosts: every rank asks
     alike, as fully_shard does, in the same order on every rank)."""
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    if local.isdigit() and dist.get_world_size() <= int(local):
+    local = torchrun_local_world_size()
+    if local is not None and dist.get_world_size() <= local:
         return True
     return len(set(group_hosts(group))) == 1

@@ -1,9 +1,10 @@
 """Which hosts a process group's ranks run on. Two callers ask: the default bf16 gradient wire (one host only:
-dist_ops.on_one_host) and the symmetric-memory path's single-node check (symmetric/comm.py). One host-name
-all-gather per group serves both."""
+dist_ops.on_one_host) and the symmetric-memory path's single-node check (symmetric/comm.py). Both first ask
+torchrun (no collective), then gather the host names: one all-gather per group serves both."""
 
 from __future__ import annotations
 
+import os
 import socket
 
 import torch.distributed as dist
@@ -22,3 +23,9 @@ def group_hosts(group: dist.ProcessGroup) -> tuple[str, ...]:
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
         _HOSTS[key] = tuple(hosts)
     return _HOSTS[key]
+
+
+def torchrun_local_world_size() -> int | None:
+    """torchrun's LOCAL_WORLD_SIZE (the ranks on this node), or None when the process was not started by torchrun."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(local) if local.isdigit() else None

@@ -128,3 +128,13 @@ def test_on_one_host(cpu_pool):
     """Ranks of one machine are found on one host, by their host names (no LOCAL_WORLD_SIZE in the pool)."""
     results = cpu_pool.run(_case_one_host)
     assert len(results) >= 2 and all(r == (True, True) for r in results), results
+
+
+@pytest.mark.parametrize("value,expected", [("4", 4), ("", None), ("four", None)])
+def test_torchrun_local_world_size(monkeypatch, value, expected):
+    """torchrun's LOCAL_WORLD_SIZE, read for both single-node checks (the bf16 wire's and the symmetric path's)."""
+    from mfsdp_ext.hosts import torchrun_local_world_size
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+    assert torchrun_local_world_size() == expected
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert torchrun_local_world_size() is None

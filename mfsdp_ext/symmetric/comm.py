@@ -43,7 +43,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _native as _native_module
-from ..hosts import group_hosts
+from ..hosts import group_hosts, torchrun_local_world_size
 
 # defined once in C++ (csrc/symm_comm.h, symm_offset_allocator.h), read from the extension
 MIN_NCCL_VERSION: int = _native_module.MIN_NCCL_VERSION  # NCCL 2.28.7
@@ -118,9 +118,9 @@ def _group_reason(group, check_hosts: bool) -> Optional[str]:
     if "nccl" not in backend:
         return f"the process group's backend is {backend!r}, not 'nccl'"
     size = dist.get_world_size(group)
-    local = os.environ.get("LOCAL_WORLD_SIZE")  # set by torchrun
-    single_node_world = bool(local and local.isdigit() and dist.get_world_size() <= int(local))
-    if local and local.isdigit() and size > int(local):
+    local = torchrun_local_world_size()
+    single_node_world = local is not None and dist.get_world_size() <= local
+    if local is not None and size > local:
         return f"the group spans several nodes: {size} ranks > LOCAL_WORLD_SIZE {local} (symmetric kernels are single-node)"
     ndev = torch.cuda.device_count()
     if not single_node_world and not check_hosts and size > ndev:
