@@ -89,10 +89,15 @@ def measure(impl: str, shape: dict, device: torch.device, mesh, steps: int, warm
     cfg = gpt.GPTConfig(n_layers=shape["n_layers"], dim=shape["dim"], n_heads=shape["n_heads"],
                         ffn_dim=shape["ffn_dim"], vocab_size=shape["vocab_size"], max_seq_len=shape["seq"])
     extra = {"native_collectives": True} if impl == "ours_native" else {}
-    impl = "ours" if impl == "ours_native" else impl
+    fp8 = {}
+    if impl == "ours_fp8":  # FP8 weights and GEMMs in the blocks' linear layers (CUDA: FP8 GEMMs need sm_89+)
+        import mfsdp_ext
+
+        fp8 = {"fp8": mfsdp_ext.Fp8Policy(compute=True)}
+    impl = "ours" if impl in ("ours_native", "ours_fp8") else impl
     fully_shard_fn, MixedPrecisionPolicy = gpt.load_impl(impl)
     torch.manual_seed(0)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, **fp8)
     timer = HookTimer()
     instrument(impl, timer)  # before fully_shard, which registers the (then wrapped) methods as hooks
     model = gpt.build_sharded(cfg, impl, device, False, mesh=mesh, mp_policy=mp, **extra)
@@ -136,7 +141,7 @@ def measure(impl: str, shape: dict, device: torch.device, mesh, steps: int, warm
     return result
 
 
-IMPLS = ["ours", "ours_native", "fsdp2"]
+IMPLS = ["ours", "ours_native", "ours_fp8", "fsdp2"]
 
 
 def main() -> None:
@@ -145,7 +150,8 @@ def main() -> None:
     p.add_argument("--impl", choices=IMPLS, default=None, help="one implementation (default: each of --impls, "
                    "each in its own process: the timers patch classes)")
     p.add_argument("--impls", default="ours,fsdp2", help="without --impl: the implementations to compare; "
-                   "ours_native is ours with native_collectives=True (NCCL only)")
+                   "ours_native is ours with native_collectives=True (NCCL only), ours_fp8 ours with "
+                   "Fp8Policy(compute=True)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
