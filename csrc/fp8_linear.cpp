@@ -1,5 +1,6 @@
 // fp8_linear_forward / fp8_linear_backward (fp8_linear.h): fp8_quantize (quantize.cpp) and fp8_gemm (fp8_gemm.cpp)
-// in one call each; the checks of the tensors are theirs. fp8_linear: the two as a C++ autograd function.
+// in one call each; the checks of the tensors are theirs. fp8_linear: a C++ autograd function over the same pieces
+// (its forward also takes an input the caller quantized, fp8_quantize_input, shared by several layers).
 #include "fp8_linear.h"
 
 #include <torch/autograd.h>
