@@ -56,7 +56,7 @@ for stage in $stages; do
                 --out "$OUT/step6_skip$k"
         done
         run step6ac_table python3 benchmarks/ac_tradeoff.py "$OUT"/step6_ac/step_2gpu.json \
-            "$OUT"/step6_skip*/step_2gpu.json --out "$OUT" --stem step_2gpu_config6_ac_tradeoff ;;
+            "$OUT"/step6_skip*/step_2gpu.json --out "$OUT" --stem step_config6_ac_2gpu ;;
     hostcost)  # host time per unit per step in the hooks, config 3's shape, ours (also with native_collectives)
                # vs FSDP2 (2 GPUs)
         run hostcost env HOST_COST_NPROC=2 timeout -k 10 200 python3 benchmarks/host_cost.py --shape config3 \
