@@ -3,12 +3,12 @@
   * ahead of time, here, when this build can import torch:
         pip install --no-build-isolation .            # or PIP_NO_BUILD_ISOLATION=0 pip install .
         pip install --no-build-isolation --no-deps -e .  # development (scripts/install.sh, the GPU machine)
-  * otherwise just in time, at the first ``import mfsdp_ext`` (mfsdp_ext/_jit.py), with the same sources and
+  * otherwise just in time, at the first ``import mfsdp_ext`` (mfsdp_ext/_native/jit.py), with the same sources and
     flags: a plain ``pip install .`` builds in an isolated environment without torch, so it installs the Python
     package and the C++/CUDA sources only.
 
 MFSDP_BUILD_EXT: unset = ahead of time when torch imports here; 1 = ahead of time, or fail; 0 = never (just in time).
-What is compiled, and the variables that steer it: mfsdp_ext/_build_config.py. MAX_JOBS: parallel compile jobs.
+What is compiled, and the variables that steer it: mfsdp_ext/_native/build_config.py. MAX_JOBS: parallel compile jobs.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ def log(msg: str) -> None:
 
 
 def load_build_config():
-    """mfsdp_ext/_build_config.py by its path: importing the package would import _C, which is being built."""
+    """mfsdp_ext/_native/build_config.py by its path: importing the package would import _C, which is being built."""
     spec = importlib.util.spec_from_file_location("_mfsdp_build_config",
-                                                  os.path.join(ROOT, "mfsdp_ext", "_build_config.py"))
+                                                  os.path.join(ROOT, "mfsdp_ext", "_native", "build_config.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclass looks itself up there
     spec.loader.exec_module(module)

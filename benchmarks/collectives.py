@@ -4,7 +4,7 @@
     torchrun --nproc-per-node N benchmarks/collectives.py --out DIR
 
 Methods (bf16, sizes = bytes of the gathered buffer / of the reduce-scatter input):
-  ours       mfsdp_ext.symmetric.SymmetricComm: buffers from our ncclMemAlloc pool registered as
+  ours       mfsdp_ext.comm.symmetric.SymmetricComm: buffers from our ncclMemAlloc pool registered as
              NCCL_WIN_COLL_SYMMETRIC windows, ncclAllGather / ncclReduceScatter(sum) called from C++.
   plain      torch.distributed all_gather_single / reduce_scatter_single (or *_into_tensor / *_tensor on
              older torch) on ordinary caching-allocator tensors.
@@ -58,7 +58,7 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from mfsdp_ext.dist_ops import _all_gather_flat, _reduce_scatter_flat  # noqa: E402  (torch's flat collectives)
+from mfsdp_ext.comm.dist_ops import _all_gather_flat, _reduce_scatter_flat  # noqa: E402  (torch's flat collectives)
 
 MiB = 1 << 20
 DTYPE = torch.bfloat16
@@ -379,7 +379,8 @@ def unit_shapes() -> dict:
 def unit_cases(shapes, group, device, rank, world, symmetric=None) -> dict:
     """{method: run()} for one unit, with its buffers laid out as fully_shard lays them out; ``symmetric``
     (SymmetricStages) adds use_symm_mem's paths."""
-    from mfsdp_ext import _native, dist_ops
+    from mfsdp_ext import _native
+    from mfsdp_ext.comm import dist_ops
     from mfsdp_ext.flat_buffer import FlatBuffer
     from mfsdp_ext.layout import FlatLayout
 
@@ -456,9 +457,9 @@ UNIT_METHODS = ("AG grouped per parameter", "AG flat", "AG flat + unpack", "AG s
 
 
 def bench_units(args, group, device, rank, world, local_rank) -> list:
-    from mfsdp_ext import symmetric as symm_mem
+    from mfsdp_ext.comm import symmetric as symm_mem
     from mfsdp_ext.layout import FlatLayout
-    from mfsdp_ext.symmetric.collectives import SymmetricStages
+    from mfsdp_ext.comm.symmetric.collectives import SymmetricStages
 
     cycles_per_us = sleep_cycles_per_us(device)
     units = unit_shapes()
@@ -550,7 +551,7 @@ def main() -> int:
         tsymm_alloc = None
         log(f"torchsymm skipped: {skipped['torchsymm']}")
 
-    from mfsdp_ext import symmetric as symm_mem
+    from mfsdp_ext.comm import symmetric as symm_mem
 
     comm = None
     ok, why = symm_mem.is_available(group)

@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 import kernels as K  # noqa: E402  (gpu_tag, time_host)
 from mfsdp_ext import _native as N  # noqa: E402
-from mfsdp_ext.fp8_linear import to_fp8_linear  # noqa: E402
-from mfsdp_ext.fp8_tensor import E4M3, E5M2, quantize  # noqa: E402
+from mfsdp_ext.fp8.linear import to_fp8_linear  # noqa: E402
+from mfsdp_ext.fp8.tensor import E4M3, E5M2, quantize  # noqa: E402
 
 
 def host_us(fn, reps: int) -> float:

@@ -45,8 +45,8 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 import kernels as K  # noqa: E402  (time_gpu, gpu_tag)
 from mfsdp_ext import _native as N  # noqa: E402
-from mfsdp_ext.fp8_linear import Fp8LinearConfig, to_fp8_linear  # noqa: E402
-from mfsdp_ext.fp8_tensor import E4M3, E5M2, quantize  # noqa: E402
+from mfsdp_ext.fp8.linear import Fp8LinearConfig, to_fp8_linear  # noqa: E402
+from mfsdp_ext.fp8.tensor import E4M3, E5M2, quantize  # noqa: E402
 
 # (name, in_features, out_features, count in one block) of config 4 (benchmarks/step.py: dim 4096, ffn 11008)
 SHAPES = [("wq/wk/wv/wo", 4096, 4096, 4), ("w1/w3", 4096, 11008, 2), ("w2", 11008, 4096, 1)]

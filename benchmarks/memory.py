@@ -36,10 +36,10 @@ GIB = 2**30
 # of allocation helpers (FlatBuffer.__init__, FSDP2's comm.allocate) only pass the decision to their caller.
 SPECIFIC_RULES = [
     ("optimizer state and step temporaries", lambda f, fn, src: "/torch/optim/" in f),
-    # ours (mfsdp_ext/param_group.py and the collectives)
+    # ours (mfsdp_ext/param_group.py, group_grads.py and comm/)
     ("main weights (fp32 shard)", lambda f, fn, src: "self.main_weight = " in src),
     ("model-weight cache (bf16 shard)", lambda f, fn, src: "self.model_weight = " in src),
-    ("main grads (fp32 shard)", lambda f, fn, src: "self.main_grad = " in src),
+    ("main grads (fp32 shard)", lambda f, fn, src: "mfsdp_ext" in f and fn == "_new_main_grad"),
     ("gathered weights", lambda f, fn, src: "mfsdp_ext" in f and fn in ("alloc", "_make_unsharded", "all_gather")),
     ("reduce-scatter buffers", lambda f, fn, src: "mfsdp_ext" in f and ("collectives" in f or "dist_ops" in f)),
     # FSDP2 (torch/distributed/fsdp/_fully_shard)
@@ -238,8 +238,8 @@ def _site_differences(ours: dict, fsdp2: dict, top: int = 8) -> list[str]:
     """The allocation sites outside either framework (the model, autograd, torch) whose live GiB differ most
     between the two at the peak: what the owners' "activations" and "autograd" lines do not explain."""
     def outside(site: str) -> bool:
-        return "_fully_shard" not in site and not any(m in site for m in ("param_group.py", "flat_buffer.py",
-                                                                              "collectives.py", "fp8_group.py"))
+        ours = ("param_group.py", "group_grads.py", "flat_buffer.py", "collectives.py", "group.py")
+        return "_fully_shard" not in site and not any(m in site for m in ours)
     diffs = sorted(((ours.get(k, 0.0) - fsdp2.get(k, 0.0), k) for k in set(ours) | set(fsdp2) if outside(k)),
                    key=lambda d: -abs(d[0]))
     rows = [f"| `{k}` | {ours.get(k, 0.0):.4f} | {fsdp2.get(k, 0.0):.4f} | {d:+.4f} |" for d, k in diffs[:top]

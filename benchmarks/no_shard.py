@@ -4,7 +4,7 @@ model) and trainable blocks on top, the tower sharded like the rest vs marked no
     torchrun --nproc-per-node 2 benchmarks/no_shard.py --out benchmarks/results
 
 Reports per step (median of --steps after --warmup): time, collectives issued by the plain path (counted at
-mfsdp_ext.dist_ops), and peak memory (max_memory_allocated, max over ranks). bf16 compute, fp32 main weights,
+mfsdp_ext.comm.dist_ops), and peak memory (max_memory_allocated, max over ranks). bf16 compute, fp32 main weights,
 AdamW over the trainable parameters. Rank 0 writes no_shard_<N>gpu.{md,json}.
 """
 
@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import mfsdp_ext.dist_ops as dist_ops
+import mfsdp_ext.comm.dist_ops as dist_ops
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, no_shard
 from mfsdp_ext.device import cuda_median_ms
 

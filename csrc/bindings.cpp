@@ -182,7 +182,7 @@ void register_symm_comm(py::module_& m) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "mfsdp_ext native kernels (see mfsdp_ext/_native.py for the contract)";
+  m.doc() = "mfsdp_ext native kernels (see mfsdp_ext/_native/__init__.py for the contract)";
   register_kernels(m);
   m.def("build_info", &mfsdp::build_info);
   register_constants(m);

@@ -1,6 +1,6 @@
 // Entry points (torch tensors in, checked) of the fused main->model weight cast (fp32 -> bf16 / fp16 / fp8 with
 // per-segment current scaling), per-segment amax, FP8 dequantize and the fp32 gradient accumulation.
-// Semantics: mfsdp_ext/_native.py docstring.
+// Semantics: mfsdp_ext/_native/__init__.py docstring.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,6 +1,6 @@
 // FP8 GEMM with per-tensor scales: out (M, N) = (a * scale_a) @ (b * scale_b).T (+ bias), out in out_dtype.
 // a (M, K) and b (N, K) are row-major FP8 with the contraction dimension contiguous: the operand layout
-// Hopper's FP8 tensor cores take, so no operand is copied. Semantics: mfsdp_ext/_native.py (fp8_gemm).
+// Hopper's FP8 tensor cores take, so no operand is copied. Semantics: mfsdp_ext/_native/__init__.py (fp8_gemm).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,7 +1,7 @@
-// The FP8 Linear (mfsdp_ext/fp8_linear.py) as one autograd function in C++: forward and backward each quantize
+// The FP8 Linear (mfsdp_ext/fp8/linear.py) as one autograd function in C++: forward and backward each quantize
 // their input with per-tensor current scaling and run the FP8 GEMMs that need it, with no Python in between. In
 // eager training the host time per layer, not the GPU, decided whether FP8 beat bf16. Semantics:
-// mfsdp_ext/_native.py (fp8_linear, fp8_linear_forward / fp8_linear_backward).
+// mfsdp_ext/_native/__init__.py (fp8_linear, fp8_linear_forward / fp8_linear_backward).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -7,7 +7,7 @@
 // sizes and dtype codes, so the glue and the .cu files share no torch or CUDA header.
 //
 // Segment tables (segments, num_segments): int64 rows [start, end) in the source's memory space, sorted,
-// non-overlapping, within [0, numel) (the glue checks CPU tables; _native.py checks CUDA tables once).
+// non-overlapping, within [0, numel) (the glue checks CPU tables; mfsdp_ext/_native checks CUDA tables once).
 #pragma once
 
 #include <cstdint>

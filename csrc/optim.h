@@ -1,5 +1,5 @@
 // Entry points (torch tensors in, checked) of the flat fused optimizer step: AdamW and SGD over the runs of
-// a group's flat buffers in one kernel. Semantics: mfsdp_ext/_native.py docstring; arithmetic: optim_math.h.
+// a group's flat buffers in one kernel. Semantics: mfsdp_ext/_native/__init__.py docstring; arithmetic: optim_math.h.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,5 +1,5 @@
 // Entry points (torch tensors in, checked) of the FP8 quantizer of one tensor with per-tensor current scaling,
-// and of the FP8 transpose. Semantics: mfsdp_ext/_native.py docstring (fp8_quantize, fp8_transpose).
+// and of the FP8 transpose. Semantics: mfsdp_ext/_native/__init__.py docstring (fp8_quantize, fp8_transpose).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,5 +1,5 @@
 // CUDA kernels of the FP8 activation / gradient quantizer (one tensor, per-tensor current scaling) and of the
-// FP8 transpose. Semantics: launch.h and mfsdp_ext/_native.py (fp8_quantize, fp8_transpose); the CPU versions
+// FP8 transpose. Semantics: launch.h and mfsdp_ext/_native/__init__.py (fp8_quantize, fp8_transpose); the CPU versions
 // are in quantize_cpu.cpp, the entry points in quantize.cpp.
 //
 // The scale needs the amax of the whole tensor before the first element can be cast. Two ways:

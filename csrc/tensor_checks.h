@@ -82,7 +82,7 @@ inline void check_no_overlap(const at::Tensor& a, const at::Tensor& b, const cha
 // (n, 2) contiguous tensor of [start, end) rows, on src's device when src is given; the rows of a CPU table
 // must lie in [0, total), be sorted and not overlap: 0 <= start_i <= end_i <= total and end_{i-1} <= start_i
 // (an empty row (e, e) fits in order). A CUDA table's rows are not read here (that would cost a device-to-host
-// copy per call): _native.py checks a CPU copy once per table version through check_segments.
+// copy per call): mfsdp_ext/_native checks a CPU copy once per table version through check_segments.
 // Returns n.
 inline int64_t check_segment_table(const at::Tensor& segments, int64_t total, const char* fn,
                                    const at::Tensor* src = nullptr) {

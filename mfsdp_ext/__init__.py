@@ -2,11 +2,12 @@
 
 from .api import fully_shard, microbatch, register_fsdp_forward_method, reset_parameters
 from .finite_grads import NonFiniteGradError
-from .fp8_linear import Fp8Linear, Fp8LinearConfig, to_fp8_linear
+from .fp8.linear import Fp8Linear, Fp8LinearConfig, to_fp8_linear
 from .marks import no_shard
 from .mixed_precision import Fp8Policy, MixedPrecisionPolicy
 from . import optim  # mfsdp_ext.optim.AdamW / SGD: flat fused optimizers
-from .module import FsdpModule, Strategy
+from .module import FsdpModule
+from .states import Strategy
 
 
 def build_info() -> dict:

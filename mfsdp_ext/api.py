@@ -14,10 +14,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import checkpoint, dtensor_norms, shard_init
 from .marks import is_marked
 from .mixed_precision import MixedPrecisionPolicy
-from .native_collectives import check_available as native_collectives_available
-from .module import FsdpModule, FsdpUnit, Strategy, eager_hook, resolve_reshard_after_forward
+from .comm.native import check_available as native_collectives_available
+from .module import FsdpModule
+from .states import Strategy
+from .unit import FsdpUnit, eager_hook, resolve_reshard_after_forward
 from .param_group import ParamGroup
-from .symmetric.choose import check_available
+from .comm.symmetric.choose import check_available
 
 _FSDP_CLASSES: dict[type, type] = {}
 
@@ -44,7 +46,7 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
     ``shard_placement_fn`` (other than dim-0 sharding) are refused. ``native_collectives=True`` (NCCL only)
     issues the unit's all-gathers, reduce-scatters and FP8 scale all-reduces through mfsdp_ext's own NCCL
     communicator instead of ProcessGroupNCCL: less host time per collective, but no watchdog timeout (a rank
-    that stops makes the others wait forever); see ``mfsdp_ext.native_collectives``.
+    that stops makes the others wait forever); see ``mfsdp_ext.comm.native``.
     """
     if isinstance(module, (list, tuple)):  # FSDP2's list form: here one unit per module (see the docstring)
         return _fully_shard_each(module, dict(

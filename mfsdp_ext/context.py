@@ -7,15 +7,20 @@ stages. It holds data only: the root unit drives the iteration (see FsdpUnit).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Protocol
 
 import torch
 
 from .device import DeviceHandle
 
 if TYPE_CHECKING:
-    from .module import FsdpUnit
-    from .symmetric.collectives import SymmetricStages
+    from .comm.symmetric.collectives import SymmetricStages
+
+
+class FsdpUnit(Protocol):
+    """What the context needs of a unit (unit.py's FsdpUnit): it orders units and tells them apart."""
+
+    name: str
 
 
 class FsdpContext:

@@ -54,15 +54,13 @@ class MixedPrecisionPolicy:
         (+2 bytes per parameter / world size for bf16), or cast into this rank's slot of the gathered buffer at
         every all-gather and gather in place (False: FSDP2's memory, a cast per all-gather). None (default):
         no copy until a group's weights are gathered a third time in training without changing (microbatches:
-        forward and backward of each), then the copy from there on. Measured on 4 H200 (benchmarks/results/
-        step_4gpu_no_weight_cache.md): without microbatches the copy buys nothing (70.9 vs 70.0 ms, 57.7 vs
-        57.7 ms) and costs 0.4-0.9 GiB; with 4 microbatches it saves 2.5% (152.1 vs 155.9 ms). Strategies that
+        forward and backward of each), then the copy from there on: without microbatches the copy would cost
+        memory and save nothing, since each weights version is gathered only twice. Strategies that
         keep the weights gathered (no_shard, optim, optim_grads) never need the copy. FP8 groups follow the
         same rule for their FP8 shard (1 byte per parameter / world size): True keeps it, cast once per step;
         False casts it at every all-gather (with the scales computed once per step) and frees it after the
-        gather; None does that until a third gather of the same weights, then keeps it. Measured on one H200
-        (benchmarks/results/step_1gpu_fp8_cache.md): without microbatches None has FSDP2 + float8's peak, where
-        keeping the FP8 shard costs 0.77 / 1.51 GiB more (configs 1 / 4), at 0-3% of step time.
+        gather; None does that until a third gather of the same weights, then keeps it
+        (benchmarks/results/step_fp8_cache_1xh200.md measures the three).
     fp8: an ``Fp8Policy``: FP8 weights for the chosen linear layers (needs param_dtype bfloat16 or float16 and
         float32 main weights). None: no FP8.
     reduce_comm_dtype: the dtype gradients travel in during the reduction. With param_dtype bfloat16 / float16 and
@@ -70,8 +68,7 @@ class MixedPrecisionPolicy:
         all-to-all over the shard group (half the bytes of a float32 reduce-scatter), then this rank's shards from
         every rank added in float32 in rank order where they arrive. No addition happens in the narrower dtype; on 2
         ranks the result equals the float32 reduce-scatter's to the bit. None (default): that, where it was
-        measured to win (NCCL shard groups whose ranks share one host: on 2 H100, configs 4 / 1 / 5 of
-        benchmarks/step.py 49.7 / 69.2 / 143.0 ms against 57.2 / 72.8 / 149.8 ms), else one reduce-scatter in
+        measured to win (NCCL shard groups whose ranks share one host), else one reduce-scatter in
         reduce_dtype (gloo, shard groups spanning hosts, other dtypes). ``param_dtype``: the all-to-all on any
         group; ``reduce_dtype`` (float32): always the reduce-scatter. Other values are refused.
     """

@@ -12,12 +12,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import dist_ops, replaced_params
-from .fp8_group import Fp8ParamGroup
-from .fp8_linear import Fp8LinearConfig, Fp8LinearMixin, _fp8_class
+from .comm import dist_ops
+from . import replaced_params
+from .fp8.group import Fp8ParamGroup
+from .fp8.linear import Fp8LinearConfig, Fp8LinearMixin, _fp8_class
 from .marks import is_marked
 from .mixed_precision import MixedPrecisionPolicy
-from .module import FsdpModule, Strategy
+from .module import FsdpModule
+from .states import Strategy
 from .param_group import ParamGroup, ParamPlace
 
 try:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from .states import TrainingState
 
 if TYPE_CHECKING:
-    from .module import FsdpUnit
+    from .unit import FsdpUnit
     from .param_group import ParamGroup
 
 FIRST_UNITS = 2  # the root and the unit its forward prefetches

@@ -158,21 +158,21 @@ for stage in $stages; do
             run repeat_${mode}_compare python3 scripts/compare_final_loss.py --exact "$OUT/repeat_${mode}_1.jsonl" \
                 "$OUT/repeat_${mode}_2.jsonl"
         done ;;
-    race)  # the failed-step race (4aedd2a): its GPU tests RACE_RUNS times, then the race test once with the fix
-           # undone (module.py edited here, restored after), where it must fail
+    race)  # the failed-step race: its GPU tests RACE_RUNS times, then the race test once with the fix
+           # undone (unit.py edited here, restored after), where it must fail
         for i in $(seq "${RACE_RUNS:-3}"); do
             run race$i timeout -k 10 120 python3 -m pytest -m gpu -q -s tests/test_gpu.py -k "gather_in_flight or failed_step"
         done
-        cp mfsdp_ext/module.py "$OUT/module.py.fixed"
+        cp mfsdp_ext/unit.py "$OUT/unit.py.fixed"
         python3 - <<'EOF'
-p = "mfsdp_ext/module.py"
+p = "mfsdp_ext/unit.py"
 s = open(p).read()
 kept = "instead of reading the buffer early\n            unit.show_sharded_params()\n"
 assert s.count(kept) == 1, "the abandoned-iteration code moved: update this stage"
 open(p, "w").write(s.replace(kept, kept + "            unit.unshard_event = None  # the fix undone\n"))
 EOF
         run race_unfixed_must_fail bash -c '! timeout -k 10 120 python3 -m pytest -m gpu -q -s tests/test_gpu.py -k gather_in_flight'
-        cp "$OUT/module.py.fixed" mfsdp_ext/module.py ;;
+        cp "$OUT/unit.py.fixed" mfsdp_ext/unit.py ;;
     jit) run jit bash scripts/gpu_jit.sh ;;          # fresh venv, no ahead-of-time build: import compiles CUDA + NCCL
     hf) run hf bash scripts/gpu_hf.sh ;;             # train_hf.py: ours vs FSDP2 (fp32 1e-5), bf16, AC + compile
     mainjob) run mainjob bash scripts/gpu_mainjob.sh ;;  # main job x3 exits 0, kill-free resume from step 6

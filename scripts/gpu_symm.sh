@@ -24,10 +24,10 @@ NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
     python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
         "nccl", torch.cuda.nccl.version() if torch.cuda.is_available() else None)'
     python3 -c '
-from mfsdp_ext import symm_mem
+from mfsdp_ext import _C
+from mfsdp_ext.comm import symmetric as symm_mem
 print("symm_mem.is_available:", symm_mem.is_available())
-C, why = symm_mem._load_native()
-print("symm_comm_build_info:", C.symm_comm_build_info() if C is not None else why)
+print("symm_comm_build_info:", _C.symm_comm_build_info())
 '
     env | grep -E '^(NCCL_|TORCH_SYMM|NVSHMEM_)' | sort
 } 2>&1 | tee "$OUT/symm_env.txt"

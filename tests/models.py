@@ -122,9 +122,9 @@ def run_profiled(fn):
 
 @contextlib.contextmanager
 def intercept_collectives(names, on_call):
-    """``on_call(name, args)`` before each call of the mfsdp_ext.dist_ops functions ``names`` (the only place the
+    """``on_call(name, args)`` before each call of the mfsdp_ext.comm.dist_ops functions ``names`` (the only place the
     plain path issues torch.distributed collectives from), for the duration of the block."""
-    import mfsdp_ext.dist_ops as comm
+    import mfsdp_ext.comm.dist_ops as comm
 
     originals = {n: getattr(comm, n) for n in names}
 

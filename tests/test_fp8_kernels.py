@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mfsdp_ext import _native as N
-from mfsdp_ext.fp8_tensor import quantize
+from mfsdp_ext.fp8.tensor import quantize
 
 from .test_kernels import (DEVICES, F8, FLOATS, HAS_CUDA, _count_kernels, assert_bits_equal, assert_identical,
                            bits, gen, poison, rand_values)

@@ -1,4 +1,4 @@
-"""Tests of the FP8 Linear (mfsdp_ext.fp8_linear): GEMM plumbing, accuracy within FP8 expectations, the
+"""Tests of the FP8 Linear (mfsdp_ext.fp8.linear): GEMM plumbing, accuracy within FP8 expectations, the
 externally supplied FP8 weight, the warn-once fallback, the module swap and bad input. CPU always (torch 2.13's
 CPU build runs torch._scaled_mm; elsewhere the labelled emulation stands in); CUDA with ``-m gpu``.
 
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 import mfsdp_ext
 from mfsdp_ext import _native as N
-from mfsdp_ext import fp8_linear as FL
-from mfsdp_ext.fp8_tensor import E4M3, E5M2, quantize
+from mfsdp_ext.fp8 import linear as FL
+from mfsdp_ext.fp8.tensor import E4M3, E5M2, quantize
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")]

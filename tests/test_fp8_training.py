@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp_ext import Fp8Policy, FsdpModule, MixedPrecisionPolicy, fully_shard, microbatch
-from mfsdp_ext.fp8_linear import Fp8LinearMixin
-from mfsdp_ext.fp8_tensor import E4M3
+from mfsdp_ext.fp8.linear import Fp8LinearMixin
+from mfsdp_ext.fp8.tensor import E4M3
 
 from .conftest import get_pool
 from .models import TinyLM, rank_device, shard_tiny_lm
@@ -312,7 +312,7 @@ def _case_collectives_per_step(strategy: str):
     collectives move and add the same bytes)."""
     from collections import Counter
 
-    from mfsdp_ext import fp8_group
+    from mfsdp_ext.fp8 import group as fp8_group
     from mfsdp_ext.param_group import ParamGroup
 
     from .models import intercept_collectives

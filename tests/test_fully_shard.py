@@ -253,9 +253,9 @@ def _case_late_group_reduced_first():
     order = []
     for m in (*model.blocks, model):
         unit = m._mfsdp_unit
-        original = unit._reduce
-        unit._reduce = lambda g, *rest, unit=unit, original=original: (
-            order.append((unit.name, g.reduce_when_ready)), original(g, *rest))
+        original = unit.reduction.reduce
+        unit.reduction.reduce = lambda ctx, g, *rest, unit=unit, original=original: (
+            order.append((unit.name, g.reduce_when_ready)), original(ctx, g, *rest))
     for step in range(2):
         order.clear()
         tokens, targets = batch(step, 4)
@@ -536,7 +536,7 @@ def _case_errors():
                                     lambda: fully_shard(nn.Linear(4, 4), use_symm_mem=True))
         import warnings
 
-        from mfsdp_ext.symmetric.choose import check_available
+        from mfsdp_ext.comm.symmetric.choose import check_available
         check_available.__dict__.pop("_warned", None)  # an earlier test in this rank may have warned already
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

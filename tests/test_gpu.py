@@ -287,7 +287,7 @@ def _case_native_all_to_all():
     and refuses two dtypes, or a numel the world size does not divide."""
     import torch.distributed as dist
 
-    from mfsdp_ext.native_collectives import NcclTransport
+    from mfsdp_ext.comm.native import NcclTransport
 
     world, rank = dist.get_world_size(), dist.get_rank()
     transport = NcclTransport(dist.group.WORLD, rank_device())
@@ -318,8 +318,8 @@ def _case_grouped_collectives():
     (ProcessGroupNCCL's coalesced calls) and through our communicator, equal to one collective per pair."""
     import torch.distributed as dist
 
-    from mfsdp_ext.collectives import TORCH_TRANSPORT
-    from mfsdp_ext.native_collectives import NcclTransport
+    from mfsdp_ext.comm.collectives import TORCH_TRANSPORT
+    from mfsdp_ext.comm.native import NcclTransport
 
     world, rank, dev = dist.get_world_size(), dist.get_rank(), rank_device()
     group = dist.group.WORLD
@@ -354,7 +354,7 @@ def _case_native_comm_memory():
     PyTorch's allocator reserved meanwhile. Also checks the three collectives' results."""
     import torch.distributed as dist
 
-    from mfsdp_ext.native_collectives import NcclTransport
+    from mfsdp_ext.comm.native import NcclTransport
 
     dev, world, n = rank_device(), dist.get_world_size(), 1 << 20
     torch.cuda.synchronize()

@@ -1,5 +1,5 @@
 """Packaging: a build that cannot import torch installs pure Python plus the C++/CUDA sources, and the installed
-package compiles mfsdp_ext._C at first import (mfsdp_ext/_jit.py), caches it, and says what it loaded.
+package compiles mfsdp_ext._C at first import (mfsdp_ext/_native/jit.py), caches it, and says what it loaded.
 
 test_sdist_wheel_just_in_time compiles the extension once (a minute or more on 2 cores): the chain a user without
 ``--no-build-isolation`` goes through, sdist -> wheel -> install -> import.
@@ -18,7 +18,7 @@ import zipfile
 
 import pytest
 
-from mfsdp_ext import _jit
+from mfsdp_ext._native import jit as _jit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETUP_WITHOUT_TORCH = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = ['setup.py', '--version']; "
@@ -49,7 +49,7 @@ def test_setup_without_torch(mode, ok, message):
 
 
 def test_missing_toolchain_is_named(monkeypatch):
-    spec = _jit._build_config.extension_spec(_jit.source_dir())
+    spec = _jit.build_config.extension_spec(_jit.source_dir())
     monkeypatch.setenv("CXX", "no-such-compiler-mfsdp")
     monkeypatch.setitem(sys.modules, "ninja", None)  # pip's ninja package absent
     monkeypatch.setenv("PATH", "/nonexistent")
@@ -63,7 +63,7 @@ def test_missing_toolchain_is_named(monkeypatch):
 def test_jit_build_compiles_cuda_only_where_a_gpu_is_visible(monkeypatch, tmp_path):
     """A torch with CUDA and an nvcc, but no GPU: the just-in-time build takes the CPU kernels only (the machine
     that imports cannot run the CUDA ones); the ahead-of-time build, and MFSDP_JIT_CUDA=1, still compile them."""
-    cfg = _jit._build_config
+    cfg = _jit.build_config
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "nvcc").write_text("")
     (tmp_path / "include" / "crt").mkdir(parents=True)
@@ -83,7 +83,7 @@ def test_jit_build_compiles_cuda_only_where_a_gpu_is_visible(monkeypatch, tmp_pa
 def test_incomplete_cuda_toolkit_builds_cpu_only(monkeypatch, tmp_path):
     """Where no GPU is visible, an nvcc whose toolkit has no crt/host_config.h (nor do torch's CUDA wheels) cannot
     compile CUDA code: the ahead-of-time build takes the CPU kernels only and says why, instead of failing."""
-    cfg = _jit._build_config
+    cfg = _jit.build_config
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "nvcc").write_text("")
     monkeypatch.setattr(cfg.torch.version, "cuda", "13.0")
@@ -128,8 +128,8 @@ def test_sdist_wheel_just_in_time(tmp_path):
     (sdist,) = [os.path.join(dist, f) for f in os.listdir(dist)]
     with tarfile.open(sdist) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
-    assert {"csrc/bindings.cpp", "csrc/pack_cuda.cu", "csrc/kernel_utils.cuh", "mfsdp_ext/_build_config.py",
-            "mfsdp_ext/_jit.py", "setup.py", "MANIFEST.in"} <= names, sorted(names)
+    assert {"csrc/bindings.cpp", "csrc/pack_cuda.cu", "csrc/kernel_utils.cuh", "mfsdp_ext/_native/build_config.py",
+            "mfsdp_ext/_native/jit.py", "setup.py", "MANIFEST.in"} <= names, sorted(names)
 
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "-w", dist,
                     sdist], env=env, check=True, capture_output=True, timeout=600)

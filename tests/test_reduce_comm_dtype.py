@@ -3,7 +3,7 @@ the default (None) does so on NCCL shard groups of one host and reduce-scatters 
 
 Against the same model with the plain fp32 reduce-scatter: on 2 ranks the losses and weights are the same bits (one
 rounding of s*a + s*b either way); on 4 ranks (a fixed rank-order fp32 sum against gloo's) within fp32 rounding.
-The collectives are logged by wrapping mfsdp_ext.dist_ops (models.intercept_collectives).
+The collectives are logged by wrapping mfsdp_ext.comm.dist_ops (models.intercept_collectives).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def test_default_comm_dtype(policy, narrow_wins, sent):
 
 
 def _case_one_host():
-    from mfsdp_ext import dist_ops
+    from mfsdp_ext.comm import dist_ops
     group = dist.new_group(list(range(dist.get_world_size())))
     return dist_ops.on_one_host(group), dist_ops.on_one_host(group)  # the second from the cache, no collective
 
@@ -133,7 +133,7 @@ def test_on_one_host(cpu_pool):
 @pytest.mark.parametrize("value,expected", [("4", 4), ("", None), ("four", None)])
 def test_torchrun_local_world_size(monkeypatch, value, expected):
     """torchrun's LOCAL_WORLD_SIZE, read for both single-node checks (the bf16 wire's and the symmetric path's)."""
-    from mfsdp_ext.hosts import torchrun_local_world_size
+    from mfsdp_ext.comm.hosts import torchrun_local_world_size
     monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
     assert torchrun_local_world_size() == expected
     monkeypatch.delenv("LOCAL_WORLD_SIZE")

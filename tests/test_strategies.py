@@ -1,7 +1,7 @@
 """Sharding strategies, microbatches, activation checkpointing and HSDP on gloo ranks.
 
 Parity is against a single-process model on the same global batches; collective counts are read by wrapping
-mfsdp_ext.dist_ops (the only place the plain path issues collectives from).
+mfsdp_ext.comm.dist_ops (the only place the plain path issues collectives from).
 """
 
 from __future__ import annotations

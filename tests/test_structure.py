@@ -1,7 +1,8 @@
-"""The package's shape: imports only run down the layers below (so there is no cycle), and no function is long.
+"""The package's shape: imports only run down the layers below (so there is no cycle), no two modules name each other
+(type-only imports included), and no function is long.
 
 The layers, lowest first; a module may import only from lower layers. The package faces (``mfsdp_ext``,
-``mfsdp_ext.symmetric``'s and ``mfsdp_ext.optim``'s ``__init__``) re-export and are exempt. Imports under ``if TYPE_CHECKING:`` do not run
+``mfsdp_ext.comm``'s, ``mfsdp_ext.comm.symmetric``'s, ``mfsdp_ext.fp8``'s and ``mfsdp_ext.optim``'s ``__init__``) re-export and are exempt. Imports under ``if TYPE_CHECKING:`` do not run
 and do not count.
 """
 
@@ -12,16 +13,18 @@ import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mfsdp_ext"
 LAYERS = [
-    ["_C", "_build_config"],
-    ["_jit"],
+    ["_C", "_native.build_config"],
+    ["_native.jit"],
     ["_native", "layout", "mixed_precision", "device", "states", "marks", "dtensor_norms", "replaced_params",
-     "tensor_tree", "hosts"],
-    ["flat_buffer", "dist_ops", "symmetric.comm", "fp8_tensor"],
-    ["collectives", "fp8_linear"],
-    ["symmetric.collectives", "native_collectives"],
-    ["symmetric.choose"],
+     "tensor_tree", "comm.hosts"],
+    ["flat_buffer", "comm.dist_ops", "comm.symmetric.comm", "fp8.tensor"],
+    ["comm.collectives", "fp8.linear"],
+    ["comm.symmetric.collectives", "comm.native"],
+    ["comm.symmetric.choose", "group_grads"],
     ["param_group"],
-    ["context", "summary", "fp8_group", "finite_grads", "same_model", "step_prefetch"],
+    ["context", "summary", "fp8.group", "finite_grads", "same_model", "step_prefetch"],
+    ["reduction"],
+    ["unit"],
     ["module"],
     ["checkpoint"],
     ["shard_init"],
@@ -30,7 +33,7 @@ LAYERS = [
     ["optim.base"],
     ["optim.adamw", "optim.sgd"],
 ]
-FACES = {"__init__", "symmetric", "optim"}
+FACES = {"__init__", "comm", "comm.symmetric", "fp8", "optim"}
 MAX_FUNCTION_LINES = 60
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 
@@ -57,11 +60,12 @@ def _runtime_nodes(tree: ast.AST):
         stack.extend(ast.iter_child_nodes(node))
 
 
-def _imports(name: str, path: pathlib.Path, modules) -> set[str]:
-    """The package modules that ``name`` imports at run time."""
+def _imports(name: str, path: pathlib.Path, modules, runtime_only: bool = True) -> set[str]:
+    """The package modules that ``name`` imports (at run time only, or also under ``if TYPE_CHECKING:``)."""
     package = name.split(".")[:-1] if path.name != "__init__.py" else [p for p in name.split(".") if p != "__init__"]
     out = set()
-    for node in _runtime_nodes(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    for node in _runtime_nodes(tree) if runtime_only else ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[: len(package) - (node.level - 1)]
@@ -99,6 +103,15 @@ def test_imports_run_down_the_layers_only():
             if target in FACES or LAYER_OF.get(target, -1) >= LAYER_OF[name]:
                 upward.append(f"{name} -> {target}")
     assert not upward, f"imports that do not run down the layers: {sorted(upward)}"
+
+
+def test_no_two_modules_name_each_other():
+    """A lower module that needs a higher one's type takes a small protocol of its own instead."""
+    modules = _modules()
+    named = {name: _imports(name, path, modules, runtime_only=False) for name, path in modules.items()}
+    pairs = sorted({tuple(sorted((a, b))) for a, targets in named.items() for b in targets
+                    if a in named.get(b, ()) and a not in FACES and b not in FACES})
+    assert not pairs, f"modules that import each other: {pairs}"
 
 
 def test_no_long_functions():

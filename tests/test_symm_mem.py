@@ -1,4 +1,4 @@
-"""NCCL symmetric-memory collectives (mfsdp_ext.symmetric.comm / mfsdp_ext._C.SymmComm).
+"""NCCL symmetric-memory collectives (mfsdp_ext.comm.symmetric.comm / mfsdp_ext._C.SymmComm).
 
 CPU tests (always): the module imports without CUDA, is_available() says why not, the environment checks,
 and the deterministic offset allocator behind the pool (when _C is built).
@@ -18,9 +18,10 @@ import importlib
 import pytest
 import torch
 
-from mfsdp_ext import _C, symmetric
-from mfsdp_ext.dist_ops import _all_gather_flat, _reduce_scatter_flat
-from mfsdp_ext.symmetric import comm as symm_mem
+from mfsdp_ext import _C
+from mfsdp_ext.comm import symmetric
+from mfsdp_ext.comm.dist_ops import _all_gather_flat, _reduce_scatter_flat
+from mfsdp_ext.comm.symmetric import comm as symm_mem
 
 from .models import run_profiled
 

@@ -1,7 +1,7 @@
 """The plain collectives issued through mfsdp_ext's own NCCL communicator: ``fully_shard(native_collectives=True)``.
 
 Why: ProcessGroupNCCL spends ~100-140 us of host time on each collective (its work object, the events between
-its stream and the caller's, the watchdog's bookkeeping; measured in benchmarks/results, session 7). A unit makes
+its stream and the caller's, the watchdog's bookkeeping; benchmarks/host_cost.py measures it). A unit makes
 three per step (two gathers and a reduce-scatter; FP8 groups one more, the scale all-reduce), so in host-bound
 steps (many small units, FP8 layers) they are a large share of the step. Here the same grouped per-parameter
 all-gather, flat reduce-scatter and amax all-reduce are one C++ call each (``ncclGroupStart``/``ncclAllGather``...
@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _native
+from .. import _native
 from .collectives import PlainAllGather, PlainReduceScatter
 from .symmetric.comm import _exchange_unique_id, _native_reason
 

@@ -128,33 +128,36 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 
+_PACKAGE = __package__.rpartition(".")[0]  # mfsdp_ext: the extension is mfsdp_ext._C
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+
+
 def _load_extension():
     """(module, how it was built, its path): the ahead-of-time build installed with the package (setup.py), else
-    the just-in-time build (mfsdp_ext/_jit.py: cached, compiled on first use). Registered as mfsdp_ext._C."""
+    the just-in-time build (jit.py beside this file: cached, compiled on first use). Registered as mfsdp_ext._C."""
     aot_error = None
-    installed = importlib.util.find_spec(f"{__package__}._C")
+    installed = importlib.util.find_spec(f"{_PACKAGE}._C")
     # only one beside this file: an editable install of another checkout can answer for mfsdp_ext._C too
     # (real paths: a sys.path entry such as "benchmarks/.." leaves ".." in the origin)
-    if installed is not None and (os.path.dirname(os.path.realpath(installed.origin))
-                                  == os.path.dirname(os.path.realpath(__file__))):
+    if installed is not None and os.path.dirname(os.path.realpath(installed.origin)) == _PACKAGE_DIR:
         try:
-            from . import _C as module
+            from .. import _C as module
 
             return module, "ahead-of-time", module.__file__
         except ImportError as exc:  # e.g. built against another torch
             aot_error = exc
             warnings.warn(f"mfsdp_ext: the ahead-of-time build of mfsdp_ext._C does not load ({exc}); building it "
                           "just in time instead", stacklevel=3)
-    from . import _jit
+    from . import jit
 
     try:
-        module = _jit.load()
+        module = jit.load()
     except ImportError as exc:
         if aot_error is not None:
             raise ImportError(f"{exc}\n(the ahead-of-time build did not load either: {aot_error})") from exc
         raise
-    sys.modules[f"{__package__}._C"] = module  # `from mfsdp_ext import _C` finds it, as an installed _C
-    setattr(sys.modules[__package__], "_C", module)
+    sys.modules[f"{_PACKAGE}._C"] = module  # `from mfsdp_ext import _C` finds it, as an installed _C
+    setattr(sys.modules[_PACKAGE], "_C", module)
     return module, "just-in-time", module.__file__
 
 

@@ -1,4 +1,4 @@
-"""The NCCL symmetric-memory implementations of the collectives protocol (see ``mfsdp_ext.collectives``).
+"""The NCCL symmetric-memory implementations of the collectives protocol (see ``mfsdp_ext.comm.collectives``).
 
 NCCL picks its symmetric kernels only when both buffers lie in registered windows and the group call holds one
 collective, so both collectives are flat, through two staging buffers in the symmetric pool (SymmetricStages):
@@ -11,17 +11,13 @@ number of units; a stage that no unit uses is not allocated (0 bytes).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
-from .. import _native
-from ..layout import align_up
+from ... import _native
+from ...layout import align_up
+from ..collectives import ParamGroup
 from .comm import ALIGNMENT, SymmetricComm
-
-if TYPE_CHECKING:
-    from ..param_group import ParamGroup
 
 
 class SymmetricStages:

@@ -1,6 +1,6 @@
 """What the native extension ``mfsdp_ext._C`` is compiled from and with: one answer for both builds.
 
-setup.py (ahead of time) imports this file by its path, before the package exists; mfsdp_ext/_jit.py (just in
+setup.py (ahead of time) imports this file by its path, before the package exists; mfsdp_ext/_native/jit.py (just in
 time, at first import) imports it as a module. Both call ``extension_spec`` and so compile the same sources with the
 same flags:
 

@@ -24,10 +24,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _native, dist_ops
-from .flat_buffer import FlatBuffer
-from .fp8_tensor import E4M3, Fp8Tensor
-from .param_group import ParamGroup
+from .. import _native
+from ..comm import dist_ops
+from ..flat_buffer import FlatBuffer
+from .tensor import E4M3, Fp8Tensor
+from ..param_group import ParamGroup
 
 
 SCALE_ROW = 64  # floats: each GEMM scale 256-byte aligned
@@ -99,8 +100,8 @@ class Fp8ParamGroup(ParamGroup):
 
     def note_gather(self, version: tuple) -> None:
         """keep_fp8_shard=None: a run that gathers the same weights only twice per step (forward and backward) casts
-        at each gather and holds no FP8 shard between gathers (FSDP2 + float8's memory, at 0-3% of step time on
-        one H200: benchmarks/results/step_1gpu_fp8_cache.md); at a third gather (microbatches) the shard is kept
+        at each gather and holds no FP8 shard between gathers (FSDP2 + float8's memory;
+        benchmarks/results/step_fp8_cache_1xh200.md); at a third gather (microbatches) the shard is kept
         from then on, cast once per step. Called before this gather's sync_model_weight and all_gather."""
         if not self.keep_when_regathered or not self._gathered_third_time(version):
             return

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from . import _native as N
+from .. import _native as N
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2

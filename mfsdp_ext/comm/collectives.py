@@ -9,24 +9,53 @@
 
 Both run on the current stream. The plain implementations here issue their collectives through a transport:
 torch.distributed (any backend; the default) or mfsdp_ext's own NCCL communicator (``native_collectives=True``,
-``mfsdp_ext.native_collectives``). A unit's groups that use them over one transport and shard group share one
+``mfsdp_ext.comm.native``). A unit's groups that use them over one transport and shard group share one
 call (all_gather_together, reduce_scatter_together): each call costs ~120 us of host time through ProcessGroupNCCL.
-The NCCL symmetric-memory ones are in ``mfsdp_ext.symmetric``. A group gets its pair once, at lazy init (plain
+The NCCL symmetric-memory ones are in ``mfsdp_ext.comm.symmetric``. A group gets its pair once, at lazy init (plain
 over torch.distributed by default).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from . import _native, dist_ops
+from .. import _native
+from ..flat_buffer import FlatBuffer
+from ..layout import FlatLayout
+from . import dist_ops
 
-if TYPE_CHECKING:
-    from .param_group import ParamGroup
+
+class ParamGroup(Protocol):
+    """What the collectives use of a parameter group (param_group.py's ParamGroup)."""
+
+    world: int
+    shard_group: dist.ProcessGroup
+    device: torch.device
+    layout: FlatLayout
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    reduce_comm_dtype: torch.dtype
+    sums_on_arrival: bool
+    main_weight: FlatBuffer
+    unsharded: FlatBuffer
+    unsharded_pieces: list[torch.Tensor]  # the unsharded buffer's pieces of a rank-major buffer
+    rank_major_offsets: list[int]
+    transport: "TorchTransport"
+    stats: Any  # its GroupStats: the counters tests and benchmarks read
+
+    def gather_targets(self) -> tuple[torch.Tensor, ...]: ...
+
+    def gather_begin(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
+
+    def gather_end(self) -> None: ...
+
+    def write_shard(self, out: torch.Tensor) -> None: ...
+
+    def pack_grads(self, out: torch.Tensor, scale: float) -> None: ...
 
 
 class AllGather(Protocol):

@@ -15,7 +15,7 @@ How it works
       are collective.
     * ``all_gather_into`` / ``reduce_scatter_into`` run ``ncclAllGather`` / ``ncclReduceScatter`` on the
       current torch CUDA stream. Both tensors must come from this pool; anything else belongs to the plain
-      ``torch.distributed`` path (``mfsdp_ext.collectives``). NCCL picks its symmetric kernels
+      ``torch.distributed`` path (``mfsdp_ext.comm.collectives``). NCCL picks its symmetric kernels
       (``ncclSymkDevKernel_*``) only on one node with direct NVLink; NCCL never checks that they are faster,
       so choose per collective and size from measurement (benchmarks/collectives.py).
     * Averaging: NCCL < 2.30.3 has no symmetric ``ncclAvg`` (nor PreMulSum), so ``average=True`` reduces
@@ -42,7 +42,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import _native as _native_module
+from ... import _native as _native_module
 from ..hosts import group_hosts, torchrun_local_world_size
 
 # defined once in C++ (csrc/symm_comm.h, symm_offset_allocator.h), read from the extension

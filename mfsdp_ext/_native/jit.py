@@ -1,7 +1,7 @@
 """Builds ``mfsdp_ext._C`` just in time, at first import, when no ahead-of-time build was installed.
 
 DeepSpeed's convention: torch's ``cpp_extension.load`` compiles the shipped sources (mfsdp_ext/csrc/ in a wheel,
-csrc/ in the repository) with ninja, with the sources and flags setup.py would use (mfsdp_ext/_build_config.py).
+csrc/ in the repository) with ninja, with the sources and flags setup.py would use (mfsdp_ext/build_config.py).
 The result is cached under ``$TORCH_EXTENSIONS_DIR/mfsdp_ext`` (default ``~/.cache/mfsdp_ext``), in a folder named
 by the torch version, its CUDA, the Python version and a hash of the sources and flags; a later import finds it
 there and loads it without compiling (nor needing ninja or a compiler). Ranks that start together share one build:
@@ -20,15 +20,15 @@ import types
 
 import torch
 
-from . import _build_config
+from . import build_config
 
 NAME = "mfsdp_ext_C"  # the module torch builds (PyInit_mfsdp_ext_C); _native registers it as mfsdp_ext._C
 
 
 def source_dir() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package: mfsdp_ext/
     for candidate in (os.path.join(here, "csrc"), os.path.join(os.path.dirname(here), "csrc")):
-        if os.path.exists(os.path.join(candidate, _build_config.SOURCES[0])):
+        if os.path.exists(os.path.join(candidate, build_config.SOURCES[0])):
             return candidate
     raise ImportError(f"mfsdp_ext: the C++/CUDA sources are missing (neither {here}/csrc nor the repository's "
                       "csrc/ holds them), so mfsdp_ext._C cannot be built; reinstall mfsdp_ext")
@@ -40,11 +40,11 @@ def cache_root() -> str:
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mfsdp_ext")
 
 
-def build_dir(spec: _build_config.ExtensionSpec, csrc: str) -> str:
+def build_dir(spec: build_config.ExtensionSpec, csrc: str) -> str:
     """One folder per torch / CUDA / Python and per content: another version or other flags never reuse a build."""
     h = hashlib.sha256()
     for name in sorted(os.listdir(csrc)):
-        if name.endswith(_build_config.SOURCE_SUFFIXES):
+        if name.endswith(build_config.SOURCE_SUFFIXES):
             with open(os.path.join(csrc, name), "rb") as f:
                 h.update(name.encode() + b"\0" + f.read())
     h.update(repr((spec.cxx_flags, spec.nvcc_flags, spec.link_args, spec.include_dirs[1:])).encode())
@@ -53,7 +53,7 @@ def build_dir(spec: _build_config.ExtensionSpec, csrc: str) -> str:
     return os.path.join(cache_root(), tag)
 
 
-def check_toolchain(spec: _build_config.ExtensionSpec) -> None:
+def check_toolchain(spec: build_config.ExtensionSpec) -> None:
     """Name what is missing before torch fails somewhere in the middle of a build."""
     try:  # pip's ninja package: its binary is in the environment's bin/, which need not be on PATH
         import ninja
@@ -89,7 +89,7 @@ def _import_built(path: str) -> types.ModuleType:
 def load() -> types.ModuleType:
     """The cached build, or a new one (one line on stderr while it compiles)."""
     csrc = source_dir()
-    spec = _build_config.extension_spec(csrc, jit=True)
+    spec = build_config.extension_spec(csrc, jit=True)
     out = build_dir(spec, csrc)
     library = os.path.join(out, NAME + ".so")
     # Written once a build here has completed. Not torch's "lock" file: up to torch 2.13 it exists only while a

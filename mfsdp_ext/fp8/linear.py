@@ -36,9 +36,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import _native as N
-from ._native import QUANTIZE_ALGOS
-from .fp8_tensor import E4M3, E5M2, Fp8Tensor, quantize
+from .. import _native as N
+from .._native import QUANTIZE_ALGOS
+from .tensor import E4M3, E5M2, Fp8Tensor, quantize
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 WGRAD_MODES = ("fp8", "bf16")
@@ -133,7 +133,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
 def _check_fp8_weight(fp8_weight: Fp8Tensor, weight: torch.Tensor) -> None:
     if (fp8_weight.dtype != E4M3 or tuple(fp8_weight.shape) != tuple(weight.shape)
             or not fp8_weight.data.is_contiguous()):
-        raise ValueError(f"mfsdp_ext.fp8_linear: fp8_weight must be contiguous float8_e4m3fn of the weight's "
+        raise ValueError(f"mfsdp_ext.fp8.linear: fp8_weight must be contiguous float8_e4m3fn of the weight's "
                          f"shape {tuple(weight.shape)}, got {fp8_weight.dtype} {tuple(fp8_weight.shape)} "
                          f"with strides {fp8_weight.data.stride()}")
 

@@ -1,5 +1,5 @@
 """Which hosts a process group's ranks run on. Two callers ask: the default bf16 gradient wire (one host only:
-dist_ops.on_one_host) and the symmetric-memory path's single-node check (symmetric/comm.py). Both first ask
+dist_ops.on_one_host) and the symmetric-memory path's single-node check (symmetric/comm.py beside it). Both first ask
 torchrun (no collective), then gather the host names: one all-gather per group serves both."""
 
 from __future__ import annotations
