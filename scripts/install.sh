@@ -10,8 +10,10 @@ else
 fi
 # numpy: torch.distributed.checkpoint (DCP) needs it for its object collectives; the CPU torch wheel does not pull it.
 # transformers: examples/train_hf.py and the HuggingFace tests (the `test` extra of pyproject.toml).
-python3 -c "import pybind11, ninja, pytest, numpy, transformers" 2>/dev/null ||
-    python3 -m pip install -q pybind11 ninja pytest numpy transformers
+# setuptools >= 64 and wheel: the editable build below runs without isolation, in this environment (a new virtual
+# environment has neither wheel nor, on older Pythons, a recent enough setuptools).
+python3 -c "import pybind11, ninja, pytest, numpy, transformers, wheel, setuptools; assert int(setuptools.__version__.split('.')[0]) >= 64" 2>/dev/null ||
+    python3 -m pip install -q pybind11 ninja pytest numpy transformers wheel "setuptools>=64"
 # --no-build-isolation: this build sees torch, so mfsdp_ext._C is compiled now (ahead of time), not at first import
 python3 -m pip install -q --no-build-isolation --no-deps -e .
 python3 -c "import mfsdp_ext; print('[install] mfsdp_ext', mfsdp_ext.__version__, mfsdp_ext.build_info())"
