@@ -1,6 +1,7 @@
 """mfsdp_ext: fully sharded data parallel (ZeRO) for PyTorch, a drop-in for FSDP2's ``fully_shard``."""
 
 from .api import fully_shard, microbatch, register_fsdp_forward_method, reset_parameters
+from .as_fsdp2 import use_as_fsdp2
 from .finite_grads import NonFiniteGradError
 from .fp8.linear import Fp8Linear, Fp8LinearConfig, to_fp8_linear
 from .marks import no_shard
@@ -19,5 +20,5 @@ def build_info() -> dict:
 
 __all__ = ["optim", "fully_shard", "microbatch", "register_fsdp_forward_method", "no_shard", "reset_parameters",
            "MixedPrecisionPolicy", "Fp8Policy", "FsdpModule", "Strategy", "Fp8Linear", "Fp8LinearConfig",
-           "to_fp8_linear", "build_info", "NonFiniteGradError"]
+           "to_fp8_linear", "build_info", "NonFiniteGradError", "use_as_fsdp2"]
 __version__ = "0.1.0"

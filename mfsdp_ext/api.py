@@ -10,10 +10,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+from torch.distributed.tensor import Shard
 
 from . import checkpoint, dtensor_norms, shard_init
 from .marks import is_marked
-from .mixed_precision import MixedPrecisionPolicy
+from .mixed_precision import MixedPrecisionPolicy, as_mfsdp_policy
 from .comm.native import check_available as native_collectives_available
 from .module import FsdpModule
 from .states import Strategy
@@ -25,77 +27,99 @@ _FSDP_CLASSES: dict[type, type] = {}
 
 
 def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = None,
-                reshard_after_forward: Optional[bool] = True, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-                sharding_strategy: Union[str, Strategy] = Strategy.OPTIM_GRADS_PARAMS,
+                reshard_after_forward: Optional[bool] = None, shard_placement_fn: Optional[Callable] = None,
+                mp_policy=MixedPrecisionPolicy(), offload_policy=None, ignored_params: Optional[set] = None,
+                dp_mesh_dims=None, sharding_strategy: Union[str, Strategy] = Strategy.OPTIM_GRADS_PARAMS,
                 use_symm_mem: Union[bool, str] = False, native_collectives: bool = False, verbose: bool = False,
-                check_finite_grads: bool = False, ignored_params: Optional[set] = None,
-                offload_policy=None, shard_placement_fn: Optional[Callable] = None) -> nn.Module:
+                check_finite_grads: bool = False) -> Union[nn.Module, list]:
     """Shard ``module``'s parameters (those no inner ``fully_shard`` unit owns) over ``mesh``, in place.
 
     Apply bottom-up (blocks first, then the root). Afterwards ``module.parameters()`` are fp32 DTensor shards
     split as torch.chunk splits them, exactly as FSDP2's (``Shard(0)``; ``Replicate()`` for ``no_shard``;
     ``(Replicate(), Shard(0))`` on a 2-D HSDP mesh), so any ``torch.optim`` optimizer, DCP and
-    ``torch.distributed.checkpoint.state_dict`` work. Returns the same module, whose class now also derives
-    from FsdpModule. ``verbose=True`` on the root (or ``MFSDP_EXT_SUMMARY=1``) prints one line per unit at the
-    first forward (rank 0): parameters, dtypes, bytes per rank, collectives. ``check_finite_grads=True`` on the
-    root: after each backward, raise NonFiniteGradError on every rank naming the first parameter whose reduced
-    gradient holds NaN or inf (one small all-reduce per backward; off: no cost). A list of modules (FSDP2's form,
-    e.g. torchtitan's ``[model.norm, model.output]``) shards each as its own unit: the same numbers as FSDP2's
-    one unit over all of them, one all-gather per module instead of one for the list. As FSDP2's: ``ignored_params``
-    stay as they are (not sharded, not moved, gradients not reduced); ``offload_policy`` (CPU offload) and
-    ``shard_placement_fn`` (other than dim-0 sharding) are refused. ``native_collectives=True`` (NCCL only)
-    issues the unit's all-gathers, reduce-scatters and FP8 scale all-reduces through mfsdp_ext's own NCCL
-    communicator instead of ProcessGroupNCCL: less host time per collective, but no watchdog timeout (a rank
-    that stops makes the others wait forever); see ``mfsdp_ext.comm.native``.
+    ``torch.distributed.checkpoint.state_dict`` work. Returns the same module, which is now also a
+    ``torch.distributed.fsdp.FSDPModule`` (an ``mfsdp_ext.FsdpModule``). A list of modules (FSDP2's form, e.g.
+    torchtitan's ``[model.norm, model.output]``) is one unit over all of them, as FSDP2's: one gather and one
+    reduction, a weight tied between two of them held once; the list is returned.
+
+    FSDP2's keywords take FSDP2's values: ``mp_policy`` may be torch's ``MixedPrecisionPolicy`` (mapped onto
+    ours field by field) or ``mfsdp_ext.MixedPrecisionPolicy``; ``offload_policy`` torch's ``OffloadPolicy()``
+    (no offload; ``CPUOffloadPolicy`` is refused); ``shard_placement_fn`` may answer None or ``Shard(0)`` for
+    every parameter (other placements are refused, naming the parameter); ``ignored_params`` stay as they are
+    (not sharded, not moved, gradients not reduced); ``dp_mesh_dims`` is refused. ``verbose=True`` on the root
+    (or ``MFSDP_EXT_SUMMARY=1``) prints one line per unit at the first forward (rank 0). ``check_finite_grads=True``
+    on the root: after each backward, raise NonFiniteGradError on every rank naming the first parameter whose
+    reduced gradient holds NaN or inf. ``native_collectives=True`` (NCCL only) issues the unit's collectives
+    through mfsdp_ext's own NCCL communicator instead of ProcessGroupNCCL: less host time per collective, but no
+    watchdog timeout (see ``mfsdp_ext.comm.native``).
     """
-    if isinstance(module, (list, tuple)):  # FSDP2's list form: here one unit per module (see the docstring)
-        return _fully_shard_each(module, dict(
-            mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-            sharding_strategy=sharding_strategy, use_symm_mem=use_symm_mem, native_collectives=native_collectives,
-            verbose=verbose, check_finite_grads=check_finite_grads, ignored_params=ignored_params,
-            offload_policy=offload_policy, shard_placement_fn=shard_placement_fn))
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard takes an nn.Module or a list of them, got {type(module).__name__}")
-    if isinstance(module, FsdpModule):
-        raise ValueError(f"fully_shard: {type(module).__name__} is already sharded; apply fully_shard once per module")
+    modules = _modules_of(module)
+    mp_policy = as_mfsdp_policy(mp_policy)
     reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward)
-    if type(offload_policy).__name__ == "CPUOffloadPolicy":
-        raise ValueError("fully_shard: CPU offload (offload_policy=CPUOffloadPolicy()) is not supported; the "
-                         "fp32 shards stay on the mesh device")
-    if shard_placement_fn is not None:
-        raise ValueError("fully_shard: shard_placement_fn is not supported; every parameter is sharded on dim 0 "
-                         "(torch.chunk's rows), as FSDP2's default")
+    _check_offload(offload_policy)
+    if dp_mesh_dims is not None:
+        raise ValueError("fully_shard: dp_mesh_dims (parameters on a full SPMD mesh) is not supported; pass the "
+                         "data-parallel mesh as mesh= and plain (non-DTensor) parameters")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("fully_shard needs torch.distributed: call dist.init_process_group(...) first "
                            "(gloo on CPU, nccl with device_id=... on GPUs)")
     strategy = Strategy(sharding_strategy)
     dtensor_norms.install()  # clip_grad_norm_(norm_type=inf) on ranks with empty shards
     mesh, device, shard_group, replicate_group = shard_init.resolve_mesh(mesh, strategy)
-    params = shard_init.owned_params(module, ignored_params or ())
+    params = shard_init.owned_params(modules, ignored_params or ())
+    _check_placements(shard_placement_fn, params)
     if params and all(is_marked(p) for _, p, _ in params):
         return module  # all no_shard: no unit, no hooks; the enclosing unit (the root's) holds them
     shard_init.check_devices(params, device)
-    shard_init.move_buffers(module, device)
+    shard_init.move_buffers(modules, device)
     use_symm_mem = check_available(use_symm_mem, shard_group)
     native_collectives = native_collectives_available(native_collectives, shard_group)
-    groups = shard_init.make_groups(module, params, mesh, device, shard_group, replicate_group, mp_policy, strategy)
-    unit = FsdpUnit(module, type(module).__name__, groups, strategy, reshard_after_forward, mp_policy, device,
-                    use_symm_mem, native_collectives, verbose, check_finite_grads)
-    _become_fsdp_module(module, unit)
-    checkpoint.register_state_dict_hooks(module, groups)
+    groups = shard_init.make_groups(modules, params, mesh, device, shard_group, replicate_group, mp_policy, strategy)
+    unit = FsdpUnit(modules, groups, strategy, reshard_after_forward, mp_policy, device, use_symm_mem,
+                    native_collectives, verbose, check_finite_grads)
+    for m in modules:
+        _become_fsdp_module(m, unit)
+    checkpoint.register_state_dict_hooks(modules, groups)
     return module
 
 
-def _fully_shard_each(modules: list, kwargs: dict) -> list:
+def _modules_of(module) -> list[nn.Module]:
+    """The modules of one fully_shard call: ``module``, or FSDP2's list of modules that do not contain each other."""
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
-        raise TypeError("fully_shard takes an nn.Module or a non-empty list of nn.Modules")
+        raise TypeError(f"fully_shard takes an nn.Module or a non-empty list of them, got {module!r:.80}")
+    for m in modules:
+        if isinstance(m, FsdpModule):
+            raise ValueError(f"fully_shard: {type(m).__name__} is already sharded; apply fully_shard once per module")
     nested = [(a, b) for a in modules for b in modules if a is not b and any(m is b for m in a.modules())]
     if nested:
         raise ValueError(f"fully_shard([...]): {type(nested[0][1]).__name__} lies inside "
                          f"{type(nested[0][0]).__name__}; list modules that do not contain each other")
-    for m in modules:
-        fully_shard(m, **kwargs)
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("fully_shard([...]): a module is listed twice")
     return modules
+
+
+def _check_offload(offload_policy) -> None:
+    """FSDP2's ``OffloadPolicy()`` (the no-offload default) is what mfsdp_ext does; CPU offload is not."""
+    if offload_policy is None or type(offload_policy) is OffloadPolicy:
+        return
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        raise ValueError("fully_shard: CPU offload (offload_policy=CPUOffloadPolicy()) is not supported; the "
+                         "fp32 shards stay on the mesh device")
+    raise TypeError(f"fully_shard: offload_policy must be torch's OffloadPolicy() or None, got {offload_policy!r}")
+
+
+def _check_placements(shard_placement_fn: Optional[Callable], params) -> None:
+    """FSDP2's shard_placement_fn, where it asks for what mfsdp_ext does: None or Shard(0) for every parameter."""
+    if shard_placement_fn is None:
+        return
+    for fqn, p, _ in params:
+        placement = shard_placement_fn(p)
+        if placement is not None and placement != Shard(0):
+            raise ValueError(f"fully_shard: shard_placement_fn places '{fqn}' as {placement!r}; mfsdp_ext shards "
+                             "every parameter on dim 0 over the mesh given to fully_shard (return None or "
+                             "Shard(0))")
 
 
 def _become_fsdp_module(module: nn.Module, unit: FsdpUnit) -> None:
@@ -105,6 +129,9 @@ def _become_fsdp_module(module: nn.Module, unit: FsdpUnit) -> None:
         _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FsdpModule, cls), {})
     module.__class__ = _FSDP_CLASSES[cls]
     module._mfsdp_unit = unit
+    for _, managed in shard_init.own_modules(module):  # as FSDP2 marks them (HF generate reads it; dynamo too)
+        managed._is_fsdp_managed_module = True
+        managed._fsdp_use_orig_params = True
     module.register_forward_pre_hook(eager_hook(unit.pre_forward), prepend=True, with_kwargs=True)
     module.register_forward_hook(eager_hook(unit.post_forward), prepend=False)
     for m in module.modules():  # inner units now belong to this subtree's context (built at the first forward)
@@ -125,19 +152,17 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     if not callable(method):
         raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method '{method_name}'")
     unit = module._mfsdp_unit
-    pre_forward, post_forward = eager_hook(unit.pre_forward), eager_hook(unit.post_forward)
+    enter, leave = eager_hook(unit.enter_forward_method), eager_hook(unit.exit_forward_method)
 
     @functools.wraps(method)
     def run_as_forward(*args, **kwargs):
-        if unit.in_forward_method:  # called from inside another registered method of this module
-            return method(*args, **kwargs)
-        args, kwargs = pre_forward(module, args, kwargs)
-        unit.in_forward_method = True
+        args, kwargs = enter(module, args, kwargs)
         try:
             output = method(*args, **kwargs)
-        finally:
-            unit.in_forward_method = False
-        return post_forward(module, args, output)
+        except BaseException:
+            unit.forward_method_depth -= 1
+            raise
+        return leave(module, args, output)
 
     setattr(module, method_name, run_as_forward)
 

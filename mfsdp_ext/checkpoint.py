@@ -17,11 +17,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .flat_buffer import FlatBuffer
 from .module import FsdpModule
 from .param_group import ParamGroup
 
 
-def register_state_dict_hooks(module: nn.Module, groups: list[ParamGroup]) -> None:
+def register_state_dict_hooks(modules: list[nn.Module], groups: list[ParamGroup]) -> None:
+    """The hooks of one unit over ``modules`` (the module given to fully_shard, or each of FSDP2's list): each
+    module's state dict names the places of its own subtree."""
     def use_sharded_params(*args, **kwargs) -> None:
         for g in groups:
             g.use_sharded_params()
@@ -30,25 +33,32 @@ def register_state_dict_hooks(module: nn.Module, groups: list[ParamGroup]) -> No
         for g in groups:  # load_state_dict writes through DTensor ops, which the step detection cannot see
             g.mark_main_weight_changed()
 
-    def watch_returned_shards(module, state_dict, prefix, local_metadata) -> None:
-        for g in groups:  # dcp.load(model.state_dict()) writes into them in place, maybe much later
-            for info in g.infos:
-                for place in info.places:
-                    value = state_dict.get(prefix + place.fqn)
-                    if isinstance(value, DTensor):
-                        g.watch_alias(value._local_tensor)
-
-    holders = {id(module): module}  # as FSDP2, also the modules holding the parameters: their own state_dict()
+    holders = {id(m): m for m in modules}  # as FSDP2, also the modules holding the parameters: their own state_dict()
     holders.update((id(place.module), place.module) for g in groups for info in g.infos for place in info.places)
     for m in holders.values():
         m.register_state_dict_pre_hook(use_sharded_params)
         m.register_load_state_dict_pre_hook(use_sharded_params)
-    module.register_state_dict_post_hook(watch_returned_shards)
-    module.register_load_state_dict_pre_hook(_full_tensors_to_local_chunks(groups))
-    module.register_load_state_dict_post_hook(mark_loaded)
+    for module in modules:
+        module.register_state_dict_post_hook(_watch_returned_shards(module, groups))
+        module.register_load_state_dict_pre_hook(_full_tensors_to_local_chunks(module, groups))
+        module.register_load_state_dict_post_hook(mark_loaded)
 
 
-def _full_tensors_to_local_chunks(groups: list[ParamGroup]):
+def _watch_returned_shards(holder: nn.Module, groups: list[ParamGroup]):
+    """dcp.load(model.state_dict()) writes into the returned shards in place, maybe much later: watch them."""
+
+    def hook(module, state_dict, prefix, local_metadata) -> None:
+        for g in groups:
+            for info in g.infos:
+                for place in info.places:
+                    value = state_dict.get(prefix + place.fqn) if place.holder is holder else None
+                    if isinstance(value, DTensor):
+                        g.watch_alias(value._local_tensor)
+
+    return hook
+
+
+def _full_tensors_to_local_chunks(holder: nn.Module, groups: list[ParamGroup]):
     """A plain (non-DTensor) value of a sharded parameter is its full tensor: keep this rank's rows of it."""
 
     @torch.no_grad()
@@ -56,6 +66,8 @@ def _full_tensors_to_local_chunks(groups: list[ParamGroup]):
         for g in groups:
             for i, info in enumerate(g.infos):
                 for place in info.places:
+                    if place.holder is not holder:
+                        continue
                     key = prefix + place.fqn
                     value = state_dict.get(key)
                     if value is None or isinstance(value, DTensor) or value.shape != info.shape:
@@ -71,16 +83,19 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     all-gather per group). Named as ``state_dict()`` names them: a tied parameter appears under each of its names.
     Read from the main weights, also while a unit holds its gathered (compute-dtype) parameters."""
     out: dict[str, torch.Tensor] = {}
+    gathered: dict[int, FlatBuffer] = {}  # a unit over several modules is met once per module: gather once
     for prefix, m in module.named_modules():
         if not isinstance(m, FsdpModule):
             continue
         prefix = f"{prefix}." if prefix else ""
         for g in m._mfsdp_unit.groups:
-            full = g.gather_full(g.main_weight)
+            if id(g) not in gathered:
+                gathered[id(g)] = g.gather_full(g.main_weight)
             for i, info in enumerate(g.infos):
-                value = full.param_view(i).clone()
+                value = gathered[id(g)].param_view(i).clone()
                 for place in info.places:
-                    out[prefix + place.fqn] = value
+                    if place.holder is m:
+                        out[prefix + place.fqn] = value
     for name, p in module.named_parameters(remove_duplicate=False):
         if name not in out:  # parameters of no unit
             out[name] = p.detach().clone()

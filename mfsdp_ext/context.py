@@ -32,7 +32,9 @@ class FsdpContext:
         self.rs_stream = self.device.new_stream()
         # Execution order: recorded in this iteration's forward, used for prefetching in the next. Units are
         # recorded when their forward starts (forward prefetch) and when it ends: backward runs in the reverse
-        # of the end order (the root's tail, e.g. the LM head, first; then the last block).
+        # of the end order (the root's tail, e.g. the LM head, first; then the last block). An iteration starts
+        # at the root's forward, so units run after it (a chunked loss's head, with backwards of its own) are
+        # recorded with it.
         self.forward_order: list["FsdpUnit"] = []
         self.prev_forward_order: list["FsdpUnit"] = []
         self.forward_end_order: list["FsdpUnit"] = []
@@ -42,6 +44,7 @@ class FsdpContext:
         self.is_last_microbatch = True
         self.explicit_microbatch = False
         self.in_backward = False  # from the first pre-backward hook to the final callback
+        self.iteration_open = False  # from the root's forward to the end of a backward (or an abandoned iteration)
         self.grads_kept = False  # a deferred reduction kept unsharded grads (reduced on the last microbatch)
         # During the root's final callback: the unsharded grads its reductions consumed, dropped only after the
         # compute stream has waited for them (so the optimizer step can reuse that memory at once); None otherwise
@@ -51,7 +54,17 @@ class FsdpContext:
         self.last_forward_training = True
         self.trained = False  # a training forward ran (the root's, with grad mode on)
 
-    def note_forward_mode(self, training: bool) -> None:
+    def begin_iteration(self, training: bool) -> None:
+        """The root's forward starts an iteration: the last iteration's order becomes the one to prefetch by."""
+        if self.forward_order:
+            self.prev_forward_order = self.forward_order
+            self.prev_forward_end_order = self.forward_end_order
+        self.forward_order = []
+        self.forward_end_order = []
+        self.iteration_open = True
+        self._note_forward_mode(training)
+
+    def _note_forward_mode(self, training: bool) -> None:
         """The root's forward starts. In a model that trains, each evaluation forward and the first training
         forward after one start a new epoch of the weights' version, so no cast (kept compute-dtype copy, FP8
         scales) is reused across them: weights written where no version counter sees it (through ``.data``, e.g.
@@ -111,12 +124,9 @@ class FsdpContext:
         ran_ids = {id(u) for u in ran}
         return ran + [u for u in self.units if id(u) not in ran_ids]
 
-    def start_next_iteration(self) -> None:
-        """This iteration's order becomes the one the next iteration prefetches by."""
-        if self.forward_order:
-            self.prev_forward_order = self.forward_order
-            self.prev_forward_end_order = self.forward_end_order
-        self.forward_order = []
-        self.forward_end_order = []
+    def end_iteration(self) -> None:
+        """A backward ended (or an iteration was abandoned): the units are at rest. The recorded order stays until
+        the root's next forward, for the backwards of units run after the root's forward."""
+        self.iteration_open = False
         self.in_backward = False
         self.grads_freed_at_end = None  # after the streams joined (final callback, or an abandoned iteration)

@@ -57,7 +57,8 @@ def _fqn(root_module, units, index: int) -> str:
     for unit in units:
         for g in unit.groups:
             if index < len(g.infos):
-                prefix = paths.get(id(unit.module), "")
-                return f"{prefix}.{g.infos[index].fqn}" if prefix else g.infos[index].fqn
+                place = g.infos[index].places[0]
+                prefix = paths.get(id(place.holder), "")
+                return f"{prefix}.{place.fqn}" if prefix else place.fqn
             index -= len(g.infos)
     return "?"

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy as _TorchMixedPrecisionPolicy
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -127,3 +128,16 @@ class MixedPrecisionPolicy:
         on a shard group where that wins: bf16 / fp16 gradients summed in float32."""
         return (self.reduce_comm_dtype is None and self.reduction_dtype(main_dtype) == torch.float32
                 and self.compute_dtype(main_dtype) in NARROW_WIRE_DTYPES)
+
+
+def as_mfsdp_policy(policy) -> MixedPrecisionPolicy:
+    """``policy`` as mfsdp_ext's policy: ours as it is, torch's ``MixedPrecisionPolicy`` (what frameworks pass to
+    FSDP2) field by field: param_dtype, reduce_dtype, output_dtype, cast_forward_inputs have the same meaning, and
+    the fields only ours has keep their defaults."""
+    if isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    if isinstance(policy, _TorchMixedPrecisionPolicy):
+        return MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
+                                    output_dtype=policy.output_dtype, cast_forward_inputs=policy.cast_forward_inputs)
+    raise TypeError(f"fully_shard: mp_policy must be an mfsdp_ext.MixedPrecisionPolicy or torch's "
+                    f"torch.distributed.fsdp.MixedPrecisionPolicy, got {policy!r}")

@@ -1,15 +1,24 @@
-"""FsdpModule: the class a ``fully_shard``ed module becomes, with FSDP2's per-module controls."""
+"""FsdpModule: the class a ``fully_shard``ed module becomes, with FSDP2's per-module controls.
+
+It derives from torch's ``FSDPModule``, so the frameworks that find FSDP units with
+``isinstance(m, torch.distributed.fsdp.FSDPModule)`` (torchtitan, accelerate, Lightning) find
+ours. Every public method of torch's class is either implemented here with FSDP2's meaning or raises an error that
+names it; the FSDP2 state that torch's own code reads through ``_get_fsdp_state()`` is ``_Fsdp2StateView``, which
+answers only what torch's ``register_fsdp_forward_method`` needs.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
+from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
+from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
 from .unit import FsdpUnit, resolve_reshard_after_forward
 
 
-class UnshardHandle:
+class UnshardHandle(_TorchUnshardHandle):
     """What ``FsdpModule.unshard(async_op=True)`` returns, as FSDP2's: ``wait()`` once the gathered weights are
     needed."""
 
@@ -22,9 +31,38 @@ class UnshardHandle:
         self._unit = None
 
 
-class FsdpModule:
-    """Mixin that ``fully_shard`` adds to a module's class; the FSDP2-shaped per-module controls."""
+class _Fsdp2StateView:
+    """What torch's own code reads of an FSDP2 unit's state (``FSDPModule._get_fsdp_state()``), for ours: the
+    forward hooks that torch's ``register_fsdp_forward_method`` wraps a method with. Anything else of FSDP2's
+    internal state does not exist here, and asking for it says so."""
 
+    def __init__(self, unit: FsdpUnit):
+        self._unit = unit
+
+    def _pre_forward(self, module, args, kwargs):
+        return self._unit.enter_forward_method(module, args, kwargs)
+
+    def _post_forward(self, module, args, output):
+        return self._unit.exit_forward_method(module, args, output)
+
+    def __getattr__(self, name: str):
+        raise AttributeError(
+            f"mfsdp_ext: '{self._unit.name}' is sharded by mfsdp_ext.fully_shard, which has no FSDP2 state "
+            f"(asked for '{name}'); code that reaches into FSDP2's internals (fully_shard.state(module), "
+            "_get_fsdp_state()) needs torch.distributed.fsdp.fully_shard")
+
+
+def _not_supported(method: str, what_to_do: str) -> NotImplementedError:
+    return NotImplementedError(f"mfsdp_ext: FSDPModule.{method} is not supported; {what_to_do}")
+
+
+class FsdpModule(_TorchFSDPModule):
+    """Mixin that ``fully_shard`` adds to a module's class (``FSDP<Cls>(FsdpModule, Cls)``): FSDP2's per-module
+    controls, over this module's unit."""
+
+    # torch's FSDPModule.__new__ builds the original class, found at this index of the MRO:
+    # [FSDP<Cls>, FsdpModule, torch's FSDPModule, Cls, ...]
+    _orig_cls_mro_index = 3
     _mfsdp_unit: FsdpUnit
 
     def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:
@@ -42,6 +80,24 @@ class FsdpModule:
         unit = self._mfsdp_unit
         unit.lazy_init()
         unit.reshard()
+
+    def reset_iter_state(self) -> None:
+        """FSDP2's recovery after a forward or backward raised (on the root): every unit back at rest, the failed
+        iteration's unreduced gradients dropped. mfsdp_ext also does this by itself at the next forward."""
+        unit = self._mfsdp_unit
+        if unit.context is None:
+            return
+        if not unit.is_root:
+            raise RuntimeError(f"mfsdp_ext: reset_iter_state() is called on the root module, not on the inner "
+                               f"unit '{unit.name}'")
+        unit.abandon_iteration()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """FSDP2's: whether the next backward is the last of the step, where FSDP2 waits for its pending reductions.
+        mfsdp_ext finishes (and waits for) every reduction at the end of each backward, so the gradients are the
+        same either way; whether a backward reduces at all is ``set_requires_gradient_sync``'s."""
+        if not isinstance(is_last_backward, bool):
+            raise TypeError(f"set_is_last_backward takes a bool, got {type(is_last_backward).__name__}")
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         for unit in self._units(recurse):
@@ -84,6 +140,23 @@ class FsdpModule:
             raise ValueError(f"set_gradient_divide_factor: the factor must be positive, got {factor!r}")
         self._mfsdp_unit.reduction.gradient_divide_factor = float(factor)
 
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's older name of ``set_gradient_divide_factor``."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """FSDP2's: reduce with SUM only (no AVG or PREMUL_SUM in the collectives). mfsdp_ext always does: the
+        gradients are scaled by 1 / divide factor while they are packed, then summed, so this changes nothing."""
+        if not isinstance(enable, bool):
+            raise TypeError(f"set_force_sum_reduction_for_comms takes a bool, got {type(enable).__name__}")
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """FSDP2's cap on reduce-scatter input buffers in flight, which trades memory for not stalling the compute
+        stream. mfsdp_ext packs each unit's gradients on the reduce-scatter stream and frees them in stream order,
+        so the compute stream never waits to reuse one: the value is checked and has nothing to change."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers!r}")
+
     def set_modules_to_forward_prefetch(self, modules: list) -> None:
         """FSDP2's: in forward, this unit gathers these units' weights ahead (instead of the next in the recorded
         order); more than one prefetches further, at the cost of memory."""
@@ -94,8 +167,57 @@ class FsdpModule:
         recorded order)."""
         self._mfsdp_unit.backward_prefetch = _units_of(modules, "set_modules_to_backward_prefetch")
 
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """FSDP2's: the root's next all-gathers also wait for ``event`` (recorded after the optimizer step). They
+        wait for the current stream in any case, so this only adds an ordering; call it with a new event each
+        step, as for FSDP2."""
+        self._mfsdp_unit.post_optim_event = event
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """FSDP2's: use symmetric memory for this unit's collectives: ``fully_shard(use_symm_mem=True)``. Call it
+        before the first forward (the collectives are chosen there)."""
+        if backend != "NCCL":
+            raise ValueError(f"set_symm_mem_for_comm: mfsdp_ext's symmetric memory is NCCL's, got {backend!r}")
+        unit = self._mfsdp_unit
+        if unit.context is not None:
+            raise RuntimeError("set_symm_mem_for_comm: call it before the first forward; the collectives are "
+                               "chosen there (or pass use_symm_mem=True to fully_shard)")
+        from .comm.symmetric.comm import is_available
+
+        ok, why = is_available(unit.groups[0].shard_group if unit.groups else None)
+        if not ok:
+            raise RuntimeError(f"set_symm_mem_for_comm: NCCL symmetric memory is unavailable here: {why}")
+        unit.use_symm_mem = True
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        raise _not_supported("set_custom_all_gather", "mfsdp_ext gathers in place into its flat buffers; "
+                             "native_collectives=True and use_symm_mem=True are its other collectives")
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        raise _not_supported("set_custom_reduce_scatter", "mfsdp_ext reduces packed flat buffers; "
+                             "native_collectives=True and use_symm_mem=True are its other collectives")
+
+    def set_all_reduce_hook(self, hook: Callable, *, stream: Any = None) -> None:
+        raise _not_supported("set_all_reduce_hook", "the reduced gradients are the parameters' .grad after "
+                             "backward; run extra reductions there")
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        raise _not_supported("set_separate_reduce_scatter_group", "mfsdp_ext's reduce-scatters share the mesh's "
+                             "process group (native_collectives=True gives them a communicator of their own)")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        raise _not_supported("set_allocate_memory_from_process_group_for_comm",
+                             "use fully_shard(use_symm_mem=True) for NCCL-registered buffers")
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        raise _not_supported("_set_unshard_async_op", "mfsdp_ext's gathers always run on their own stream")
+
+    def _get_fsdp_state(self) -> _Fsdp2StateView:
+        return _Fsdp2StateView(self._mfsdp_unit)
+
     def _units(self, recurse: bool) -> list[FsdpUnit]:
-        return [m._mfsdp_unit for m in (self.modules() if recurse else [self]) if isinstance(m, FsdpModule)]
+        units = [m._mfsdp_unit for m in (self.modules() if recurse else [self]) if isinstance(m, FsdpModule)]
+        return list({id(u): u for u in units}.values())  # a unit over a list of modules appears once
 
     def release_symmetric_memory(self) -> None:
         """Collective (every rank of the shard group, on the root module): free the NCCL symmetric-memory
@@ -149,7 +271,8 @@ class FsdpModule:
         for m, n in owned:
             m._parameters[n] = None  # nn.Module._apply skips None entries; the order of _parameters is kept
         try:
-            super()._apply(fn, recurse=recurse)  # buffers and inner units
+            # buffers and inner units, through the module's own class (torch's FSDPModule._apply is FSDP2's)
+            super(_TorchFSDPModule, self)._apply(fn, recurse=recurse)
         finally:
             for g in unit.groups:
                 g.use_sharded_params()

@@ -69,7 +69,8 @@ class ParamPlace:
 
     module: nn.Module
     name: str
-    fqn: str = ""  # relative to the unit's module, as its state_dict names it
+    fqn: str = ""  # relative to ``holder``, as its state_dict names it
+    holder: nn.Module = None  # the module given to fully_shard (one of the list) whose subtree holds this place
 
 
 @dataclass

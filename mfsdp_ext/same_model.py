@@ -21,7 +21,7 @@ def describe(root_module, units) -> list[str]:
     paths = {id(m): name or "<root>" for name, m in root_module.named_modules()}
     lines = []
     for u in units:
-        path = paths.get(id(u.module), u.name)
+        path = "+".join(paths.get(id(m), u.name) for m in u.modules)
         lines.append(f"unit {path} ({u.name}): {u.strategy.value}, "
                      f"reshard_after_forward={u.reshard_after_forward}, use_symm_mem={u.use_symm_mem}")
         for g in u.groups:

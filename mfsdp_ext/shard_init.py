@@ -48,13 +48,13 @@ def resolve_mesh(mesh: Optional[DeviceMesh], strategy: Strategy) -> tuple[Device
     return mesh, _mesh_device(mesh), mesh.get_group(0), None
 
 
-def make_groups(module: nn.Module, params, mesh: DeviceMesh, device: torch.device, shard_group, replicate_group,
-                mp_policy: MixedPrecisionPolicy, strategy: Strategy) -> list[ParamGroup]:
+def make_groups(modules: list[nn.Module], params, mesh: DeviceMesh, device: torch.device, shard_group,
+                replicate_group, mp_policy: MixedPrecisionPolicy, strategy: Strategy) -> list[ParamGroup]:
     """One ParamGroup per (dtype, requires_grad, marked no_shard, FP8) of the parameters, which become the groups'
     DTensor shards (a marked group: replicated over the mesh, as the no_shard strategy holds everything; an FP8
     group: Fp8ParamGroup, the weights of the linear layers ``mp_policy.fp8`` chooses)."""
-    fp8 = choose_fp8_weights(module, params, mp_policy, strategy)
-    late = _used_after_inner_units(module, params)
+    fp8 = choose_fp8_weights(modules, params, mp_policy, strategy)
+    late = set().union(*(_used_after_inner_units(m, params) for m in modules))
     groups = []
     kinds = _group_by_kind(params, fp8, late)
     narrow_wins = (any(mp_policy.sends_narrow_by_default(dtype) for dtype, *_ in kinds)
@@ -74,7 +74,7 @@ def make_groups(module: nn.Module, params, mesh: DeviceMesh, device: torch.devic
                                         **kwargs))
         else:
             groups.append(ParamGroup(members, mesh, **kwargs, cache_model_weight=cache))
-    owner = type(module).__name__
+    owner = "+".join(type(m).__name__ for m in modules)
     for fqn, p, _ in params:
         _OWNER_NAMES[p] = owner  # the original Parameter: a use of it outside this unit is caught later
         replaced_params.note_replaced(p, f"'{fqn}' of a {owner}", "before fully_shard")
@@ -118,29 +118,33 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
     raise ValueError(f"fully_shard supports cpu and cuda meshes, got {mesh.device_type}")
 
 
-def owned_params(module: nn.Module, ignored=frozenset()) -> list[tuple[str, nn.Parameter, list[ParamPlace]]]:
-    """Unique parameters of ``module``'s subtree not owned by an inner unit, with every place they appear; the
-    ``ignored`` ones (FSDP2's ignored_params) are left as they are, unchecked."""
+def owned_params(modules: list[nn.Module], ignored=frozenset()) -> list[tuple[str, nn.Parameter, list[ParamPlace]]]:
+    """Unique parameters of the subtrees of ``modules`` (one module, or FSDP2's list) not owned by an inner unit,
+    with every place they appear (a weight tied between two of the modules has a place in each); the ``ignored``
+    ones (FSDP2's ignored_params) are left as they are, unchecked."""
     ignored_ids = {id(p) for p in ignored}
     found: dict[int, tuple[str, nn.Parameter, list[ParamPlace]]] = {}
-    stack = [("", module)]
-    while stack:
-        prefix, m = stack.pop(0)
-        if _is_fsdp2_module(m):
-            raise ValueError(f"fully_shard: '{prefix[:-1] or type(m).__name__}' was sharded by PyTorch FSDP2's "
-                             "fully_shard; one model takes one of the two: apply mfsdp_ext.fully_shard to every unit")
-        for name, p in m._parameters.items():
-            if p is None or id(p) in ignored_ids:
-                continue
-            fqn = f"{prefix}{name}"
-            _check_param(fqn, p, m)
-            if id(p) in found:
-                found[id(p)][2].append(ParamPlace(m, name, fqn))
-            else:
-                found[id(p)] = (fqn, p, [ParamPlace(m, name, fqn)])
-        for child_name, child in m._modules.items():
-            if child is not None and not isinstance(child, FsdpModule):
-                stack.append((f"{prefix}{child_name}.", child))
+    for holder in modules:
+        stack = [("", holder)]
+        while stack:
+            prefix, m = stack.pop(0)
+            if _is_fsdp2_module(m):
+                raise ValueError(f"fully_shard: '{prefix[:-1] or type(m).__name__}' was sharded by PyTorch FSDP2's "
+                                 "fully_shard; one model takes one of the two: apply mfsdp_ext.fully_shard to every "
+                                 "unit")
+            for name, p in m._parameters.items():
+                if p is None or id(p) in ignored_ids:
+                    continue
+                fqn = f"{prefix}{name}"
+                _check_param(fqn, p, m)
+                place = ParamPlace(m, name, fqn, holder)
+                if id(p) in found:
+                    found[id(p)][2].append(place)
+                else:
+                    found[id(p)] = (fqn, p, [place])
+            for child_name, child in m._modules.items():
+                if child is not None and not isinstance(child, FsdpModule):
+                    stack.append((f"{prefix}{child_name}.", child))
     return list(found.values())
 
 
@@ -190,12 +194,13 @@ def device_problem(fqn: str, found: torch.device, device: torch.device) -> Optio
 
 
 def _is_fsdp2_module(m: nn.Module) -> bool:
-    return _FSDP2Module is not None and isinstance(m, _FSDP2Module)
+    """Sharded by torch's fully_shard (ours are torch FSDPModules too, with a unit of their own)."""
+    return _FSDP2Module is not None and isinstance(m, _FSDP2Module) and not isinstance(m, FsdpModule)
 
 
-def move_buffers(module: nn.Module, device: torch.device) -> None:
+def move_buffers(modules: list[nn.Module], device: torch.device) -> None:
     """Buffers (e.g. rotary tables) of the unit's own modules follow the parameters to the mesh device."""
-    stack = [module]
+    stack = list(modules)
     while stack:
         m = stack.pop()
         for name, b in m._buffers.items():
@@ -233,15 +238,17 @@ def _fp8_capable(m: nn.Module) -> bool:
     return isinstance(m, nn.Linear) and (isinstance(m, Fp8LinearMixin) or type(m).forward is nn.Linear.forward)
 
 
-def _output_head(module: nn.Module, linears: list[tuple[str, nn.Module]]) -> Optional[nn.Module]:
+def _output_head(modules: list[nn.Module], linears: list[tuple[str, nn.Module]]) -> Optional[nn.Module]:
     """The unit's output head (Fp8Policy's docstring): in a unit that encloses other units or owns an
-    nn.Embedding, the last linear layer it owns directly; None elsewhere (tied heads are excluded before)."""
-    encloses = any(isinstance(m, FsdpModule) for m in module.modules() if m is not module)
-    owns_embedding = any(isinstance(m, nn.Embedding) for _, m in _own_modules(module))
+    nn.Embedding, the last linear layer it owns directly; None elsewhere (tied heads are excluded before). A unit
+    over a list of modules (FSDP2's ``[norm, output]``) counts as enclosing: it is the tail of a larger model."""
+    encloses = len(modules) > 1 or any(isinstance(m, FsdpModule) for module in modules
+                                       for m in module.modules() if m is not module)
+    owns_embedding = any(isinstance(m, nn.Embedding) for module in modules for _, m in own_modules(module))
     return linears[-1][1] if linears and (encloses or owns_embedding) else None
 
 
-def _own_modules(module: nn.Module):
+def own_modules(module: nn.Module):
     """(fqn, module) of ``module``'s subtree, not entering inner units, in named_modules() order."""
     stack = [("", module)]
     while stack:
@@ -252,7 +259,7 @@ def _own_modules(module: nn.Module):
         stack.extend(reversed(children))
 
 
-def choose_fp8_weights(module: nn.Module, params, mp_policy: MixedPrecisionPolicy, strategy) -> set[int]:
+def choose_fp8_weights(modules: list[nn.Module], params, mp_policy: MixedPrecisionPolicy, strategy) -> set[int]:
     """ids of the parameters that become FP8 weights (``mp_policy.fp8``); with compute=True their layers become
     Fp8Linear subclasses (class swap, as to_fp8_linear: parameters and state dict unchanged)."""
     policy = mp_policy.fp8
@@ -265,9 +272,9 @@ def choose_fp8_weights(module: nn.Module, params, mp_policy: MixedPrecisionPolic
     if not isinstance(config, Fp8LinearConfig):
         raise TypeError(f"Fp8Policy.linear_config must be an Fp8LinearConfig, got {config!r}")
     by_weight = {id(p): (fqn, p, places) for fqn, p, places in params}
-    linears = [(fqn, m) for fqn, m in _own_modules(module) if _fp8_capable(m)
+    linears = [(fqn, m) for module in modules for fqn, m in own_modules(module) if _fp8_capable(m)
                and id(m._parameters.get("weight")) in by_weight]
-    head = _output_head(module, linears)
+    head = _output_head(modules, linears)
     chosen = set()
     for fqn, m in linears:
         _, p, places = by_weight[id(m.weight)]

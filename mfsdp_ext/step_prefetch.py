@@ -55,10 +55,11 @@ def plan(stepped: list["ParamGroup"]) -> NextForwardGather | None:
         if ctx is None or ctx in seen:
             continue
         seen.add(ctx)
-        if ctx.in_backward or not ctx.prev_forward_order or ctx.forward_order:
+        order = ctx.forward_order or ctx.prev_forward_order  # the last iteration's
+        if ctx.in_backward or ctx.iteration_open or not order:
             continue
         if any(u.training_state is not TrainingState.IDLE for u in ctx.units):
             continue
         if all(x in covered for u in ctx.units for x in u.groups if x.requires_grad and x.trainable()):
-            units += ctx.prev_forward_order[:FIRST_UNITS]
+            units += order[:FIRST_UNITS]
     return NextForwardGather(units) if units else None

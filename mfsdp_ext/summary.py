@@ -18,7 +18,7 @@ def unit_lines(root_module, units) -> list[str]:
     lines = []
     for unit in units:
         groups = "; ".join(_group_text(g) for g in unit.groups) or "no parameters of its own"
-        lines.append(f"mfsdp_ext unit {paths.get(id(unit.module), unit.name)} ({unit.name}): "
+        lines.append(f"mfsdp_ext unit {'+'.join(paths.get(id(m), unit.name) for m in unit.modules)} ({unit.name}): "
                      f"{unit.strategy.value} | {groups}")
     return lines
 

@@ -66,19 +66,21 @@ class _PostBackward(torch.autograd.Function):
 
 
 class FsdpUnit:
-    """One ``fully_shard``ed module: its parameter groups, its states and its hooks.
+    """One ``fully_shard`` call's unit: its parameter groups, its states and its hooks, over one module or, as
+    FSDP2's list form, several (``fully_shard([norm, head])``): one gather and one reduction for all of them.
 
     ``sharded_state`` changes in unshard() / reshard() only; ``training_state`` in the hooks, and back to IDLE
     when the root ends the iteration (in its final backward callback, or at the next forward after an
     evaluation). The root also builds the context at its first forward (lazy_init).
     """
 
-    def __init__(self, module: nn.Module, name: str, groups: list[ParamGroup], strategy: Strategy,
+    def __init__(self, modules: list[nn.Module], groups: list[ParamGroup], strategy: Strategy,
                  reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy, device: torch.device,
                  use_symm_mem: bool | str = False, native_collectives: bool = False, verbose: bool = False,
                  check_finite_grads: bool = False):
-        self.module = module
-        self.name = name or module.__class__.__name__
+        self.modules = modules
+        self.module = modules[0]  # a root unit is over one module (lazy_init)
+        self.name = "+".join(type(m).__name__ for m in modules)
         self.groups = groups
         self.strategy = strategy
         self.reshard_after_forward = reshard_after_forward and not strategy.keeps_weights_gathered
@@ -93,12 +95,15 @@ class FsdpUnit:
         # FSDP2's other per-module controls (FsdpModule.set_*)
         self.reshard_after_backward = True
         self.unshard_in_backward = True  # False: its backward needs no weights (an embedding): no gather there
-        self.in_forward_method = False  # inside a register_fsdp_forward_method call: its hooks already ran
+        self.forward_method_depth = 0  # inside a registered forward method (register_fsdp_forward_method)
+        self.post_optim_event = None  # FsdpModule.set_post_optim_event: the root's next gathers wait for it
         self.forward_prefetch: Optional[list["FsdpUnit"]] = None  # explicit prefetch lists replace the recorded order
         self.backward_prefetch: Optional[list["FsdpUnit"]] = None
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
         self.post_backward_hooked = False  # _PostBackward applied to this iteration's inputs
+        self.to_run: set[int] = set()  # this forward pass's modules (ids) that have not run yet
+        self.output_hooked = False  # some module's output of this pass got the pre-backward hook
         self.unshard_event = None  # the all-gather stream's event after this unit's gather
         self.gathered_versions: list[Optional[tuple]] = [None] * len(groups)  # weights_version() gathered
         self._warned_no_grad_output = False
@@ -115,7 +120,11 @@ class FsdpUnit:
     def lazy_init(self) -> FsdpContext:
         if self.context is not None:
             return self.context
-        units = [m._mfsdp_unit for m in self.module.modules() if hasattr(m, "_mfsdp_unit")]
+        if len(self.modules) > 1:
+            raise RuntimeError(f"mfsdp_ext: the unit over several modules ({self.name}) ran before a unit that "
+                               "contains them: apply fully_shard to the module that contains them too (the root)")
+        units = list({id(m._mfsdp_unit): m._mfsdp_unit for m in self.module.modules()
+                      if hasattr(m, "_mfsdp_unit")}.values())
         mesh = next((g.mesh for u in units for g in u.groups), None)
         if mesh is not None:  # first: every rank reaches it, before any other collective of the units
             same_model.check(self.module, units, mesh, self.device)
@@ -147,7 +156,7 @@ class FsdpUnit:
         gathered = self.sharded_state is ShardedState.UNSHARDED
         if gathered and not ctx.weight_sync_allowed():
             return
-        # once per call: each walks the group's parameters (the epoch: FsdpContext.note_forward_mode)
+        # once per call: each walks the group's parameters (the epoch: FsdpContext._note_forward_mode)
         versions = [g.weights_version(pending_step=after_step) + (ctx.weights_epoch,) for g in self.groups]
         # (backward hooks run with grad mode off, and so does the optimizer step)
         training = after_step or torch.is_grad_enabled() or ctx.in_backward
@@ -223,24 +232,31 @@ class FsdpUnit:
 
     # ------------------------------------------------------------------ forward hooks
     def pre_forward(self, module, args, kwargs):
-        if self.in_forward_method:  # forward called by a registered method: the method's call holds the gather
+        if self.forward_method_depth:  # forward called by a registered method: the method's call holds the gather
             return args, kwargs
         ctx = self.lazy_init()
         if self.is_root and ctx.in_backward and not _autograd_is_running():
-            self._abandon_iteration()  # the last backward raised: its final callback never ran
+            self.abandon_iteration()  # the last backward raised: its final callback never ran
         if ctx.in_backward:  # activation-checkpoint recompute: gather if needed, no prefetch, no reshard
             self.unshard()
             self.wait_unshard()
             return self._prepare_inputs(args, kwargs, cast=False)
-        if self.is_root and ctx.forward_order:
-            self._abandon_iteration()  # the last forward had no backward (evaluation) or raised
+        if self.to_run:  # another module of this unit already ran in this pass: the unit is gathered for it
+            self.unshard()
+            self.wait_unshard()
+            return self._prepare_inputs(args, kwargs, cast=self.mp_policy.cast_forward_inputs)
+        self.to_run = {id(m) for m in self.modules}
+        if self.is_root and ctx.iteration_open:
+            self.abandon_iteration()  # the last forward had no backward (evaluation) or raised
         if self.is_root and ctx.explicit_microbatch and ctx.is_first_microbatch and ctx.grads_kept:
             for unit in ctx.units:  # a new accumulation: nothing kept from a sequence that failed midway
                 for g in unit.groups:
                     g.drop_unsharded_grads()
             ctx.grads_kept = False
         if self.is_root:
-            ctx.note_forward_mode(torch.is_grad_enabled())
+            ctx.begin_iteration(torch.is_grad_enabled())
+            ctx.device.wait_event(self.post_optim_event)
+            self.post_optim_event = None
         ctx.record_forward(self)
         self.training_state = TrainingState.FORWARD
         self.unshard()
@@ -264,24 +280,50 @@ class FsdpUnit:
         return [u for u in explicit if u is not self]
 
     def post_forward(self, module, args, output):
-        if self.in_forward_method:
+        if self.forward_method_depth:
             return output
         ctx = self.context
         if ctx.in_backward:
             return output
-        if not torch.is_grad_enabled():
-            self.show_sharded_params()  # evaluation: nothing will need the gathered weights
-        else:
-            ctx.record_forward_end(self)
-            hooked = self._hook_pre_backward(output)
-            if self.reshard_after_forward and not self.is_root and not ctx.needed_first_in_backward(self):
-                if hooked or not self._has_trainable_params():
-                    self.reshard()
-                else:  # keep the weights: this unit's backward may still need them, with no hook to gather them
-                    self._warn_no_grad_output(output)
+        if torch.is_grad_enabled():
+            self.output_hooked |= self._hook_pre_backward(output)
+        self.to_run.discard(id(module))
+        if not self.to_run:  # the last of the unit's modules in this pass
+            self._end_forward(output)
+        if self.is_root:  # a unit over several modules some of which did not run (a chunked loss's head)
+            for unit in ctx.units:
+                if unit.to_run:
+                    unit.to_run.clear()
+                    unit._end_forward(output)
         if self.mp_policy.output_dtype is not None:
             output = _cast_floating(output, self.mp_policy.output_dtype)
         return output
+
+    def _end_forward(self, output) -> None:
+        """The unit's forward pass is over: reshard where the settings say so."""
+        ctx = self.context
+        if not torch.is_grad_enabled():
+            self.show_sharded_params()  # evaluation: nothing will need the gathered weights
+            return
+        ctx.record_forward_end(self)
+        if self.reshard_after_forward and not self.is_root and not ctx.needed_first_in_backward(self):
+            if self.output_hooked or not self._has_trainable_params():
+                self.reshard()
+            else:  # keep the weights: this unit's backward may still need them, with no hook to gather them
+                self._warn_no_grad_output(output)
+        self.output_hooked = False
+
+    def enter_forward_method(self, module, args, kwargs):
+        """A registered forward method (register_fsdp_forward_method) starts: the forward hooks run once around
+        the whole call; a forward (or another registered method) it calls inside finds the unit gathered."""
+        if self.forward_method_depth == 0:
+            args, kwargs = self.pre_forward(module, args, kwargs)
+        self.forward_method_depth += 1
+        return args, kwargs
+
+    def exit_forward_method(self, module, args, output):
+        self.forward_method_depth -= 1
+        return output if self.forward_method_depth else self.post_forward(module, args, output)
 
     def _prepare_inputs(self, args, kwargs, cast: bool):
         """The forward inputs, floating-point ones cast to param_dtype (``cast``), and those that need grads routed
@@ -380,7 +422,7 @@ class FsdpUnit:
         if self.check_finite_grads:  # after the iteration ended: a caught error leaves every unit at rest
             finite_grads.check(self.module, ctx.units)
 
-    def _abandon_iteration(self) -> None:
+    def abandon_iteration(self) -> None:
         """End an iteration whose backward did not complete (evaluation, or a forward or backward that raised):
         gradients not yet reduced are dropped (the training loop zeroes the rest, as after any failed step) and
         every unit is brought to rest, so the next iteration starts as if this one had not happened."""
@@ -397,10 +439,12 @@ class FsdpUnit:
 
     def _end_iteration(self) -> None:
         ctx = self.context
-        ctx.start_next_iteration()
+        ctx.end_iteration()
         for unit in ctx.units:
             unit.training_state = TrainingState.IDLE
             unit.post_backward_hooked = False
+            unit.to_run.clear()
+            unit.output_hooked = False
             for g in unit.groups:
                 g.grads_ready = 0
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import mfsdp_ext
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
@@ -92,7 +92,7 @@ def _case_forward_method():
         generated.append(ours[0].tolist())
     param_err = _compare_params(model, ref)
     assert param_err <= 1e-5, param_err
-    assert not any(u.in_forward_method for u in (model._mfsdp_unit, *(b._mfsdp_unit for b in model.blocks)))
+    assert not any(u.forward_method_depth for u in (model._mfsdp_unit, *(b._mfsdp_unit for b in model.blocks)))
     with pytest.raises(ValueError, match="not fully_shard"):
         mfsdp_ext.register_fsdp_forward_method(ScoringLM(), "score")
     with pytest.raises(ValueError, match="no method 'sample'"):
@@ -452,13 +452,15 @@ def _case_ignored_params():
     msgs = {"offload": _expect(ValueError, "not supported",
                                lambda: fully_shard(nn.Linear(4, 4), offload_policy=CPUOffloadPolicy())),
             "placement": _expect(ValueError, "dim 0",
-                                 lambda: fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: None))}
+                                 lambda: fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1)))}
+    # FSDP2's default placement asked for explicitly is what mfsdp_ext does
+    fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(0) if p.dim() == 2 else None)
     return msgs
 
 
 def _case_list_of_modules():
-    """fully_shard([model.norm, model.head]) as torchtitan writes it: each module becomes its own unit, and
-    training equals a single-process model's."""
+    """fully_shard([model.norm, model.head]) as torchtitan writes it: one unit over both modules, and training
+    equals a single-process model's (FSDP2's numbers: tests/test_fsdp2_compat.py)."""
     torch.manual_seed(12)
     model = TinyLM(tie=False)
     ref = copy.deepcopy(model).to(rank_device())
@@ -468,6 +470,7 @@ def _case_list_of_modules():
     assert fully_shard(grouped) is grouped
     fully_shard(model)
     assert all(isinstance(m, mfsdp_ext.FsdpModule) for m in grouped)
+    assert model.norm._mfsdp_unit is model.head._mfsdp_unit and len(model.head._mfsdp_unit.groups) == 1
     assert isinstance(model.head.weight, DTensor)
     return _parity(model, ref)
 

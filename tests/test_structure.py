@@ -29,6 +29,7 @@ LAYERS = [
     ["checkpoint"],
     ["shard_init"],
     ["api"],
+    ["as_fsdp2"],
     ["optim.flat_state"],
     ["optim.base"],
     ["optim.adamw", "optim.sgd"],
