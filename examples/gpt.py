@@ -194,7 +194,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         if self.activation_checkpointing and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, rope, use_reentrant=False)
+            # no dropout, so no random state to replay; saving it would also read the CUDA generator's state, which
+            # a CUDA graph capture does not allow
+            return checkpoint(self._forward, x, rope, use_reentrant=False, preserve_rng_state=False)
         return self._forward(x, rope)
 
 

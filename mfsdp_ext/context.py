@@ -45,6 +45,8 @@ class FsdpContext:
         self.explicit_microbatch = False
         self.in_backward = False  # from the first pre-backward hook to the final callback
         self.iteration_open = False  # from the root's forward to the end of a backward (or an abandoned iteration)
+        self.capturing = False  # inside a CUDA graph capture of the root's forward and backward (capture.py)
+        self.graphed = False  # some capture happened: replays, not our hooks, run those steps
         self.grads_kept = False  # a deferred reduction kept unsharded grads (reduced on the last microbatch)
         # During the root's final callback: the unsharded grads its reductions consumed, dropped only after the
         # compute stream has waited for them (so the optimizer step can reuse that memory at once); None otherwise

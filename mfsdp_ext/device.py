@@ -54,9 +54,19 @@ class DeviceHandle:
             self.current_stream().wait_event(event)
 
     def wait_stream(self, stream: Optional[torch.cuda.Stream]) -> None:
-        """The current stream waits for everything issued so far on ``stream``."""
-        if stream is not None:
-            self.current_stream().wait_stream(stream)
+        """The current stream waits for everything issued so far on ``stream``. Under CUDA graph capture ``stream``
+        is first forked from the current stream, so that it belongs to the capture even when nothing captured ran
+        on it (waiting for work outside the capture would invalidate it) and ends joined to it."""
+        if stream is None:
+            return
+        current = self.current_stream()
+        if self.capturing():
+            stream.wait_stream(current)
+        current.wait_stream(stream)
+
+    def capturing(self) -> bool:
+        """Whether the current stream is being captured into a CUDA graph."""
+        return self.has_streams and torch.cuda.is_current_stream_capturing()
 
     def record_stream(self, tensor: torch.Tensor, stream: Optional[torch.cuda.Stream]) -> None:
         """``tensor`` (allocated on the current stream) is used on ``stream``: keep its memory until that use ends."""

@@ -13,11 +13,39 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _native
 from .comm import dist_ops
 from .comm.collectives import ArrivedShards, PlainReduceScatter
 from .flat_buffer import FlatBuffer
+
+
+_GRAPH_GRAD_GROUPS: weakref.WeakSet = weakref.WeakSet()  # groups holding gradients a CUDA graph writes
+_HOOK = []
+
+
+def _watch_graph_grads() -> None:
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_check_graph_grads))
+
+
+def _check_graph_grads(optimizer, args, kwargs) -> None:
+    """Before an optimizer step: the gradients a captured CUDA graph writes must still be the parameters' .grad,
+    else the step would silently skip what the last replay computed."""
+    groups = [g for g in _GRAPH_GRAD_GROUPS if any(b is g.main_grad for b in g.graph_main_grads)]
+    if not groups:
+        return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for g in groups:
+        for i in g.trainable():
+            if id(g.infos[i].sharded) in stepped and not g.grad_attached(i):
+                raise RuntimeError(
+                    f"mfsdp_ext: the gradient of '{g.infos[i].fqn}', which a captured CUDA graph writes at every "
+                    "replay, is no longer its .grad (optimizer.zero_grad(set_to_none=True), or an assignment, after "
+                    "the capture), so this step would not see what the replay computed. Between replays of a "
+                    "captured backward, use optimizer.zero_grad(set_to_none=False) (the graph overwrites the "
+                    "gradients), or capture the whole step with mfsdp_ext.graphed(...)")
 
 
 class GroupGradients:
@@ -124,10 +152,22 @@ class GroupGradients:
     def _new_main_grad(self) -> FlatBuffer:
         main_grad = FlatBuffer(self.layout, self.main_grad_dtype, self.device, rank=self.rank)
         self._main_grad_ref = weakref.ref(main_grad)
+        if main_grad.data.is_cuda and torch.cuda.is_current_stream_capturing():
+            self.keep_main_grad_for_graph()
         for info in self.infos:  # views of the last buffer, if a reference the user kept still holds it
             info.grad_ref = None
         self.main_grad_replica_summed = False
         return main_grad
+
+    def keep_main_grad_for_graph(self) -> None:
+        """main_grad is written by a captured CUDA graph at every replay: the group keeps it alive (the graph does
+        not; a zero_grad(set_to_none=True) would free it under the graph), for as long as the group lives, and an
+        optimizer step checks that its .grad views are still in place (_check_graph_grads)."""
+        main_grad = self.main_grad
+        if main_grad is not None and not any(b is main_grad for b in self.graph_main_grads):
+            self.graph_main_grads.append(main_grad)
+            _GRAPH_GRAD_GROUPS.add(self)
+            _watch_graph_grads()
 
     def attach_grads(self, with_grad: list[bool] | None = None) -> None:
         """The trainable parameters' .grad become views of main_grad (frozen ones get none; with ``with_grad``,

@@ -147,6 +147,7 @@ class ParamGroup(GroupGradients):
         self._gathered_version, self._gathers_of_version = None, 0
         self.unsharded = self._make_unsharded(storage_device)
         self._main_grad_ref = None  # weak reference to main_grad: the .grad views own it (main_grad's docstring)
+        self.graph_main_grads: list = []  # gradient buffers a captured CUDA graph writes: kept here (group_grads)
         self.main_grad_replica_summed = False  # HSDP: main_grad holds a finished all-reduce over replicas
         self._synced_version = None  # weights_version() the model weight was cast from
         self._external_writes = 0

@@ -56,7 +56,8 @@ def plan(stepped: list["ParamGroup"]) -> NextForwardGather | None:
             continue
         seen.add(ctx)
         order = ctx.forward_order or ctx.prev_forward_order  # the last iteration's
-        if ctx.in_backward or ctx.iteration_open or not order:
+        # a captured forward gathers by itself at every replay: a gather ahead of it would be lost work
+        if ctx.in_backward or ctx.iteration_open or not order or ctx.graphed:
             continue
         if any(u.training_state is not TrainingState.IDLE for u in ctx.units):
             continue

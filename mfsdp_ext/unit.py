@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
-from . import finite_grads, same_model, summary, tensor_tree
+from . import capture, finite_grads, same_model, summary, tensor_tree
 from .comm.collectives import all_gather_together
 from .comm.native import use_native_collectives
 from .comm.symmetric.choose import choose_symmetric
@@ -120,6 +120,10 @@ class FsdpUnit:
     def lazy_init(self) -> FsdpContext:
         if self.context is not None:
             return self.context
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise capture.CaptureError("mfsdp_ext: the first forward of a fully_shard model runs collectives and "
+                                       "host checks (lazy initialisation) and cannot be captured: run one training "
+                                       "step eagerly before capturing")
         if len(self.modules) > 1:
             raise RuntimeError(f"mfsdp_ext: the unit over several modules ({self.name}) ran before a unit that "
                                "contains them: apply fully_shard to the module that contains them too (the root)")
@@ -235,6 +239,8 @@ class FsdpUnit:
         if self.forward_method_depth:  # forward called by a registered method: the method's call holds the gather
             return args, kwargs
         ctx = self.lazy_init()
+        if self.is_root and ctx.device.capturing() != ctx.capturing:
+            (capture.enter if not ctx.capturing else capture.leave)(ctx)
         if self.is_root and ctx.in_backward and not _autograd_is_running():
             self.abandon_iteration()  # the last backward raised: its final callback never ran
         if ctx.in_backward:  # activation-checkpoint recompute: gather if needed, no prefetch, no reshard
@@ -418,6 +424,8 @@ class FsdpUnit:
             else:
                 unit.show_sharded_params()
         ctx.device.wait_stream(ctx.rs_stream)
+        if ctx.capturing:  # a gather issued ahead for a unit whose backward did not come still joins the capture
+            ctx.device.wait_stream(ctx.ag_stream)
         self._end_iteration()
         if self.check_finite_grads:  # after the iteration ended: a caught error leaves every unit at rest
             finite_grads.check(self.module, ctx.units)

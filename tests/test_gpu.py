@@ -490,3 +490,66 @@ def test_resting_memory_flat():
 
 def test_no_shard_parity():
     print(get_pool(2, "nccl").run(ns._case_no_shard_parity, 3)[0])
+
+
+def _case_captured_forward_backward(fp8: bool, microbatches: int):
+    """torchtitan's recipe: torch.cuda.graph around forward, loss and backward (microbatches inside), the optimizer
+    eager; 5 replays equal 5 eager steps of a twin bit for bit (losses and fp32 shards). bf16 or FP8 weights."""
+    import mfsdp_ext
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                  fp8=mfsdp_ext.Fp8Policy() if fp8 else None)
+    torch.manual_seed(11)
+    base = TinyLM(vocab=64, dim=64, ffn=128, n_layers=3, tie=False).to(rank_device())
+    graphed, twin = copy.deepcopy(base), copy.deepcopy(base)
+    for m in (graphed, twin):
+        shard_tiny_lm(m, fully_shard, mp_policy=policy)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (graphed, twin)]
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+    def fwd_bwd(model, tokens, targets):
+        total = torch.zeros((), device=tokens.device)
+        for i, (t, y) in enumerate(zip(tokens.chunk(microbatches), targets.chunk(microbatches))):
+            with microbatch(model, is_first=i == 0, is_last=i == microbatches - 1):
+                loss = lm_loss(model, t, y) / microbatches
+                loss.backward()
+            total += loss.detach()
+        return total
+
+    def data(step):
+        tokens, targets = batch(step, 32 * world, seq=16, vocab=64)
+        return tokens.chunk(world)[rank], targets.chunk(world)[rank]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for step in range(2):  # eager warm-up of both, the same steps
+            for model, opt in zip((graphed, twin), opts):
+                fwd_bwd(model, *data(step))
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    static_tokens, static_targets = (t.clone() for t in data(2))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = fwd_bwd(graphed, static_tokens, static_targets)
+    ours, theirs = [], []
+    for step in range(2, 7):
+        tokens, targets = data(step)
+        static_tokens.copy_(tokens)
+        static_targets.copy_(targets)
+        graph.replay()
+        ours.append(static_loss.item())
+        theirs.append(fwd_bwd(twin, tokens, targets).item())
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    assert ours == theirs, (ours, theirs)
+    for (name, p), q in zip(graphed.named_parameters(), twin.parameters()):
+        assert torch.equal(p.to_local(), q.to_local()), name
+    return {"losses": ours}
+
+
+@pytest.mark.parametrize("fp8,microbatches", [(False, 1), (False, 2), (True, 2)], ids=["bf16", "bf16-mb2", "fp8-mb2"])
+def test_captured_forward_backward(gpu_pool, fp8, microbatches):
+    print(gpu_pool.run(_case_captured_forward_backward, fp8, microbatches)[0])

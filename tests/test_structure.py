@@ -23,7 +23,7 @@ LAYERS = [
     ["comm.symmetric.choose", "group_grads"],
     ["param_group"],
     ["context", "summary", "fp8.group", "finite_grads", "same_model", "step_prefetch"],
-    ["reduction"],
+    ["reduction", "capture"],
     ["unit"],
     ["module"],
     ["checkpoint"],

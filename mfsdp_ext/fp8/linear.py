@@ -196,6 +196,11 @@ class _LastInput:
 _LAST_INPUT = _LastInput()
 
 
+def forget_last_input() -> None:
+    """Drop the remembered FP8 input (at the edges of a CUDA graph capture: its buffers belong to one side)."""
+    _LAST_INPUT.entry = None
+
+
 class _DequantizedWeight(torch.autograd.Function):
     """``fp8_weight`` dequantized to ``weight``'s dtype, standing in for ``weight`` (whose values are not read):
     the gradient flows to ``weight`` unchanged. The fallback of a layer whose weight exists only in FP8."""

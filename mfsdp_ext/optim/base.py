@@ -98,6 +98,11 @@ class FlatOptimizerMixin:
 
     @torch.no_grad()
     def step(self, closure=None):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"mfsdp_ext.optim.{type(self).__name__}.step() cannot be captured by torch.cuda.graph: "
+                               "its learning rate and bias corrections are computed on the host at every step. "
+                               "Capture forward and backward and step eagerly, or capture the whole step with "
+                               "mfsdp_ext.graphed(...)")
         loss = None
         if closure is not None:
             with torch.enable_grad():

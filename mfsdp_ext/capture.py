@@ -1,0 +1,55 @@
+"""CUDA graph capture of a root's forward and backward (``torch.cuda.graph`` around them, the optimizer outside, as
+torchtitan captures FSDP2), and what a capture may not contain.
+
+A captured region is replayed without running any of our Python, so everything the graph does must be decided
+at capture as it must be at every replay:
+  * the capture starts from rest: no gather issued outside it is waited for inside it (an event recorded outside
+    a capture invalidates it), and every unit casts and gathers its current weights (a new weights epoch: a
+    replay follows an optimizer step, so no cast of the last eager step may be reused);
+  * the gradient shards the graph writes (made in the capture, or kept from before it) are kept alive by their
+    groups, and their ``.grad`` views must stay in place between replays (group_grads.py);
+  * work that waits on the host (the finite-gradients check, the unused-parameter mask) is refused by name;
+  * lazy initialisation (communicators, the same-model check) happens before, in an eager step.
+"""
+
+from __future__ import annotations
+
+from .context import FsdpContext
+from .fp8.linear import forget_last_input
+from .states import ShardedState
+
+
+class CaptureError(RuntimeError):
+    """What a CUDA graph capture of a fully_shard model may not contain, named."""
+
+
+def enter(ctx: FsdpContext) -> None:
+    """The root's forward starts under capture (once per captured region): bring the tree to the state every
+    replay starts from. The capture's ``torch.cuda.graph`` synchronized the device, so dropping the events of
+    earlier gathers and freeing their buffers waits for nothing."""
+    if ctx.explicit_microbatch and not ctx.is_first_microbatch:
+        raise CaptureError("mfsdp_ext: a capture starts at microbatch(is_first=False); capture the whole "
+                           "accumulation, from its first microbatch")
+    if ctx.root.check_finite_grads:
+        raise CaptureError("mfsdp_ext: check_finite_grads=True cannot be captured in a CUDA graph (it waits on the "
+                           "host for the reduced gradients); check torch.isfinite of the grad norm after a replay "
+                           "instead, or turn it off")
+    for unit in ctx.units:
+        if not unit.reduction.reduce_scatter_unused_params:
+            raise CaptureError(f"mfsdp_ext: unit '{unit.name}' has set_reduce_scatter_unused_params(False), whose "
+                               "mask of used parameters waits on the host; it cannot be captured in a CUDA graph "
+                               "(keep the default, True)")
+        for g in unit.groups:
+            g.keep_main_grad_for_graph()  # gradients kept from before the capture: the graph accumulates into them
+        unit.unshard_event = None
+        if unit.sharded_state is ShardedState.UNSHARDED and not unit.strategy.keeps_weights_gathered:
+            unit.reshard()
+    ctx.weights_epoch += 1  # every cast and gather is captured
+    ctx.capturing = ctx.graphed = True
+    forget_last_input()
+
+
+def leave(ctx: FsdpContext) -> None:
+    """The root's first forward outside the capture."""
+    ctx.capturing = False
+    forget_last_input()

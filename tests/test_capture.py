@@ -1,0 +1,119 @@
+"""CUDA graph capture of forward and backward (mfsdp_ext/capture.py): what the CPU can show.
+
+A CPU cannot capture, so these cases make the root see a capture (DeviceHandle.capturing answers True for one
+forward) and check the decisions taken there: the refusals of what waits on the host, the state every replay
+starts from, and the guard on the gradients a graph writes. Capture and replay themselves, bit for bit against
+eager steps, are GPU tests (tests/test_gpu.py::test_captured_forward_backward, scripts/graph_probe.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mfsdp_ext import fully_shard, microbatch
+from mfsdp_ext.capture import CaptureError
+from mfsdp_ext.device import DeviceHandle
+
+from .models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
+
+
+@contextlib.contextmanager
+def _seen_as_capturing():
+    original = DeviceHandle.capturing
+    DeviceHandle.capturing = lambda self: True
+    try:
+        yield
+    finally:
+        DeviceHandle.capturing = original
+
+
+def _model(**kwargs) -> TinyLM:
+    torch.manual_seed(3)
+    return shard_tiny_lm(TinyLM(tie=False).to(rank_device()), fully_shard, **kwargs)
+
+
+def _step(model, opt=None, set_to_none=True):
+    tokens, targets = batch(0, 2 * dist.get_world_size())
+    lm_loss(model, tokens, targets).backward()
+    if opt is not None:
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+
+
+def _case_refusals():
+    """What waits on the host is refused at the capture's first forward, naming it; nothing was changed."""
+    messages = {}
+    model = _model()
+    _step(model)  # lazy init, eagerly
+    model.set_reduce_scatter_unused_params(False)
+    tokens, _ = batch(0, 2)
+    with _seen_as_capturing(), pytest.raises(CaptureError, match="set_reduce_scatter_unused_params") as err:
+        model(tokens)
+    messages["unused"] = str(err.value)
+    model.set_reduce_scatter_unused_params(True)
+    with _seen_as_capturing(), microbatch(model, is_first=False, is_last=False), \
+            pytest.raises(CaptureError, match="is_first=False") as err:
+        model(tokens)
+    messages["microbatch"] = str(err.value)
+    checked = _model(check_finite_grads=True)
+    _step(checked)
+    with _seen_as_capturing(), pytest.raises(CaptureError, match="check_finite_grads") as err:
+        checked(tokens)
+    messages["finite"] = str(err.value)
+    return messages
+
+
+def _case_capture_starts_from_rest():
+    """At the capture's first forward every unit is resharded (no gather of before the capture is waited for),
+    a new weights epoch makes every cast and gather part of the graph, and the optimizer stops gathering ahead
+    (the replay gathers by itself)."""
+    model = _model()
+    opt = __import__("mfsdp_ext").optim.AdamW(model.parameters(), lr=1e-3)
+    _step(model, opt)  # the step gathers the next forward's first units ahead (step_prefetch)
+    ctx = model._mfsdp_unit.context
+    gathered_ahead = [u.name for u in ctx.units if u.unshard_event is not None or u.sharded_state.name == "UNSHARDED"]
+    epoch = ctx.weights_epoch
+    tokens, targets = batch(1, 2)
+    with _seen_as_capturing():
+        lm_loss(model, tokens, targets).backward()
+    assert ctx.graphed and ctx.capturing and ctx.weights_epoch == epoch + 1
+    opt.step()  # no gathers issued ahead once graphed
+    assert all(u.sharded_state.name == "SHARDED" for u in ctx.units)
+    model(tokens)  # the first forward outside the capture leaves it
+    assert not ctx.capturing and ctx.graphed
+    return {"gathered_ahead_before": gathered_ahead}
+
+
+def _case_graph_gradients_guarded():
+    """The gradients a graph writes are kept by their groups; a step after zero_grad(set_to_none=True) dropped
+    their .grad views raises instead of silently skipping them; zero_grad(set_to_none=False) keeps training."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _step(model)  # gradients from before the capture: the graph would accumulate into them
+    for m in model.modules():
+        for g in getattr(getattr(m, "_mfsdp_unit", None), "groups", []):
+            g.keep_main_grad_for_graph()
+    opt.step()
+    opt.zero_grad(set_to_none=False)  # the graph overwrites them: fine
+    _step(model)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match="no longer its .grad"):
+        opt.step()
+    return {"ok": True}
+
+
+def test_refusals(cpu_pool):
+    print(cpu_pool.run(_case_refusals)[0])
+
+
+def test_capture_starts_from_rest(cpu_pool):
+    print(cpu_pool.run(_case_capture_starts_from_rest)[0])
+
+
+def test_graph_gradients_guarded(cpu_pool):
+    print(cpu_pool.run(_case_graph_gradients_guarded)[0])
