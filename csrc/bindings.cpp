@@ -55,9 +55,9 @@ void register_kernels(py::module_& m) {
         py::arg("w8t"), py::arg("w_scale_inv"), py::arg("x8t"), py::arg("x_scale_inv"), py::arg("dx_dtype"),
         py::arg("dw_dtype"), py::arg("eps"), py::arg("algo"));
   m.def("adamw_step", &mfsdp::adamw_step, release(), py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
-        py::arg("exp_avg_sq"), py::arg("runs"), py::arg("coeffs"));
+        py::arg("exp_avg_sq"), py::arg("runs"), py::arg("coeffs"), py::arg("device_table") = py::none());
   m.def("sgd_step", &mfsdp::sgd_step, release(), py::arg("param"), py::arg("grad"), py::arg("momentum_buffer"),
-        py::arg("runs"), py::arg("coeffs"));
+        py::arg("runs"), py::arg("coeffs"), py::arg("device_table") = py::none());
   m.def("check_segments", &mfsdp::check_segments, release(), py::arg("segments"), py::arg("total"));
 }
 

@@ -43,11 +43,27 @@ int64_t check_step(const at::Tensor& param, const at::Tensor& grad, const at::Te
   return n;
 }
 
+// A device table given by the caller: a CUDA byte buffer on param's device holding the runs (2n int64) then the
+// coefficients (n x kOptimCoeffs float32), the layout run_step uploads.
+void use_device_table(OptimStepParams& p, const std::optional<at::Tensor>& table, const at::Tensor& param,
+                      const char* fn) {
+  if (!table.has_value() || !table->defined()) return;
+  const int64_t n = p.num_runs;
+  const int64_t bytes = n * (2 * static_cast<int64_t>(sizeof(int64_t)) + kOptimCoeffs * static_cast<int64_t>(sizeof(float)));
+  TORCH_CHECK_VALUE(table->is_cuda() && param.is_cuda() && table->device() == param.device() &&
+                        table->is_contiguous() && table->nbytes() >= static_cast<size_t>(bytes) &&
+                        reinterpret_cast<uintptr_t>(table->data_ptr()) % alignof(int64_t) == 0,
+                    "mfsdp_ext.", fn, ": device_table must be a contiguous CUDA buffer on param's device of at least ",
+                    bytes, " bytes (optim_device_table's layout), got ", table->sizes(), " on ", table->device());
+  p.device_runs = static_cast<const int64_t*>(table->data_ptr());
+  p.device_coeffs = reinterpret_cast<const float*>(p.device_runs + 2 * n);
+}
+
 void run_step(OptimStepParams& p, const at::Tensor& like, const char* fn) {
   if (p.num_runs == 0 || p.numel == 0 || like.is_meta()) return;
 #ifdef MFSDP_WITH_CUDA
   at::Tensor device_runs;  // alive until the kernel is queued; the allocator orders its reuse after it
-  if (like.is_cuda() && p.num_runs > kOptimInlineRuns) {  // runs then coefficients, in one upload
+  if (like.is_cuda() && p.num_runs > kOptimInlineRuns && p.device_runs == nullptr) {  // runs, coefficients: one upload
     const int64_t n = p.num_runs;
     const std::string what = "more than " + std::to_string(kOptimInlineRuns) + " runs";
     device_runs = upload_table(
@@ -63,7 +79,8 @@ void run_step(OptimStepParams& p, const at::Tensor& like, const char* fn) {
 }  // namespace
 
 void adamw_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-                const at::Tensor& exp_avg_sq, const at::Tensor& runs, const at::Tensor& coeffs) {
+                const at::Tensor& exp_avg_sq, const at::Tensor& runs, const at::Tensor& coeffs,
+                const std::optional<at::Tensor>& device_table) {
   const char* fn = "adamw_step";
   const int64_t n = check_step(param, grad, runs, coeffs, fn);
   check_state(exp_avg, param, fn, "exp_avg");
@@ -76,11 +93,12 @@ void adamw_step(const at::Tensor& param, const at::Tensor& grad, const at::Tenso
   OptimStepParams p{kOptimAdamW, param.data_ptr<float>(), grad.data_ptr(), float_dtype(grad, fn, "grad"),
                     exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), param.numel(), runs.data_ptr<int64_t>(),
                     coeffs.data_ptr<float>(), nullptr, nullptr, n};
+  use_device_table(p, device_table, param, fn);
   run_step(p, param, fn);
 }
 
 void sgd_step(const at::Tensor& param, const at::Tensor& grad, const std::optional<at::Tensor>& momentum_buffer,
-              const at::Tensor& runs, const at::Tensor& coeffs) {
+              const at::Tensor& runs, const at::Tensor& coeffs, const std::optional<at::Tensor>& device_table) {
   const char* fn = "sgd_step";
   const int64_t n = check_step(param, grad, runs, coeffs, fn);
   float* buf = nullptr;
@@ -97,6 +115,7 @@ void sgd_step(const at::Tensor& param, const at::Tensor& grad, const std::option
   }
   OptimStepParams p{kOptimSgd, param.data_ptr<float>(), grad.data_ptr(), float_dtype(grad, fn, "grad"), buf, nullptr,
                     param.numel(), runs.data_ptr<int64_t>(), coeffs.data_ptr<float>(), nullptr, nullptr, n};
+  use_device_table(p, device_table, param, fn);
   run_step(p, param, fn);
 }
 

@@ -8,9 +8,13 @@
 
 namespace mfsdp {
 
+// device_table (CUDA only, optional): the same runs and coefficients already in device memory, as
+// optim_device_table lays them out (2n int64 runs, then n x kOptimCoeffs float32): the kernel reads them there
+// (nothing is uploaded, the launch is capturable in a CUDA graph, and a later copy into the table is seen).
 void adamw_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-                const at::Tensor& exp_avg_sq, const at::Tensor& runs, const at::Tensor& coeffs);
+                const at::Tensor& exp_avg_sq, const at::Tensor& runs, const at::Tensor& coeffs,
+                const std::optional<at::Tensor>& device_table);
 void sgd_step(const at::Tensor& param, const at::Tensor& grad, const std::optional<at::Tensor>& momentum_buffer,
-              const at::Tensor& runs, const at::Tensor& coeffs);
+              const at::Tensor& runs, const at::Tensor& coeffs, const std::optional<at::Tensor>& device_table);
 
 }  // namespace mfsdp

@@ -165,7 +165,7 @@ int launch_step(const OptimStepParams& p, cudaStream_t stream) {
   const int64_t n = p.num_runs;
   const int64_t total = p.host_runs[2 * n - 1];  // the last run's end: nothing past it is touched
   if (total <= 0) return 0;
-  if (n <= kOptimInlineRuns) {
+  if (n <= kOptimInlineRuns && p.device_runs == nullptr) {  // a caller's device table is read where it is
     InlineRuns t;
     for (int64_t k = 0; k < 2 * n; ++k) t.runs[k] = p.host_runs[k];
     for (int64_t k = 0; k < kOptimCoeffs * n; ++k) t.coeffs[k] = p.host_coeffs[k];

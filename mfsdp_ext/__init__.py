@@ -2,6 +2,7 @@
 
 from .api import fully_shard, microbatch, register_fsdp_forward_method, reset_parameters
 from .as_fsdp2 import use_as_fsdp2
+from .graphs import graphed
 from .finite_grads import NonFiniteGradError
 from .fp8.linear import Fp8Linear, Fp8LinearConfig, to_fp8_linear
 from .marks import no_shard
@@ -20,5 +21,6 @@ def build_info() -> dict:
 
 __all__ = ["optim", "fully_shard", "microbatch", "register_fsdp_forward_method", "no_shard", "reset_parameters",
            "MixedPrecisionPolicy", "Fp8Policy", "FsdpModule", "Strategy", "Fp8Linear", "Fp8LinearConfig",
-           "to_fp8_linear", "build_info", "NonFiniteGradError", "use_as_fsdp2"]
+           "to_fp8_linear", "build_info", "NonFiniteGradError", "use_as_fsdp2",
+           "graphed"]
 __version__ = "0.1.0"

@@ -7,6 +7,7 @@ stages. It holds data only: the root unit drives the iteration (see FsdpUnit).
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Optional, Protocol
 
 import torch
@@ -24,7 +25,15 @@ class FsdpUnit(Protocol):
 
 
 class FsdpContext:
+    _LIVE: "weakref.WeakSet[FsdpContext]" = weakref.WeakSet()
+
+    @classmethod
+    def live(cls) -> list["FsdpContext"]:
+        """The contexts of the roots alive in this process (mfsdp_ext.graphed watches their modes)."""
+        return list(cls._LIVE)
+
     def __init__(self, root: "FsdpUnit", units: list["FsdpUnit"], device: torch.device):
+        FsdpContext._LIVE.add(self)
         self.root = root
         self.units = units
         self.device = DeviceHandle(device)

@@ -55,6 +55,15 @@ class _OptimizerSteps:
 _OWNERS = WeakIdKeyDictionary()
 
 
+_GENERATION = [0]  # bumped whenever some group's buffers or collectives are replaced
+
+
+def buffers_generation() -> int:
+    """Changes whenever a group's flat buffers or collectives are replaced (materialisation, the release of
+    symmetric memory): what a captured CUDA graph addresses is then gone (mfsdp_ext.graphed captures again)."""
+    return _GENERATION[0]
+
+
 def owner_of(param: torch.Tensor) -> tuple[ParamGroup, int] | None:
     """(group, index) when ``param`` is (or was: check ``group.infos[index].sharded is param``) the sharded
     parameter of a live ParamGroup; None for any other tensor."""
@@ -230,6 +239,7 @@ class ParamGroup(GroupGradients):
         return DTensor(local, spec, requires_grad=False)
 
     def _make_params(self) -> None:
+        _GENERATION[0] += 1
         for i, info in enumerate(self.infos):
             info.sharded = nn.Parameter(self.as_dtensor(i, self.main_weight.param_alias(i)),
                                         requires_grad=self.requires_grad)
@@ -281,6 +291,7 @@ class ParamGroup(GroupGradients):
         """Issue the plain collectives through ``transport`` (comm/collectives.py): the all-gather and reduce-scatter,
         and FP8 groups' own gather and scale all-reduce over the shard group."""
         self.transport = transport
+        _GENERATION[0] += 1
         self.all_gather_op: AllGather = transport.all_gather_op
         self.reduce_scatter_op: ReduceScatter = transport.reduce_scatter_op
 

@@ -33,6 +33,7 @@ LAYERS = [
     ["optim.flat_state"],
     ["optim.base"],
     ["optim.adamw", "optim.sgd"],
+    ["graphs"],
 ]
 FACES = {"__init__", "comm", "comm.symmetric", "fp8", "optim"}
 MAX_FUNCTION_LINES = 60

@@ -65,6 +65,9 @@ sgd_step(param, grad, momentum_buffer, runs, coeffs)
     then g = fma(buf, momentum, g) (nesterov) or buf; param = fma(g, -lr, param). coeffs[i] = (wd, momentum,
     1 - dampening, -lr, sign, flags, 0, 0), flags = 1 (momentum: momentum_buffer used) | 2 (first step: buf = g)
     | 4 (nesterov). momentum_buffer may be None when no run has flag 1.
+    Both take ``device_table`` (CUDA): ``optim_device_table(runs, coeffs)`` copied to param's device; the kernel
+    then reads runs and coefficients there instead of from its parameters, so a CUDA graph that captured the launch
+    steps with whatever the table holds at each replay.
 
 fp8_quantize(src, dst, scale_inv, amax=None, dst_t=None, eps=1e-12, algo="auto")
     Per-tensor current scaling of one tensor (activations, gradients): amax = max |src| over the whole tensor,
@@ -319,10 +322,20 @@ def grad_accumulate(main_grad: torch.Tensor, reduced: torch.Tensor, scale: float
 
 
 def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-               runs: torch.Tensor, coeffs: torch.Tensor) -> None:
-    _C.adamw_step(param, grad, exp_avg, exp_avg_sq, runs, coeffs)
+               runs: torch.Tensor, coeffs: torch.Tensor, device_table: torch.Tensor | None = None) -> None:
+    _C.adamw_step(param, grad, exp_avg, exp_avg_sq, runs, coeffs, device_table)
 
 
 def sgd_step(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor | None, runs: torch.Tensor,
-             coeffs: torch.Tensor) -> None:
-    _C.sgd_step(param, grad, momentum_buffer, runs, coeffs)
+             coeffs: torch.Tensor, device_table: torch.Tensor | None = None) -> None:
+    _C.sgd_step(param, grad, momentum_buffer, runs, coeffs, device_table)
+
+
+def optim_device_table(runs: torch.Tensor, coeffs: torch.Tensor) -> torch.Tensor:
+    """adamw_step / sgd_step's ``device_table`` layout, in pinned host memory: the runs (2n int64), then the
+    coefficients (n x OPTIM_COEFFS float32), as bytes; copy it to the device (non_blocking) before the launch."""
+    n = runs.shape[0]
+    table = torch.empty(n * (16 + 4 * OPTIM_COEFFS), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    table[: 16 * n].view(torch.int64).copy_(runs.reshape(-1))
+    table[16 * n:].view(torch.float32).copy_(coeffs.reshape(-1))
+    return table

@@ -7,7 +7,8 @@ A subclass (also a subclass of the torch optimizer it replaces) defines:
   _init_flat(p, flat, i)          make a new parameter's state (views of its zeroed slots), or none yet
   _flat_key(group_index, p)       what besides the data its update depends on (merged runs share it); may
                                   advance per-parameter counters (AdamW's step)
-  _run_kernel(group, flat, runs, keys)   one native launch over the group's buffers
+  _run_kernel(group, flat, runs, keys, device_table)   one native launch over the group's buffers (device_table:
+                                  in a CUDA graph, runs and coefficients are read from it, see _GraphTables)
   _torch_step(group, params)      torch's step for ``params`` (a subset of ``group["params"]``)
   _after_flat(group_index, p, flat, i)  state bookkeeping after the kernel (SGD's momentum buffer)
 """
@@ -20,8 +21,21 @@ from collections import defaultdict
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import step_prefetch
+from .. import _native, step_prefetch
 from .flat_state import FlatState, build_runs, flat_owner
+
+
+class _GraphTables:
+    """A flat optimizer's steps inside a CUDA graph (mfsdp_ext.graphed): per ParamGroup, the runs and coefficients
+    live in a device table that the captured kernel reads. Before each replay the host computes the step's
+    coefficients exactly as an eager step would (advancing the step counters, reading the current lr) and copies
+    them there: the same bits as eager, and schedulers work without a new capture."""
+
+    def __init__(self):
+        self.tables: dict = {}  # ParamGroup -> the device table the captured kernel reads
+        self.items: dict = {}  # ParamGroup -> the (index, parameter, optimizer group index) stepped in the capture
+        self.runs: dict = {}  # ParamGroup -> the run table captured (its structure is the graph's)
+        self.pending: dict = {}  # ParamGroup -> host table to copy before the next replay
 
 
 class FlatOptimizerMixin:
@@ -31,6 +45,7 @@ class FlatOptimizerMixin:
     _UNSUPPORTED: tuple[tuple[str, str], ...] = ()  # (group option, what to use instead) refused when truthy
 
     def _setup_flat(self) -> None:
+        self._graph: _GraphTables | None = None  # set while mfsdp_ext.graphed captures and replays this optimizer
         self._flat_states = weakref.WeakKeyDictionary()  # ParamGroup -> FlatState
         for group in self.param_groups:
             self._check_group(group)
@@ -98,7 +113,8 @@ class FlatOptimizerMixin:
 
     @torch.no_grad()
     def step(self, closure=None):
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if capturing and self._graph is None:
             raise RuntimeError(f"mfsdp_ext.optim.{type(self).__name__}.step() cannot be captured by torch.cuda.graph: "
                                "its learning rate and bias corrections are computed on the host at every step. "
                                "Capture forward and backward and step eagerly, or capture the whole step with "
@@ -108,6 +124,10 @@ class FlatOptimizerMixin:
             with torch.enable_grad():
                 loss = closure()
         flat_work, torch_work, adopt_after = self._split()
+        if capturing and any(torch_work):
+            raise RuntimeError(f"mfsdp_ext.optim.{type(self).__name__}: in a CUDA graph it steps fully_shard parameters "
+                               "only (with their gradient shards); step the others with a torch optimizer built "
+                               "with capturable=True")
         for group, params in zip(self.param_groups, torch_work):
             # DTensors and plain tensors apart: torch's foreach kernels (its CUDA default) refuse a mix
             for kind in (True, False):
@@ -129,13 +149,51 @@ class FlatOptimizerMixin:
         return loss
 
     def _step_group(self, group, items: list) -> None:
-        """One kernel launch over the group's flat buffers."""
+        """One kernel launch over the group's flat buffers (in a CUDA graph: reading its device table)."""
         flat = self._flat(group)
         keyed = [(i, self._flat_key(gi, p)) for i, p, gi in items]
         runs, keys = build_runs(group, keyed)
-        self._run_kernel(group, flat, runs, keys)
+        table = None
+        if self._graph is not None and torch.cuda.is_current_stream_capturing():
+            table = self._graph.tables.get(group)
+            if table is None:
+                table = self._graph.tables[group] = torch.empty(
+                    runs.shape[0] * (16 + 4 * _native.OPTIM_COEFFS), dtype=torch.uint8, device=group.device)
+            self._graph.items[group], self._graph.runs[group] = items, runs
+            self._graph.pending[group] = _native.optim_device_table(runs, self._coeffs(keys))
+        self._run_kernel(group, flat, runs, keys, table)
         for i, p, gi in items:
             self._after_flat(gi, p, flat, i)
+
+    # ------------------------------------------------------------------ CUDA graphs (mfsdp_ext.graphed)
+    def graph_begin(self) -> None:
+        """Before a capture of the step: its kernels will read device tables."""
+        self._graph = _GraphTables()
+
+    def graph_upload(self) -> None:
+        """Copy the coefficients of the step to be replayed into the device tables (on the current stream, before
+        the replay)."""
+        for group, host in self._graph.pending.items():
+            self._graph.tables[group].copy_(host, non_blocking=True)
+        self._graph.pending.clear()
+
+    def graph_prologue(self) -> None:
+        """Before a replay: this step's host work as an eager step does it (step counters, coefficients from the
+        current hyperparameters), without the kernels, which the replay runs."""
+        graph = self._graph
+        for group, items in graph.items.items():
+            runs, keys = build_runs(group, [(i, self._flat_key(gi, p)) for i, p, gi in items])
+            if not torch.equal(runs, graph.runs[group]):
+                raise RuntimeError("mfsdp_ext.graphed: the optimizer's runs changed (parameters stepped apart); "
+                                   "capture again")
+            graph.pending[group] = _native.optim_device_table(runs, self._coeffs(keys))
+            flat = self._flat(group)
+            for i, p, gi in items:
+                self._after_flat(gi, p, flat, i)
+        self.graph_upload()
+
+    def graph_end(self) -> None:
+        self._graph = None
 
     def _after_flat(self, group_index: int, p, flat: FlatState, i: int) -> None:
         pass

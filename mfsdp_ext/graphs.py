@@ -1,0 +1,170 @@
+"""mfsdp_ext.graphed: a whole training step (forward, loss, backward, optimizer step, zero_grad; microbatches inside
+if the step has them) captured once as one CUDA graph and replayed.
+
+    step = mfsdp_ext.graphed(train_step, warmup=2)     # train_step(*batch) -> loss
+    for batch in data:
+        loss = step(*batch)
+
+The first ``warmup`` calls run eagerly (lazy initialisation, optimizer state, communicators); the next one captures
+the step on static copies of its tensor arguments and replays it; later calls copy their arguments into those
+copies and replay. What a replay cannot see is handled around it:
+  * mfsdp_ext.optim's steps read their coefficients from device tables that the host fills before each replay,
+    as an eager step computes them (step counters advance, a scheduler's lr is taken): the same bits as eager;
+    torch optimizers must be built with ``capturable=True`` (torch's rule for stepping inside a graph);
+  * every call checks, on every rank together (a replay is a collective), that nothing the graph depends on
+    changed: argument shapes, dtypes and non-tensor values, the models' train/eval mode, the optimizers' parameter
+    groups, the fully_shard buffers (a materialisation); if something did, the step is captured again;
+  * after a replay, eager code (an evaluation) casts and gathers the weights afresh.
+Without CUDA (or with CPU tensors) every call runs eagerly, with one warning: the same numbers, no graph.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+import zlib
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils import _pytree as pytree
+
+from . import param_group
+from .context import FsdpContext
+from .optim.base import FlatOptimizerMixin
+
+
+def graphed(train_step: Callable, *, warmup: int = 2) -> "GraphedStep":
+    """``train_step`` as a callable whose calls after the first ``warmup`` replay one CUDA graph of the whole step
+    (see the module docstring). ``warmup`` >= 1: the first call of a fully_shard model initialises it eagerly."""
+    if warmup < 1:
+        raise ValueError(f"mfsdp_ext.graphed: warmup must be at least 1 (the first step initialises the model "
+                         f"eagerly), got {warmup}")
+    return GraphedStep(train_step, warmup)
+
+
+class GraphedStep:
+    def __init__(self, train_step: Callable, warmup: int):
+        self.train_step = train_step
+        self.warmup = warmup
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.pool = None  # the graph's memory pool, kept across captures
+        self.key: tuple | None = None
+        self.static_leaves: list = []  # the capture's tensor arguments (replays copy new ones into them)
+        self.static_out: Any = None
+        self.optimizers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> optimizer stepped
+        self.captures = 0
+        self._cpu_group = None
+        self._warned = False
+
+    def __call__(self, *args, **kwargs):
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if not torch.cuda.is_available() or not tensors or not all(t.is_cuda for t in tensors):
+            self._warn_eager("its tensors are not on a CUDA device" if torch.cuda.is_available() else
+                             "CUDA is not available")
+            return self.train_step(*args, **kwargs)
+        self.calls += 1
+        if self.calls <= self.warmup:
+            with self._recording_optimizers():
+                return self.train_step(*args, **kwargs)
+        key = self._key(leaves, spec)
+        if self.graph is None or not self._same_on_every_rank(key):
+            return self._capture(leaves, spec, key)
+        for static, new in zip(self.static_leaves, leaves):
+            if isinstance(static, torch.Tensor):
+                static.copy_(new)
+        for opt in self._flat_optimizers():
+            opt.graph_prologue()
+        self.graph.replay()
+        self._after_replay()
+        return self._output()
+
+    # ------------------------------------------------------------------ capture
+    def _capture(self, leaves: list, spec, key: tuple):
+        """Capture the step on static copies of this call's arguments, then replay it once for this call."""
+        self.graph = None  # the last graph (if any) is dropped first: its buffers go back to the pool
+        torch.cuda.synchronize()
+        self.static_leaves = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves]
+        args, kwargs = pytree.tree_unflatten(self.static_leaves, spec)
+        flat_optimizers = self._flat_optimizers()
+        for opt in flat_optimizers:
+            opt.graph_begin()
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with self._recording_optimizers(), torch.cuda.graph(graph, pool=self.pool):
+            out = self.train_step(*args, **kwargs)
+        for opt in flat_optimizers:
+            opt.graph_upload()
+        self.graph, self.static_out, self.key = graph, out, key
+        self.captures += 1
+        graph.replay()  # the capture ran nothing: this call's step
+        self._after_replay()
+        return self._output()
+
+    def _after_replay(self) -> None:
+        """Eager code after a replay sees new weights: a new weights epoch makes it cast and gather them."""
+        for ctx in FsdpContext.live():
+            ctx.weights_epoch += 1
+
+    def _output(self):
+        return pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, self.static_out)
+
+    # ------------------------------------------------------------------ what the graph depends on
+    def _key(self, leaves: list, spec) -> tuple:
+        arguments = tuple((tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else repr(x)
+                          for x in leaves)
+        modes = tuple(sorted((id(ctx), ctx.root.module.training) for ctx in FsdpContext.live()))
+        optimizers = tuple((id(opt), tuple(tuple(id(p) for p in g["params"]) for g in opt.param_groups))
+                           for opt in self.optimizers.values())
+        return (str(spec), arguments, modes, optimizers, param_group.buffers_generation())
+
+    def _same_on_every_rank(self, key: tuple) -> bool:
+        """Whether the graph still fits this call, decided together: a rank that replays while another captures
+        would wait for it forever. One small all-reduce over a CPU group (no device synchronisation)."""
+        changed = int(key != self.key)
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+            return not changed
+        if self._cpu_group is None:
+            self._cpu_group = dist.new_group(backend="gloo")
+        flag = torch.tensor([changed, zlib.crc32(repr(key[:2]).encode())], dtype=torch.int64)
+        low = flag.clone()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self._cpu_group)
+        if flag[1] != low[1]:
+            raise RuntimeError("mfsdp_ext.graphed: the ranks called the step with different argument shapes or "
+                               "values; every rank must run the same step (a replay is a collective)")
+        return not bool(flag[0])
+
+    # ------------------------------------------------------------------ optimizers
+    def _recording_optimizers(self):
+        """Notes every optimizer stepped inside (mfsdp_ext.optim's get device tables for the capture)."""
+        def note(optimizer, args, kwargs):
+            self.optimizers[id(optimizer)] = optimizer
+
+        return _Hook(register_optimizer_step_pre_hook(note))
+
+    def _flat_optimizers(self) -> list[FlatOptimizerMixin]:
+        return [opt for opt in self.optimizers.values() if isinstance(opt, FlatOptimizerMixin)]
+
+    def _warn_eager(self, why: str) -> None:
+        if not self._warned:
+            warnings.warn(f"mfsdp_ext.graphed: {why}; every call runs the step eagerly (same numbers, no graph)",
+                          stacklevel=3)
+            self._warned = True
+
+
+class _Hook:
+    """A registered hook as a context manager that removes it on exit."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()

@@ -1,0 +1,81 @@
+"""mfsdp_ext.graphed on the CPU: it runs the step eagerly with one warning (the same numbers), and the key that
+decides a new capture sees what a graph depends on. Capture and replay against eager steps, bit for bit, are GPU
+tests (tests/test_gpu.py::test_graphed_whole_step)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import mfsdp_ext
+from mfsdp_ext import fully_shard
+from mfsdp_ext.graphs import GraphedStep
+
+from .models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
+
+
+def _case_cpu_runs_eagerly():
+    torch.manual_seed(5)
+    base = TinyLM(tie=False).to(rank_device())
+    models = [shard_tiny_lm(copy.deepcopy(base), fully_shard) for _ in range(2)]
+    opts = [mfsdp_ext.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def make_step(model, opt):
+        def train_step(tokens, targets):
+            loss = lm_loss(model, tokens, targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        return train_step
+
+    step = mfsdp_ext.graphed(make_step(models[0], opts[0]), warmup=1)
+    eager = make_step(models[1], opts[1])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(4):
+            tokens, targets = (t.chunk(world)[rank] for t in batch(s, 4 * world))
+            assert torch.equal(step(tokens, targets), eager(tokens, targets)), s
+    graphed_warnings = [w for w in caught if "mfsdp_ext.graphed" in str(w.message)]
+    assert len(graphed_warnings) == 1, [str(w.message) for w in caught]
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p.to_local(), q.to_local())
+    return {"warning": str(graphed_warnings[0].message)}
+
+
+def _case_key_sees_what_a_graph_depends_on():
+    model = shard_tiny_lm(TinyLM(tie=False).to(rank_device()), fully_shard)
+    opt = mfsdp_ext.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens, targets = batch(0, 4)
+    lm_loss(model, tokens, targets).backward()  # lazy init: the model's context exists
+    step = GraphedStep(lambda *a: None, warmup=1)
+    step.optimizers[id(opt)] = opt
+
+    def key(*args):
+        from torch.utils import _pytree as pytree
+
+        leaves, spec = pytree.tree_flatten((args, {}))
+        return step._key(leaves, spec)
+
+    first = key(tokens, targets, 0.5)
+    assert key(tokens, targets, 0.5) == first
+    changed = {"shape": key(tokens[:1], targets[:1], 0.5), "value": key(tokens, targets, 0.25)}
+    model.eval()
+    changed["eval"] = key(tokens, targets, 0.5)
+    model.train()
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    changed["param_group"] = key(tokens, targets, 0.5)
+    assert all(k != first for k in changed.values()), [n for n, k in changed.items() if k == first]
+    return sorted(changed)
+
+
+def test_cpu_runs_eagerly(cpu_pool):
+    print(cpu_pool.run(_case_cpu_runs_eagerly)[0])
+
+
+def test_key_sees_what_a_graph_depends_on(cpu_pool):
+    print(cpu_pool.run(_case_key_sees_what_a_graph_depends_on)[0])
