@@ -143,6 +143,11 @@ def test_many_runs_and_errors():
         _native.sgd_step(param, grad, None, runs[:1], torch.tensor([_sgd_coeffs(0.1, 0.9, 0, 0, False, True)]))
     with pytest.raises(ValueError, match="overlap"):
         _native.adamw_step(param, param, m, v, runs, coeffs)
+    table = _native.optim_device_table(runs, coeffs)  # laid out right, but the kernel reads it on a GPU only
+    assert table.numel() == k * (16 + 4 * _native.OPTIM_COEFFS)
+    assert torch.equal(table[: 16 * k].view(torch.int64).reshape(k, 2), runs)
+    with pytest.raises(ValueError, match="device_table must be a contiguous CUDA buffer"):
+        _native.adamw_step(param, grad, m, v, runs, coeffs, table)
 
 
 # ---------------------------------------------------------------------------------------------- refused options
@@ -559,12 +564,16 @@ def test_gpu_kernels_equal_cpu_kernels(grad_dtype, nruns):
         grad = torch.randn(n, generator=g).to(grad_dtype)
         cpu[3] = cpu[3].abs()
         gpu = [t.cuda() for t in cpu]
+        tabled = [t.cuda() for t in cpu]  # runs and coefficients read from a device table (mfsdp_ext.graphed)
         _native.adamw_step(cpu[0], grad, cpu[1], cpu[3], runs, adamw)
         _native.adamw_step(gpu[0], grad.cuda(), gpu[1], gpu[3], runs, adamw)
+        _native.adamw_step(tabled[0], grad.cuda(), tabled[1], tabled[3], runs, adamw,
+                           _native.optim_device_table(runs, adamw).cuda())
         _native.sgd_step(cpu[0], grad, cpu[2], runs, sgd)
         _native.sgd_step(gpu[0], grad.cuda(), gpu[2], runs, sgd)
-        for c, d in zip(cpu, gpu):
-            assert torch.equal(c, d.cpu())
+        _native.sgd_step(tabled[0], grad.cuda(), tabled[2], runs, sgd, _native.optim_device_table(runs, sgd).cuda())
+        for c, d, e in zip(cpu, gpu, tabled):
+            assert torch.equal(c, d.cpu()) and torch.equal(c, e.cpu())
 
 
 @pytest.mark.gpu
