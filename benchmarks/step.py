@@ -121,10 +121,16 @@ class Variant:
     impl: str  # "ours" | "fsdp2"
     extra: dict  # extra keyword arguments for fully_shard
     fp8: str = ""  # "" | "ours" (Fp8Policy(compute=True)) | "torchao" (torchao float8 training under FSDP2)
-    fused_optimizer: bool = False  # mfsdp_ext.optim.AdamW (one native kernel per flat group) instead of torch's
+    fused_optimizer: bool = False  # ours: mfsdp_ext.optim.AdamW (one native kernel per flat group); fsdp2: torch's
+    # AdamW(fused=True) instead of its foreach default
+    graph: str = ""  # "" eager | "fwdbwd": torch.cuda.graph around forward+backward, the optimizer eager (torchtitan's
+    # recipe) | "step": the whole step as one graph (mfsdp_ext.graphed)
 
 
 FUSED_IMPLS = {"ours_fused": "ours", "ours_fp8_fused": "ours_fp8"}  # name -> the variant it is, with our AdamW
+# name -> (impl, graph): fused AdamW on both sides (ours: mfsdp_ext.optim.AdamW; FSDP2: torch's fused=True)
+GRAPH_IMPLS = {"fsdp2_fused": ("fsdp2", ""), "fsdp2_captured": ("fsdp2", "fwdbwd"),
+               "ours_captured": ("ours", "fwdbwd"), "ours_graphed": ("ours", "step")}
 
 
 FP8_IMPLS = {"ours_fp8": ("ours", "ours"), "fsdp2_float8": ("fsdp2", "torchao")}  # name -> (impl, fp8)
@@ -178,6 +184,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def make_variants(args) -> List[Variant]:
     variants = []
     for impl in [s.strip() for s in args.impls.split(",") if s.strip()]:
+        if impl in GRAPH_IMPLS:
+            base, graph = GRAPH_IMPLS[impl]
+            variants.append(Variant(impl, base, {}, fused_optimizer=True, graph=graph))
+            continue
         fused = impl in FUSED_IMPLS
         name, impl = impl, FUSED_IMPLS.get(impl, impl)
         if fused:
@@ -364,6 +374,59 @@ def train_step(model, optimizer, batches, impl: str, losses: list, after_step=No
     losses.append(loss_sum)
 
 
+def make_optimizer(v: Variant, model):
+    hyper = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    if v.fused_optimizer and v.impl == "ours":
+        import mfsdp_ext.optim
+
+        return mfsdp_ext.optim.AdamW(model.parameters(), **hyper)
+    # torch's: foreach on CUDA (its default, as users run it), or fused=True
+    return torch.optim.AdamW(model.parameters(), fused=v.fused_optimizer and model.parameters().__next__().is_cuda,
+                             **hyper)
+
+
+def make_step(v: Variant, model, optimizer, batches, losses: list, after_step, warmup: int):
+    """The step to time. Eager; or (v.graph) forward+backward captured after the warm-up steps and replayed, the
+    optimizer eager (zero_grad(set_to_none=False): the graph writes the gradients in place); or the whole step
+    through mfsdp_ext.graphed."""
+    eager = functools.partial(train_step, model, optimizer, batches, v.impl, losses, after_step)
+    if not v.graph or not torch.cuda.is_available():
+        return eager
+    if v.graph == "step":
+        import mfsdp_ext
+
+        def whole(batch_list):
+            loss = gpt.forward_backward(model, v.impl, batch_list)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss
+
+        graphed = mfsdp_ext.graphed(whole, warmup=max(1, warmup - 1))
+        return lambda: losses.append(graphed(batches))
+    state = {"graph": None, "calls": 0}
+
+    def fwdbwd():
+        state["calls"] += 1
+        if state["calls"] < warmup:  # eager warm-up, then the capture at the last warm-up step
+            losses.append(gpt.forward_backward(model, v.impl, batches))
+        elif state["graph"] is None:
+            torch.cuda.synchronize()
+            state["graph"] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(state["graph"]):
+                state["loss"] = gpt.forward_backward(model, v.impl, batches)
+            state["graph"].replay()
+            losses.append(state["loss"].clone())
+        else:
+            state["graph"].replay()
+            losses.append(state["loss"].clone())
+        optimizer.step()
+        if after_step is not None:
+            after_step(model)
+        optimizer.zero_grad(set_to_none=False)
+
+    return fwdbwd
+
+
 def dtype_or_value(val):
     """"bfloat16" / "torch.bfloat16" -> torch.bfloat16 (e.g. mp.reduce_comm_dtype=bfloat16); anything else as is."""
     name = val.removeprefix("torch.") if isinstance(val, str) else None
@@ -397,19 +460,13 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
         model = gpt.build_sharded(cfg, v.impl, device, args.init == "meta", mesh=mesh, mp_policy=mp, **shard_extra)
     if args.init != "meta":
         free_memory(device)  # drop the transient full model (and reset the peak after it)
-    if v.fused_optimizer:
-        import mfsdp_ext.optim
-
-        optimizer_class = mfsdp_ext.optim.AdamW
-    else:
-        optimizer_class = torch.optim.AdamW  # foreach on CUDA: as users run it
-    optimizer = optimizer_class(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = make_optimizer(v, model)
     gpt.synchronize(device)
     build_s = time.perf_counter() - t_build
     batches = make_batches(bc, device, seed=100 + rank)
     k = bc.microbatches
     losses = []
-    step = functools.partial(train_step, model, optimizer, batches, v.impl, losses, after_step)
+    step = make_step(v, model, optimizer, batches, losses, after_step, args.warmup)
     for _ in range(args.warmup):
         step()
     gpt.synchronize(device)
