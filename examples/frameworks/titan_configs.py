@@ -1,0 +1,103 @@
+"""torchtitan 0.3.0 configs for torchtitan_train.py (``--module titan_configs --config NAME``).
+
+Each starts from torchtitan's own config and changes only what is listed; the model, its FSDP wrapping (blocks, the
+[norm, lm_head] list unit, the root), ChunkedLossWrapper, AdamW, the warm-up + linear-decay LR schedule, clipping
+(max_norm 1.0) and the DCP CheckpointManager stay torchtitan's.
+
+  llama3_debug_cpu     torchtitan's llama3_debugmodel, fp32, seq 256, local batch 2, global batch 8 (so 2 ranks
+                       accumulate 2 microbatches), 4 steps, checkpoint interval 2
+  qwen3_moe_debug_cpu  torchtitan's qwen3_moe_debug (64 experts, top 8, no expert parallel), the same settings with
+                       2 of its 8 layers (its 300 M parameters make a CPU step slow) and seq 128, 2 steps
+  llama3_8b_gpu        torchtitan's llama3_8b: the 8B shape, seq 8192, bf16 compute (torchtitan's default policy),
+                       selective activation checkpointing, with TITAN_LAYERS layers (default 8) so that it fits
+                       2 GPUs' memory with room for both implementations' peaks; no checkpoints, 10 steps;
+                       TITAN_AC=full: full activation checkpointing of each block instead of torchtitan's selective
+                       one (which saves every other matmul output: mfsdp_ext's FP8 GEMMs are native kernels it does
+                       not see, so under it they are all recomputed)
+
+Changes for every config:
+  * local assets (titan_assets.py: a 2000-token tokenizer and a small corpus; TITAN_ASSETS names the folder)
+  * attention: torchtitan's ScaledDotProductAttention in place of FlexAttention. Needed on CPU (FlexAttention has no
+    CPU backward); on GPU it avoids compiling FlexAttention's kernels (no network, and the same attention for both
+    implementations). torchtitan refuses attn_backend="sdpa" for language models, so the built config is edited.
+  * parallelism.spmd_backend = "partial_dtensor": the default "spmd_types" makes FSDP2 itself fail at fully_shard on
+    torch 2.13 (and ours refuses its dp_mesh_dims by name)
+  * no validator, no CUDA graphs, fixed seed, log every step, no tensorboard
+  * TITAN_DUMP names the dump folder (checkpoints: TITAN_DUMP/checkpoint/step-N)
+"""
+
+from __future__ import annotations
+
+import os
+
+from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _use_sdpa(model_cfg) -> None:
+    n = 0
+    for layer in model_cfg.layers:
+        if isinstance(layer.attention.inner_attention, FlexAttention.Config):
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+            n += 1
+    assert n > 0, "no FlexAttention found to replace"
+
+
+def _common(config, *, seq_len: int, local_batch_size: int, steps: int):
+    _use_sdpa(config.model_spec.model)
+    assets = os.environ.get("TITAN_ASSETS", os.path.join(HERE, "assets"))
+    config.hf_assets_path = os.path.join(assets, "tokenizer")
+    config.dataloader.dataset = "c4_test"
+    config.dataloader.dataset_path = os.path.join(assets, "c4_test")
+    config.training.seq_len = seq_len
+    config.training.local_batch_size = local_batch_size
+    config.training.steps = steps
+    config.training.disable_cuda_graphs = True
+    config.parallelism.spmd_backend = "partial_dtensor"
+    config.validator.enable = False
+    config.debug.seed = 42
+    config.metrics.log_freq = 1
+    config.metrics.enable_tensorboard = False
+    config.dump_folder = os.environ.get("TITAN_DUMP", os.path.join(HERE, "outputs", "titan"))
+    return config
+
+
+def _cpu(config, steps: int):
+    config = _common(config, seq_len=256, local_batch_size=2, steps=steps)
+    config.training.mixed_precision_param = "float32"  # fp32 compute: the CPU comparison is exact to 1e-5
+    config.checkpoint.interval = 2
+    config.checkpoint.last_save_model_only = False
+    return config
+
+
+def llama3_debug_cpu():
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    config = _cpu(llama3_debugmodel(), steps=4)
+    config.training.global_batch_size = 8  # gradient accumulation: 8 / (2 per rank x 2 ranks) = 2 microbatches
+    return config
+
+
+def qwen3_moe_debug_cpu():
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    config = _cpu(qwen3_moe_debug(), steps=2)
+    config.model_spec.model.layers = config.model_spec.model.layers[:2]
+    config.training.seq_len = 128
+    return config
+
+
+def llama3_8b_gpu():
+    from torchtitan.models.llama3.config_registry import llama3_8b
+
+    config = _common(llama3_8b(), seq_len=8192, local_batch_size=1, steps=10)
+    model = config.model_spec.model
+    model.layers = model.layers[: int(os.environ.get("TITAN_LAYERS", "8"))]
+    config.profiler.enable_profiling = False
+    config.checkpoint.enable = False
+    if os.environ.get("TITAN_AC", "selective") == "full":
+        from torchtitan.distributed.activation_checkpoint import FullAC
+
+        config.activation_checkpoint = FullAC.Config()
+    return config

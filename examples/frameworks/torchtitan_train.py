@@ -1,0 +1,171 @@
+"""torchtitan's own Trainer (its model, FSDP wrapping, chunked loss, clipping, LR schedule, DCP checkpoints) on
+PyTorch FSDP2 or on mfsdp_ext: the same command, ``--impl fsdp2`` or ``--impl ours``.
+
+    torchrun --nproc-per-node 2 examples/frameworks/torchtitan_train.py --impl ours \\
+        --module titan_configs --config llama3_debug_cpu [any torchtitan option, e.g. --checkpoint.enable]
+    torchrun --nproc-per-node 2 examples/frameworks/torchtitan_train.py --impl ours \\
+        --module titan_configs --config qwen3_moe_debug_cpu
+
+The switch is one line before torchtitan is imported: ``mfsdp_ext.use_as_fsdp2()``. Without this script's extras
+(a machine with GPUs, torchtitan's own configs), the runner does the same:
+``torchrun --nproc-per-node 8 -m mfsdp_ext.as_fsdp2 torchtitan.train --module llama3 --config llama3_8b``.
+
+Options of this script (everything else goes to torchtitan):
+  --impl fsdp2|ours|ours_fp8   ours_fp8: ours, with the FP8 weights of mfsdp_ext.Fp8Policy(compute=True) added to the
+                               MixedPrecisionPolicy torchtitan passes (torchtitan has no option for it: the policy is
+                               re-mapped where torchtitan calls fully_shard; GPU, bf16)
+  --metrics PATH               each rank appends one JSON line per step to PATH.rankR: step, loss, grad_norm (as
+                               torchtitan logs them), tokens/s of this rank and the peak memory allocated in the step
+The configs (titan_configs.py) are torchtitan's debug models with local assets (titan_assets.py, made on first use).
+
+Only on a CPU-only machine (2 gloo ranks; FSDP2 needs them as much as ours), marked CPU ONLY below:
+  1. torchtitan picks device "cuda" when torch reports no accelerator: it is pointed at the CPU while
+     torchtitan.tools.utils is imported (with the memory queries its DeviceMemoryMonitor makes).
+  2. gloo has no PREMUL_SUM, which FSDP2 uses after torchtitan's set_gradient_divide_factor(1.0): FSDP2's units also
+     get set_force_sum_reduction_for_comms(True) (SUM without scaling, exactly what factor 1.0 means). Ours always
+     reduces with SUM.
+And for a torch older than torchtitan 0.3.0 expects (any device): torch.distributed.set_timeout is skipped when this
+torch lacks it (2.13 does), and torch < 2.12 gets a placeholder for torch.distributed.fsdp.DataParallelMeshDims, a
+name torchtitan imports but uses only with its spmd_types / full_dtensor backends (not selected here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # titan_configs, titan_assets
+
+ap = argparse.ArgumentParser(add_help=False)
+ap.add_argument("--impl", choices=["fsdp2", "ours", "ours_fp8"], default="ours")
+ap.add_argument("--metrics", default="")
+args, titan_argv = ap.parse_known_args()
+sys.argv = [sys.argv[0], *titan_argv]
+RANK = int(os.environ.get("RANK", "0"))
+
+if args.impl != "fsdp2":
+    import mfsdp_ext
+
+    mfsdp_ext.use_as_fsdp2()  # THE SWITCH: torch.distributed.fsdp.fully_shard is mfsdp_ext's from here on
+
+import torch.distributed.fsdp as _torch_fsdp  # noqa: E402
+
+if not hasattr(_torch_fsdp, "DataParallelMeshDims"):
+    # torch < 2.12 (the GPU machines' 2.11): torchtitan 0.3.0 imports this name at module level but uses it only
+    # with its spmd_types / full_dtensor backends, which titan_configs.py does not select
+    class DataParallelMeshDims:
+        def __init__(self, *args, **kwargs):
+            raise NotImplementedError(f"DataParallelMeshDims needs torch >= 2.12 (this is {torch.__version__})")
+
+    _torch_fsdp.DataParallelMeshDims = DataParallelMeshDims
+
+CPU_ONLY = not torch.cuda.is_available()
+if CPU_ONLY:  # CPU ONLY 1: torchtitan's device is "cpu", and its memory monitor gets answers
+    import types
+
+    import torch._utils as _tu
+
+    class _CpuDeviceModule:
+        def __getattr__(self, name):
+            return getattr(torch.cpu, name)
+
+        def get_device_name(self, device=None):
+            return "cpu"
+
+        def get_device_properties(self, device=None):
+            return types.SimpleNamespace(total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+                                         name="cpu")
+
+        def memory_stats(self, device=None):
+            return {}
+
+        def reset_peak_memory_stats(self, device=None):
+            pass
+
+        def empty_cache(self):
+            pass
+
+    _saved = _tu._get_available_device_type, _tu._get_device_module
+    _tu._get_available_device_type = lambda: "cpu"
+    _tu._get_device_module = lambda device_type=None: _CpuDeviceModule()
+    import torchtitan.tools.utils as _tt_utils
+
+    _tu._get_available_device_type, _tu._get_device_module = _saved
+    assert _tt_utils.device_type == "cpu", _tt_utils.device_type
+
+import torchtitan.distributed.fsdp as tt_fsdp  # noqa: E402
+import torchtitan.distributed.utils as tt_dist_utils  # noqa: E402
+
+if not hasattr(torch.distributed, "set_timeout"):  # torch.distributed.set_timeout is newer than this torch
+    tt_dist_utils.set_pg_timeouts = lambda *a, **k: None
+
+if CPU_ONLY and args.impl == "fsdp2":  # CPU ONLY 2: FSDP2 on gloo, SUM reductions after divide factor 1.0
+    _disable_division = tt_fsdp.disable_fsdp_gradient_division
+
+    def _disable_division_sum_only(model):
+        _disable_division(model)
+        for m in model.modules():
+            if isinstance(m, torch.distributed.fsdp.FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+
+    tt_fsdp.disable_fsdp_gradient_division = _disable_division_sum_only
+
+if args.impl == "ours_fp8":  # torchtitan's MixedPrecisionPolicy plus mfsdp_ext's FP8 weights
+    import mfsdp_ext
+
+    _fully_shard = tt_fsdp.fully_shard  # mfsdp_ext's, after the switch
+    assert _fully_shard is mfsdp_ext.fully_shard
+
+    def _fully_shard_fp8(module, *, mp_policy=None, **kwargs):
+        # Fp8Policy's default choice: the units' nn.Linear layers, not the output head (lm_head, in the
+        # [norm, lm_head] unit), as torchtitan's own float8 converter leaves "output" alone
+        if mp_policy is not None and mp_policy.param_dtype in (torch.bfloat16, torch.float16):
+            mp_policy = mfsdp_ext.MixedPrecisionPolicy(
+                param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
+                output_dtype=mp_policy.output_dtype, cast_forward_inputs=mp_policy.cast_forward_inputs,
+                fp8=mfsdp_ext.Fp8Policy(compute=True))
+        return _fully_shard(module, mp_policy=mp_policy, **kwargs)
+
+    tt_fsdp.fully_shard = _fully_shard_fp8
+
+if args.metrics:  # one JSON line per step and rank, from torchtitan's own metrics
+    from torchtitan.components.metrics import MetricsProcessor
+
+    _log = MetricsProcessor.log
+
+    def _log_json(self, step, global_avg_loss, global_max_loss, grad_norm, *a, **k):
+        row = {"step": step, "loss": float(global_avg_loss), "grad_norm": float(grad_norm), "impl": args.impl,
+               "tokens_per_s": self.ntokens_since_last_log / (time.perf_counter() - self.time_last_log)}
+        if torch.cuda.is_available():
+            row["max_memory_allocated"] = torch.cuda.max_memory_allocated()  # before torchtitan resets the peak
+            row["max_memory_reserved"] = torch.cuda.max_memory_reserved()
+        with open(f"{args.metrics}.rank{RANK}", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        return _log(self, step, global_avg_loss, global_max_loss, grad_norm, *a, **k)
+
+    MetricsProcessor.log = _log_json
+
+
+def main() -> None:
+    import titan_assets
+
+    titan_assets.make_assets(os.environ.get("TITAN_ASSETS", titan_assets.DEFAULT_DIR),
+                             writer=os.environ.get("LOCAL_RANK", "0") == "0")
+    from torchtitan.train import main as titan_main
+
+    titan_main()
+
+
+if __name__ == "__main__":
+    main()
+    # gloo on torch 2.13 sometimes aborts in a destructor at exit ("terminate called without an active
+    # exception"), with FSDP2 as with ours: leave without running them once training is over
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# torchtitan's Trainer on the Llama 3 8B shape (seq 8192, bf16, layers reduced to fit), 2 GPUs of one host:
+# FSDP2, mfsdp_ext (bf16) and mfsdp_ext with FP8 weights (Fp8Policy(compute=True)), one after the other:
+# tok/s/GPU and peak memory -> $OUT/titan_step_2gpu.{md,json} (benchmarks/titan_step.py), run logs beside them.
+#
+# The GPU machines have no network: torchtitan 0.3.0 and the dependencies their image lacks come as wheels from
+# .whl/titan/ (made on a machine with network: bash scripts/gpu_titan.sh --download; about 2.6 MB; then the device
+# call's carry [".whl"]). torchtitan 0.3.0 targets torch >= 2.12; examples/frameworks/torchtitan_train.py covers the
+# one name it imports that torch 2.11 lacks.
+#   bash scripts/gpu_titan.sh --setup   install the wheels, build mfsdp_ext if needed, check that torchtitan imports
+#   bash scripts/gpu_titan.sh           the same, then the benchmark (about 5 minutes; 9.5 at most)
+#   TITAN_LAYERS (default 16; an out-of-memory run is retried with 4 fewer), TITAN_STEPS (10), TITAN_IMPLS,
+#   TITAN_AC=full (full activation checkpointing instead of torchtitan's selective one; tables get _fullac).
+set -uo pipefail
+WHEELS=(torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
+        torchdata==0.11.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [ "${1:-}" = "--download" ]; then  # on a machine with network: the wheels for the GPU image (Python 3.12)
+    mkdir -p "$ROOT/.whl/titan"
+    exec python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --implementation cp \
+        -d "$ROOT/.whl/titan" "${WHEELS[@]}"
+fi
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"   # NVLink multicast off, repository root, PYTHONPATH, $OUT
+# (found, not imported: torchtitan 0.3.0 itself does not import on torch 2.11 without the example's placeholder)
+if ! python3 -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('torchtitan', 'spmd_types',
+        'tyro', 'docstring_parser', 'typeguard', 'torchdata', 'datasets', 'dill', 'multiprocess')))"; then
+    ls .whl/titan/*.whl >/dev/null 2>&1 || { echo "no .whl/titan/*.whl: run 'bash scripts/gpu_titan.sh --download' where there is network and carry .whl"; exit 2; }
+    echo "== installing torchtitan and its missing dependencies from .whl/titan (no network, --no-deps)"
+    python3 -m pip install -q --no-deps --no-index .whl/titan/*.whl || exit 2
+fi
+python3 -c "import mfsdp_ext; assert mfsdp_ext.build_info()['cuda']" 2>/dev/null ||
+    env MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps -e . || exit 2
+python3 - <<'PY' || exit 2
+import sys, torch
+sys.path.insert(0, "examples/frameworks")
+import torch.distributed.fsdp as f
+if not hasattr(f, "DataParallelMeshDims"):  # as torchtitan_train.py does on torch < 2.12
+    f.DataParallelMeshDims = type("DataParallelMeshDims", (), {})
+import torchtitan.train, titan_configs, mfsdp_ext
+print("[gpu_titan] torch", torch.__version__, "torchtitan imports; mfsdp_ext", mfsdp_ext.build_info().get("build"))
+PY
+[ "${1:-}" = "--setup" ] && exit 0
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+N=$(nvidia-smi -L | wc -l); N=$(( N > 2 ? 2 : N ))
+timeout -k 10 570 python3 benchmarks/titan_step.py --out "$OUT" --nproc "$N" --layers "${TITAN_LAYERS:-16}" \
+    --steps "${TITAN_STEPS:-10}" --warmup 3 --impls "${TITAN_IMPLS:-fsdp2,ours,ours_fp8}" --ac "${TITAN_AC:-selective}" \
+    --deadline 540
