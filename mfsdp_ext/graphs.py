@@ -87,6 +87,8 @@ class GraphedStep:
         """Capture the step on static copies of this call's arguments, then replay it once for this call."""
         self.graph = None  # the last graph (if any) is dropped first: its buffers go back to the pool
         torch.cuda.synchronize()
+        # made before the capture (as every buffer a replay's host side writes): inside it they could share memory
+        # with the graph's temporaries
         self.static_leaves = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves]
         args, kwargs = pytree.tree_unflatten(self.static_leaves, spec)
         flat_optimizers = self._flat_optimizers()
@@ -130,7 +132,8 @@ class GraphedStep:
             return not changed
         if self._cpu_group is None:
             self._cpu_group = dist.new_group(backend="gloo")
-        flag = torch.tensor([changed, zlib.crc32(repr(key[:2]).encode())], dtype=torch.int64)
+        spec, arguments = key[0], [a[:2] if isinstance(a, tuple) else a for a in key[1]]  # not the rank's device
+        flag = torch.tensor([changed, zlib.crc32(repr((spec, arguments)).encode())], dtype=torch.int64)
         low = flag.clone()
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group)
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self._cpu_group)

@@ -73,6 +73,30 @@ def _case_key_sees_what_a_graph_depends_on():
     return sorted(changed)
 
 
+def _case_decided_on_every_rank():
+    """Whether the graph fits is one decision for all ranks (a replay is a collective): each rank's own device is
+    not a difference, a shape that differs between ranks is an error, a change on one rank recaptures on all."""
+    rank = dist.get_rank()
+    step = GraphedStep(lambda *a: None, warmup=1)
+
+    def key(rows, changed=False):
+        return ("spec", (((rows, 4), torch.float32, torch.device("cuda", rank)),), (), (), 7 + changed)
+
+    step.key = key(2)
+    assert step._same_on_every_rank(key(2))
+    assert not step._same_on_every_rank(key(2, changed=rank == 0))  # rank 0 alone changed: every rank recaptures
+    try:
+        step._same_on_every_rank(key(2 + rank))
+    except RuntimeError as exc:
+        assert "different argument shapes" in str(exc)
+        return {"error": str(exc)}
+    raise AssertionError("ranks with different shapes were not told")
+
+
+def test_decided_on_every_rank(cpu_pool):
+    print(cpu_pool.run(_case_decided_on_every_rank)[0])
+
+
 def test_cpu_runs_eagerly(cpu_pool):
     print(cpu_pool.run(_case_cpu_runs_eagerly)[0])
 

@@ -157,8 +157,8 @@ class FlatOptimizerMixin:
         if self._graph is not None and torch.cuda.is_current_stream_capturing():
             table = self._graph.tables.get(group)
             if table is None:
-                table = self._graph.tables[group] = torch.empty(
-                    runs.shape[0] * (16 + 4 * _native.OPTIM_COEFFS), dtype=torch.uint8, device=group.device)
+                raise RuntimeError("mfsdp_ext.graphed: a parameter group was first stepped inside the capture; run "
+                                   "warm-up steps that step every parameter before capturing")
             self._graph.items[group], self._graph.runs[group] = items, runs
             self._graph.pending[group] = _native.optim_device_table(runs, self._coeffs(keys))
         self._run_kernel(group, flat, runs, keys, table)
@@ -167,14 +167,20 @@ class FlatOptimizerMixin:
 
     # ------------------------------------------------------------------ CUDA graphs (mfsdp_ext.graphed)
     def graph_begin(self) -> None:
-        """Before a capture of the step: its kernels will read device tables."""
+        """Before a capture of the step: its kernels will read device tables, made here, outside the capture. A
+        buffer made inside it would share addresses with the graph's temporaries freed before it, which each replay
+        writes again before the optimizer reads the table: the host's coefficients would be overwritten. Sized for
+        one run per parameter, the most a group's run table holds."""
         self._graph = _GraphTables()
+        for group in list(self._flat_states.keys()):
+            self._graph.tables[group] = torch.empty(len(group.infos) * (16 + 4 * _native.OPTIM_COEFFS),
+                                                    dtype=torch.uint8, device=group.device)
 
     def graph_upload(self) -> None:
         """Copy the coefficients of the step to be replayed into the device tables (on the current stream, before
         the replay)."""
         for group, host in self._graph.pending.items():
-            self._graph.tables[group].copy_(host, non_blocking=True)
+            self._graph.tables[group][: host.numel()].copy_(host, non_blocking=True)
         self._graph.pending.clear()
 
     def graph_prologue(self) -> None:
