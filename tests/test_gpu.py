@@ -492,6 +492,17 @@ def test_no_shard_parity():
     print(get_pool(2, "nccl").run(ns._case_no_shard_parity, 3)[0])
 
 
+def _accumulate(model, tokens, targets, microbatches: int) -> torch.Tensor:
+    """Forward and backward of ``microbatches`` slices (microbatch API); the summed loss."""
+    total = torch.zeros((), device=tokens.device)
+    for i, (t, y) in enumerate(zip(tokens.chunk(microbatches), targets.chunk(microbatches))):
+        with microbatch(model, is_first=i == 0, is_last=i == microbatches - 1):
+            loss = lm_loss(model, t, y) / microbatches
+            loss.backward()
+        total += loss.detach()
+    return total
+
+
 def _case_captured_forward_backward(fp8: bool, microbatches: int):
     """torchtitan's recipe: torch.cuda.graph around forward, loss and backward (microbatches inside), the optimizer
     eager; 5 replays equal 5 eager steps of a twin bit for bit (losses and fp32 shards). bf16 or FP8 weights."""
@@ -508,13 +519,7 @@ def _case_captured_forward_backward(fp8: bool, microbatches: int):
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
 
     def fwd_bwd(model, tokens, targets):
-        total = torch.zeros((), device=tokens.device)
-        for i, (t, y) in enumerate(zip(tokens.chunk(microbatches), targets.chunk(microbatches))):
-            with microbatch(model, is_first=i == 0, is_last=i == microbatches - 1):
-                loss = lm_loss(model, t, y) / microbatches
-                loss.backward()
-            total += loss.detach()
-        return total
+        return _accumulate(model, tokens, targets, microbatches)
 
     def data(step):
         tokens, targets = batch(step, 32 * world, seq=16, vocab=64)
@@ -574,12 +579,7 @@ def _case_graphed_whole_step(fp8: bool, microbatches: int, optimizer: str):
 
     def make_step(model, opt):
         def train_step(tokens, targets):
-            total = torch.zeros((), device=tokens.device)
-            for i, (t, y) in enumerate(zip(tokens.chunk(microbatches), targets.chunk(microbatches))):
-                with microbatch(model, is_first=i == 0, is_last=i == microbatches - 1):
-                    loss = lm_loss(model, t, y) / microbatches
-                    loss.backward()
-                total += loss.detach()
+            total = _accumulate(model, tokens, targets, microbatches)
             opt.step()
             opt.zero_grad()
             return total
