@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # torchtitan's Trainer on the Llama 3 8B shape (seq 8192, bf16, layers reduced to fit), 2 GPUs of one host:
 # FSDP2, mfsdp_ext (bf16) and mfsdp_ext with FP8 weights (Fp8Policy(compute=True)), one after the other:
-# tok/s/GPU and peak memory -> $OUT/titan_step_2gpu.{md,json} (benchmarks/titan_step.py), run logs beside them.
+# tok/s/GPU and peak memory -> $OUT/titan_step_2gpu.{md,json} (benchmarks/titan_step.py), the runs' logs and
+# per-step metrics in $OUT/titan_step_logs.tgz.
 #
 # The GPU machines have no network: torchtitan 0.3.0 and the dependencies their image lacks come as wheels from
 # .whl/titan/ (made on a machine with network: bash scripts/gpu_titan.sh --download; about 2.6 MB; then the device
@@ -43,6 +44,10 @@ PY
 [ "${1:-}" = "--setup" ] && exit 0
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 N=$(nvidia-smi -L | wc -l); N=$(( N > 2 ? 2 : N ))
-timeout -k 10 570 python3 benchmarks/titan_step.py --out "$OUT" --nproc "$N" --layers "${TITAN_LAYERS:-16}" \
+# the device runner returns few files: the tables go to $OUT, the runs' logs and metrics packed into one archive
+FINAL_OUT=$OUT; WORK=$(mktemp -d /tmp/gpu_titan.XXXX)
+trap 'cp "$WORK"/titan_step_*.md "$WORK"/titan_step_*.json "$FINAL_OUT"/ 2>/dev/null;
+      tar czf "$FINAL_OUT/titan_step_logs.tgz" -C "$WORK" --exclude "dump_*" --exclude titan_assets . ' EXIT
+timeout -k 10 570 python3 benchmarks/titan_step.py --out "$WORK" --nproc "$N" --layers "${TITAN_LAYERS:-16}" \
     --steps "${TITAN_STEPS:-10}" --warmup 3 --impls "${TITAN_IMPLS:-fsdp2,ours,ours_fp8}" --ac "${TITAN_AC:-selective}" \
     --deadline 540
