@@ -6,6 +6,7 @@
 #include "fp8_gemm.h"
 
 #include <atomic>
+#include <c10/core/impl/LocalDispatchKeySet.h>  // ExcludeDispatchKeyGuard
 
 #ifdef MFSDP_WITH_CUBLASLT
 #include <ATen/cuda/CUDAContextLight.h>  // getCurrentCUDABlasLtHandle
@@ -56,6 +57,11 @@ at::Tensor add_bias(at::Tensor out, const std::optional<at::Tensor>& bias) {
 // Whether this torch build runs torch._scaled_mm on CPU (e4m3 x e4m3 and e5m2 x e4m3); asked once.
 bool cpu_has_scaled_mm() {
   static const bool has = [] {
+    // Unseen by Python dispatch modes active at the first call: torch.utils.checkpoint's selective checkpointing
+    // (torchtitan's default) records the forward's ops and replays them in order at recompute, which does not
+    // probe again; the probe's 16 x 16 _scaled_mm outputs would then stand in for the layer's.
+    c10::impl::ExcludeDispatchKeyGuard no_python_modes(
+        c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
     try {
       const at::Tensor a = at::zeros({16, 16}, at::TensorOptions().dtype(at::kFloat8_e4m3fn));
       const at::Tensor one = at::ones({}, at::TensorOptions().dtype(at::kFloat));

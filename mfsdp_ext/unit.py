@@ -44,7 +44,6 @@ def resolve_reshard_after_forward(value) -> bool:
     return value
 
 
-
 def _autograd_is_running() -> bool:
     """Whether a backward is executing now. Asked only when the root's forward starts while the context is still
     in backward, to tell a recompute of the whole root (inside the backward) from a backward that raised."""
@@ -251,7 +250,6 @@ class FsdpUnit:
             self.unshard()
             self.wait_unshard()
             return self._prepare_inputs(args, kwargs, cast=self.mp_policy.cast_forward_inputs)
-        self.to_run = {id(m) for m in self.modules}
         if self.is_root and ctx.iteration_open:
             self.abandon_iteration()  # the last forward had no backward (evaluation) or raised
         if self.is_root and ctx.explicit_microbatch and ctx.is_first_microbatch and ctx.grads_kept:
@@ -263,6 +261,7 @@ class FsdpUnit:
             ctx.begin_iteration(torch.is_grad_enabled())
             ctx.device.wait_event(self.post_optim_event)
             self.post_optim_event = None
+        self.to_run = {id(m) for m in self.modules}
         ctx.record_forward(self)
         self.training_state = TrainingState.FORWARD
         self.unshard()

@@ -392,3 +392,35 @@ def _case_hf_llama_resume(tmpdir: str):
 def test_hf_llama_resume(cpu_pool, tmp_path):
     pytest.importorskip("transformers")
     print(cpu_pool.run(_case_hf_llama_resume, str(tmp_path))[0])
+
+
+def _case_load_assign_into_meta_model(impl: str):
+    """accelerate's cpu_ram_efficient_loading: shard a meta-built model (blocks, the tied [emb, norm, head] list
+    unit, the root), then load_state_dict(sharded, assign=True) of DTensors made with distribute_tensor from the
+    meta model's own placements: the model then computes as the one the weights came from, as with FSDP2."""
+    from torch.distributed.tensor import distribute_tensor
+
+    torch.manual_seed(41)
+    ref = TinyLM().to(rank_device())
+    with torch.device("meta"):
+        model = TinyLM()
+    for b in model.blocks:
+        IMPLS[impl](b)
+    IMPLS[impl]([model.emb, model.norm, model.head], reshard_after_forward=False)
+    IMPLS[impl](model)
+    meta_sd = model.state_dict()
+    full = ref.state_dict()
+    sharded = {k: distribute_tensor(full[k].detach().clone(), v.device_mesh, v.placements)
+               for k, v in meta_sd.items()}
+    model.load_state_dict(sharded, assign=True)
+    model.head.weight = model.emb.weight  # accelerate re-ties after the load (tie_weights)
+    tokens, targets = batch(0, 4)
+    with torch.no_grad():
+        got, want = lm_loss(model, tokens, targets).item(), lm_loss(ref, tokens, targets).item()
+    assert abs(got - want) <= 1e-6 * abs(want), (got, want)
+    return "ok"
+
+
+@pytest.mark.parametrize("impl", ["ours", "fsdp2"])
+def test_load_assign_into_meta_model(cpu_pool, impl):
+    cpu_pool.run(_case_load_assign_into_meta_model, impl)

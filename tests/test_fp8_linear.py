@@ -483,3 +483,38 @@ def test_cuda_quantizer_algorithms_give_identical_results():
         results.append(run(lin, x.requires_grad_(), dy))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+_SAC_FIRST_CALL = """
+import functools, torch, torch.nn as nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, CheckpointPolicy
+import mfsdp_ext
+
+def policy(ctx, func, *args, **kwargs):  # torchtitan's kind: keep matmul outputs, recompute the rest
+    if func in (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+torch.manual_seed(0)
+block = nn.Sequential(nn.Linear(64, 96, bias=False), nn.ReLU(), nn.Linear(96, 64, bias=False)).to(torch.bfloat16)
+mfsdp_ext.to_fp8_linear(block)
+x = torch.randn(2, 32, 64, dtype=torch.bfloat16, requires_grad=True)
+y = checkpoint(block, x, use_reentrant=False,
+               context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+y.float().sum().backward()
+x2 = x.detach().requires_grad_(True)
+block(x2).float().sum().backward()
+assert torch.equal(x.grad, x2.grad)
+print("ok")
+"""
+
+
+def test_selective_checkpointing_around_the_first_call():
+    """torch's selective activation checkpointing (torchtitan's default) replays the ops of the forward in order at
+    recompute: the first FP8 layer call of a process (a fresh interpreter) must not show it the one-time CPU probe
+    of torch._scaled_mm, whose 16 x 16 outputs would otherwise stand in for the layer's at recompute."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _SAC_FIRST_CALL], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

@@ -164,14 +164,6 @@ def test_accelerate(tmp_path):
     _check_interop(tmp, resumed, full)
 
 
-def _takes_assign_loads() -> bool:
-    import mfsdp_ext.checkpoint
-
-    return hasattr(mfsdp_ext.checkpoint, "_take_assigned")
-
-
-@pytest.mark.xfail(not _takes_assign_loads(), strict=True,
-                   reason="mfsdp_ext does not yet take load_state_dict(assign=True) into a meta-built unit")
 def test_accelerate_cpu_ram_efficient_loading(tmp_path):
     """cpu_ram_efficient_loading=True: accelerate shards the model on the meta device, broadcasts rank 0's weights
     and loads them with load_state_dict(assign=True); the run equals FSDP2's plain one."""
