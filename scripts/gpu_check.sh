@@ -4,7 +4,8 @@
 #   (not in the default list: race: the failed-step race test, also with its fix undone; repeat: the main job
 #   run twice per mode with --deterministic, bit-identical; gpt200: 200 training steps, bf16 vs FP8; fp8step, fp8cache: FP8 step rows on any GPU
 #   count; fp8host: the FP8 layer's host time; step6ac: config 6 with less recomputation; ctas: NCCL_MAX_CTAS sweep; wire, wirefp8: the default bf16-sent, fp32-summed gradients vs the fp32 reduce-scatter; native: native_collectives
-#   against torch.distributed's collectives; timeline: where the GPU waits in each config's step)
+#   against torch.distributed's collectives; timeline: where the GPU waits in each config's step; graphs: CUDA graph
+#   tests, probe and captured step rows; titan: torchtitan's Trainer at the 8B shape, see scripts/gpu_titan.sh)
 #   scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
 #   scripts/gpu_check.sh build fp8train FP8 weights in fully_shard: GPU tests + step.py's FP8 variants (2 GPUs)
 # Logs and result tables go to $OUT (the device runner's output folder; /tmp/out elsewhere).
@@ -173,6 +174,12 @@ open(p, "w").write(s.replace(kept, kept + "            unit.unshard_event = None
 EOF
         run race_unfixed_must_fail bash -c '! timeout -k 10 120 python3 -m pytest -m gpu -q -s tests/test_gpu.py -k gather_in_flight'
         cp "$OUT/unit.py.fixed" mfsdp_ext/unit.py ;;
+    graphs)  # CUDA graphs: capture/replay tests, the per-feature probe, and the captured step rows (2 GPUs)
+        run graph_tests timeout -k 10 200 python3 -m pytest -m gpu -q tests/test_gpu.py -k "captured or graphed"
+        run graph_probe timeout -k 10 300 torchrun --standalone --nproc-per-node 2 scripts/graph_probe.py --main .
+        run graph_step timeout -k 10 400 torchrun --standalone --nproc-per-node 2 benchmarks/step.py --configs 3,2,4,1,5 \
+            --impls fsdp2_fused,fsdp2_captured,ours_fused,ours_captured,ours_graphed --steps 10 --warmup 3 --out "$OUT" ;;
+    titan) run titan bash scripts/gpu_titan.sh ;;   # torchtitan at the 8B shape, FSDP2 vs ours vs ours FP8 (after gpu_titan.sh --setup; carry .whl)
     jit) run jit bash scripts/gpu_jit.sh ;;          # fresh venv, no ahead-of-time build: import compiles CUDA + NCCL
     hf) run hf bash scripts/gpu_hf.sh ;;             # train_hf.py: ours vs FSDP2 (fp32 1e-5), bf16, AC + compile
     mainjob) run mainjob bash scripts/gpu_mainjob.sh ;;  # main job x3 exits 0, kill-free resume from step 6
