@@ -38,6 +38,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", choices=["torch", "fused"], default="torch",
                    help="torch.optim.AdamW, or mfsdp_ext.optim.AdamW (one native kernel per flat group; --impl ours)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max grad norm; 0 disables clipping")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="(--impl ours) run each step (forward, backward, clipping, optimizer step) as one CUDA graph "
+                        "through mfsdp_ext.graphed; on CPU the steps run eagerly, with one warning")
     p.add_argument("--data-vocab", type=int, help="tokens used by the corpus (default min(vocab, 1024))")
     p.add_argument("--branching", type=int, default=4, help="successors per token in the Markov chain")
     p.add_argument("--seed", type=int, default=0)
@@ -62,6 +65,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error("--ckpt-every must be >= 0 (0: no checkpoints)")
     if (args.ckpt_every or args.resume) and not args.ckpt_dir:
         p.error("--ckpt-every and --resume need --ckpt-dir")
+    if args.cuda_graph and getattr(args, "impl", "ours") != "ours":
+        p.error("--cuda-graph captures the step with mfsdp_ext.graphed: use it with --impl ours")
 
 
 def use_deterministic_attention() -> None:
@@ -133,6 +138,19 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     return total
 
 
+def make_optimizer(args, params, device: torch.device):
+    """torch's AdamW, or mfsdp_ext.optim.AdamW (--optimizer fused). Stepped inside a CUDA graph (--cuda-graph),
+    torch's needs capturable=True and a tensor lr (which the scheduler then writes in place)."""
+    hyper = dict(betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    if getattr(args, "optimizer", "torch") == "fused":
+        import mfsdp_ext.optim
+
+        return mfsdp_ext.optim.AdamW(params, lr=args.lr, **hyper)
+    if getattr(args, "cuda_graph", False) and device.type == "cuda":
+        return torch.optim.AdamW(params, lr=torch.tensor(args.lr, device=device), capturable=True, **hyper)
+    return torch.optim.AdamW(params, lr=args.lr, **hyper)
+
+
 def lr_lambda(args) -> Callable[[int], float]:
     def f(step: int) -> float:
         if step < args.warmup:
@@ -152,13 +170,20 @@ def run(model, args, device: torch.device, *, impl: str, vocab_size: int, flops_
     if args.deterministic:
         use_deterministic_attention()
     params = list(model.parameters())
-    optimizer_class = torch.optim.AdamW
-    if getattr(args, "optimizer", "torch") == "fused":
-        import mfsdp_ext.optim
-
-        optimizer_class = mfsdp_ext.optim.AdamW
-    optimizer = optimizer_class(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    optimizer = make_optimizer(args, params, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))
+
+    def train_step(microbatches):
+        loss_sum = gpt.forward_backward(model, impl, microbatches, loss_fn)
+        grad_norm = clip_grad_norm(params, args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss_sum, grad_norm
+
+    if getattr(args, "cuda_graph", False):
+        import mfsdp_ext
+
+        train_step = mfsdp_ext.graphed(train_step, warmup=2)
 
     data_vocab = min(args.data_vocab or 1024, vocab_size)
     corpus = MarkovCorpus(data_vocab, args.branching, args.seed, n_chains=64, length=max(8 * (args.seq_len + 1), 4096))
@@ -191,11 +216,8 @@ def run(model, args, device: torch.device, *, impl: str, vocab_size: int, flops_
         t0 = time.perf_counter()
         microbatches = [corpus.batch(args.batch_size, args.seq_len, rank, step, i, device)
                         for i in range(args.microbatches)]
-        loss_sum = gpt.forward_backward(model, impl, microbatches, loss_fn)
-        grad_norm = clip_grad_norm(params, args.grad_clip)
-        optimizer.step()
+        loss_sum, grad_norm = train_step(microbatches)
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
 
         dist.all_reduce(loss_sum)  # SUM (gloo has no AVG)
         loss_value = loss_sum.item() / world  # .item() also waits for the step to finish

@@ -606,3 +606,28 @@ def _case_graphed_whole_step(fp8: bool, microbatches: int, optimizer: str):
                          ids=["bf16-adamw", "bf16-mb2-sgd", "fp8-mb2-adamw"])
 def test_graphed_whole_step(gpu_pool, fp8, microbatches, optimizer):
     print(gpu_pool.run(_case_graphed_whole_step, fp8, microbatches, optimizer)[0])
+
+
+def test_main_job_cuda_graph(tmp_path):
+    """The main job on 2 GPUs with --cuda-graph (the whole step, clipping included, through mfsdp_ext.graphed)
+    against the same job without it: every step's loss equal, bit for bit (--deterministic: SDPA's math backend)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    losses = {}
+    for name, extra in (("eager", []), ("graph", ["--cuda-graph"])):
+        metrics = tmp_path / f"{name}.jsonl"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               os.path.join(root, "examples", "train_gpt.py"), "--steps", "12", "--optimizer", "fused",
+               "--deterministic", "--metrics-file", str(metrics), *extra]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=400,
+                             env={**os.environ, "PYTHONPATH": root})
+        assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+        with open(metrics) as f:
+            losses[name] = [json.loads(line)["loss"] for line in f]
+    assert losses["graph"] == losses["eager"], losses

@@ -113,12 +113,30 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
     assert all(got[s] == want[s] for s in got), {s: (got[s], want[s]) for s in got}
 
 
-@pytest.mark.parametrize("bad,message", [(["--resume"], "need --ckpt-dir"),
+def test_cuda_graph_flag_on_cpu_runs_eagerly(tmp_path):
+    """--cuda-graph on CPU: mfsdp_ext.graphed runs each step eagerly, warns once, and the losses are those of the run
+    without the flag, bit for bit (on a GPU: tests/test_gpu.py::test_main_job_cuda_graph)."""
+    script = os.path.join(ROOT, "examples", "train_gpt.py")
+    losses = {}
+    for name, extra in (("plain", []), ("graph", ["--cuda-graph"])):
+        out = subprocess.run(_command(script, [*TINY, "--steps", "4", "--optimizer", "fused", *extra,
+                                               "--metrics-file", str(tmp_path / f"{name}.jsonl")]),
+                             env=_env(), capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+        losses[name] = _losses(tmp_path / f"{name}.jsonl")
+        if extra:
+            assert (out.stdout + out.stderr).count("runs the step eagerly") == 2, out.stderr[-3000:]  # once per rank
+    assert losses["graph"] == losses["plain"], losses
+
+
+@pytest.mark.parametrize("bad,message", [(["--cuda-graph", "--impl", "fsdp2"], "--impl ours"),
+                                         (["--resume"], "need --ckpt-dir"),
                                          (["--ckpt-every", "-1"], "--ckpt-every must be >= 0"),
                                          (["--steps", "0"], "--steps must be >= 1")])
 def test_bad_flags_are_reported(bad, message, capsys):
     p = argparse.ArgumentParser()
     training.add_args(p)
+    p.add_argument("--impl", default="ours")  # the main job's own flag (examples/train_gpt.py)
     with pytest.raises(SystemExit) as exit_info:
         training.check_args(p, p.parse_args(bad))
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
