@@ -68,6 +68,7 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
     mesh, device, shard_group, replicate_group = shard_init.resolve_mesh(mesh, strategy)
     params = shard_init.owned_params(modules, ignored_params or ())
     _check_placements(shard_placement_fn, params)
+    shard_init.check_tensor_parallel(params, mesh)
     if params and all(is_marked(p) for _, p, _ in params):
         return module  # all no_shard: no unit, no hooks; the enclosing unit (the root's) holds them
     shard_init.check_devices(params, device)
@@ -237,5 +238,5 @@ def reset_parameters(module: nn.Module, init_fn: Optional[Callable[[nn.Module], 
         finally:
             for n, p in direct:
                 g, i = owners[id(p)]
-                g.main_weight.param_view(i).copy_(g.local_rows(i, temps[n]))
+                g.main_weight.param_view(i).copy_(g.local_of_full(i, temps[n]))
                 m._parameters[n] = p

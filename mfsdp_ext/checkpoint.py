@@ -66,7 +66,7 @@ def _take_assigned(groups: list[ParamGroup]) -> None:
         g.materialize(g.device)  # no-op unless on meta (it makes new parameters: taken below)
         for i, place, new in assigned:
             info = g.infos[i]
-            value = new.to_local() if isinstance(new, DTensor) else g.local_rows(i, new)
+            value = new.to_local() if isinstance(new, DTensor) else g.local_of_full(i, new)
             info.sharded._local_tensor.copy_(value)
             if info.sharded.requires_grad != new.requires_grad:
                 info.sharded.requires_grad_(new.requires_grad)
@@ -101,7 +101,7 @@ def _full_tensors_to_local_chunks(holder: nn.Module, groups: list[ParamGroup]):
                     value = state_dict.get(key)
                     if value is None or isinstance(value, DTensor) or value.shape != info.shape:
                         continue  # absent, already sharded, or wrong (nn.Module reports the size mismatch)
-                    state_dict[key] = g.as_dtensor(i, g.local_rows(i, value).to(g.device, g.dtype))
+                    state_dict[key] = g.as_dtensor(i, g.local_of_full(i, value).to(g.device, g.dtype))
 
     return hook
 
@@ -121,7 +121,7 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
             if id(g) not in gathered:
                 gathered[id(g)] = g.gather_full(g.main_weight)
             for i, info in enumerate(g.infos):
-                value = gathered[id(g)].param_view(i).clone()
+                value = g.full_of_local(i, gathered[id(g)].param_view(i)).clone()
                 for place in info.places:
                     if place.holder is m:
                         out[prefix + place.fqn] = value

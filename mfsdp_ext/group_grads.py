@@ -13,6 +13,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _native
@@ -48,6 +49,20 @@ def _check_graph_grads(optimizer, args, kwargs) -> None:
                     "gradients), or capture the whole step with mfsdp_ext.graphed(...)")
 
 
+def _local_grad(info) -> torch.Tensor | None:
+    """What a parameter's unsharded gradient contributes here: the tensor, or for a tensor-parallel parameter the
+    local tensor of its DTensor gradient, first placed as the parameter is (a sequence-parallel norm's gradient
+    arrives Partial over the tensor-parallel mesh: summed there first, as FSDP2 does)."""
+    grad = info.unsharded.grad
+    if grad is None or info.tp_spec is None:
+        return grad
+    if isinstance(grad, AsyncCollectiveTensor):
+        grad = grad.wait()
+    if grad.placements != info.tp_spec.placements:
+        grad = grad.redistribute(placements=info.tp_spec.placements)
+    return grad._local_tensor
+
+
 class GroupGradients:
     def has_unsharded_grads(self) -> bool:
         return any(info.unsharded.grad is not None for info in self.infos)
@@ -56,7 +71,7 @@ class GroupGradients:
         """Pack the unsharded grads into ``out``, rank-major (W shards back to back; missing grads and padding as
         zeros), cast to out's dtype and scaled: one native launch. A flat reduce-scatter of ``out`` then yields
         this rank's shard of every gradient."""
-        _native.pack_pieces([info.unsharded.grad for info in self.infos], self._grad_pieces, out, scale)
+        _native.pack_pieces([_local_grad(info) for info in self.infos], self._grad_pieces, out, scale)
 
     def drop_unsharded_grads(self) -> list[torch.Tensor]:
         grads = []

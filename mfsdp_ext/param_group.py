@@ -18,17 +18,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _native, replaced_params
+from . import _native, placements, replaced_params
 from .comm import dist_ops
 from .comm.collectives import TORCH_TRANSPORT, AllGather, PlainAllGather, ReduceScatter
 from .flat_buffer import FlatBuffer
 from .group_grads import GroupGradients
-from .layout import FlatLayout, contiguous_stride
+from .layout import FlatLayout
 
 
 class _OptimizerSteps:
@@ -64,6 +64,11 @@ def buffers_generation() -> int:
     return _GENERATION[0]
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """What the flat buffers hold of ``p``: its local tensor when it is a (tensor-parallel) DTensor."""
+    return p._local_tensor if isinstance(p, DTensor) else p
+
+
 def owner_of(param: torch.Tensor) -> tuple[ParamGroup, int] | None:
     """(group, index) when ``param`` is (or was: check ``group.infos[index].sharded is param``) the sharded
     parameter of a live ParamGroup; None for any other tensor."""
@@ -86,7 +91,8 @@ class ParamPlace:
 class ParamInfo:
     fqn: str
     places: list[ParamPlace]
-    shape: torch.Size
+    shape: torch.Size  # the global shape
+    tp_spec: DTensorSpec | None = None  # a tensor-parallel parameter's own spec; the group holds its local tensor
     sharded: nn.Parameter = None  # DTensor view of main_weight
     unsharded: nn.Parameter = None  # view of the unsharded buffer
     grad_ref: weakref.ref | None = None  # the DTensor view of main_grad attached as sharded.grad (weak: see main_grad)
@@ -138,16 +144,18 @@ class ParamGroup(GroupGradients):
         self.on_grads_ready = None
         self.grads_ready = 0
         self.unit = None  # weak reference to the FsdpUnit that owns the group (set by the unit)
-        self.infos = [ParamInfo(fqn, places, p.shape) for fqn, p, places in params]
+        self.infos = [ParamInfo(fqn, places, p.shape, p._spec if isinstance(p, DTensor) else None)
+                      for fqn, p, places in params]
         self._specs: dict[tuple[int, torch.dtype], DTensorSpec] = {}  # as_dtensor's, per (parameter, dtype)
-        self.layout = FlatLayout([p.shape for _, p, _ in params], self.world)
+        # the flat buffers hold each rank's local tensors: a tensor-parallel parameter's TP shard, split again here
+        self.layout = FlatLayout([_local(p).shape for _, p, _ in params], self.world)
         self._plan_copies()
         self.on_meta = first.device.type == "meta"
         storage_device = torch.device("meta") if self.on_meta else device
 
         self.main_weight = FlatBuffer(self.layout, self.dtype, storage_device, rank=self.rank)
         if not self.on_meta:
-            self._load_main_weight([p for _, p, _ in params])
+            self._load_main_weight([_local(p) for _, p, _ in params])
         needs_cast = compute_dtype != self.dtype
         self.cast_in_slot = needs_cast and not cache_model_weight  # cast at every gather, no cached copy
         self.cache_model_weight = needs_cast and cache_model_weight  # None (auto): not yet, see note_gather
@@ -207,10 +215,27 @@ class ParamGroup(GroupGradients):
         return [self.gather_source().chunk_slot(i) for i in self._gathered]
 
     def local_rows(self, i: int, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of parameter i (torch.chunk's split), out of its full tensor (a view, detached)."""
+        """This rank's rows of parameter i (torch.chunk's split), out of its unsharded local tensor (the whole
+        parameter, or a tensor-parallel parameter's TP shard): a view, detached."""
         slot = self.layout.slots[i]
         r0, r1 = self.layout.local_rows(slot, self.rank)
         return full.detach().reshape(slot.shape)[r0:r1]
+
+    def local_of_full(self, i: int, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of parameter i out of the full (global) tensor: its TP shard's rows for a
+        tensor-parallel parameter (sliced locally, no communication)."""
+        spec = self.infos[i].tp_spec
+        if spec is not None:
+            full = distribute_tensor(full.detach(), spec.mesh, spec.placements, src_data_rank=None)._local_tensor
+        return self.local_rows(i, full)
+
+    def full_of_local(self, i: int, local: torch.Tensor) -> torch.Tensor:
+        """Parameter i's full tensor from its gathered local tensor (``gather_full``): for a tensor-parallel
+        parameter, its TP shards gathered too (a collective over the tensor-parallel mesh)."""
+        spec = self.infos[i].tp_spec
+        if spec is None:
+            return local
+        return DTensor(local, placements.with_dtype(spec, local.dtype), requires_grad=False).full_tensor()
 
     def _load_main_weight(self, params: list[torch.Tensor]) -> None:
         """Copy this rank's rows of each full parameter into main_weight (padding zeroed, one native pack)."""
@@ -222,20 +247,15 @@ class ParamGroup(GroupGradients):
                 offsets.append(slot.shard_offset)
         _native.pack(local, offsets, self.main_weight.data)
 
-    def placements(self) -> tuple:
-        if self.replicated:  # no_shard: every rank of the mesh holds every row
-            return (Replicate(),) * self.mesh.ndim
-        return (Replicate(), Shard(0)) if self.mesh.ndim == 2 else (Shard(0),)  # HSDP or 1-D
-
     def as_dtensor(self, i: int, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's torch.chunk rows of parameter i) as the DTensor it is. Gradients are wrapped
         again at every step after zero_grad lets them go: the spec is made once per (parameter, dtype) and the
         DTensor built from it directly (as FSDP2 does; ~2 us against ~17 us for DTensor.from_local)."""
         spec = self._specs.get((i, local.dtype))
         if spec is None:
-            shape = self.infos[i].shape
-            meta = TensorMeta(shape, contiguous_stride(shape), local.dtype)
-            spec = self._specs[i, local.dtype] = DTensorSpec(self.mesh, self.placements(), tensor_meta=meta)
+            info = self.infos[i]
+            spec = self._specs[i, local.dtype] = placements.sharded_spec(self.mesh, self.replicated, info.tp_spec,
+                                                                         info.shape, local.dtype)
         return DTensor(local, spec, requires_grad=False)
 
     def _make_params(self) -> None:
@@ -246,7 +266,10 @@ class ParamGroup(GroupGradients):
             _OWNERS[info.sharded] = (weakref.ref(self), i)
             if self.main_grad_dtype != self.dtype and hasattr(info.sharded, "grad_dtype"):
                 info.sharded.grad_dtype = self.main_grad_dtype  # torch >= 2.13 checks .grad's dtype against it
-            info.unsharded = nn.Parameter(self.unsharded.param_view(i), requires_grad=self.requires_grad)
+            view = self.unsharded.param_view(i)
+            if info.tp_spec is not None:  # the module computes with its tensor-parallel DTensor, gathered over dp
+                view = DTensor(view, placements.with_dtype(info.tp_spec, view.dtype), requires_grad=False)
+            info.unsharded = nn.Parameter(view, requires_grad=self.requires_grad)
             if self.reduce_when_ready:
                 info.unsharded.register_post_accumulate_grad_hook(self._grad_accumulated_hook())
         self._plan_views()

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .comm import dist_ops
-from . import replaced_params
+from . import placements, replaced_params
 from .fp8.group import Fp8ParamGroup
 from .fp8.linear import Fp8LinearConfig, Fp8LinearMixin, _fp8_class
 from .marks import is_marked
@@ -155,8 +155,6 @@ def _check_param(fqn: str, p: nn.Parameter, holder: nn.Module) -> None:
             f"fully_shard: parameter '{fqn}' is shared with a module of an inner fully_shard unit "
             f"({owner}); tied parameters must belong to one unit: shard the module that "
             "contains every use of it, not the inner one")
-    if isinstance(p, DTensor):
-        raise ValueError(f"fully_shard: parameter '{fqn}' is already a DTensor (sharded by another API)")
     if p.dim() == 0:
         raise ValueError(f"fully_shard: parameter '{fqn}' is a 0-d scalar; rows cannot be sharded. "
                          "Store it with shape (1,) instead")
@@ -166,6 +164,16 @@ def _check_param(fqn: str, p: nn.Parameter, holder: nn.Module) -> None:
     if getattr(holder, "sparse", False) and isinstance(holder, (nn.Embedding, nn.EmbeddingBag)):
         raise ValueError(f"fully_shard: parameter '{fqn}' belongs to an embedding with sparse=True; sparse "
                          "gradients cannot be reduce-scattered into flat shards: build it with sparse=False")
+
+
+def check_tensor_parallel(params, mesh: DeviceMesh) -> None:
+    """DTensor parameters (tensor parallelism applied before fully_shard) are taken when placed on a sibling
+    sub-mesh of the data-parallel mesh, as FSDP2 takes them (placements.py)."""
+    for fqn, p, _ in params:
+        if isinstance(p, DTensor):
+            problem = placements.tensor_parallel_problem(fqn, p, mesh)
+            if problem is not None:
+                raise ValueError(problem)
 
 
 def check_devices(params, device: torch.device) -> None:
@@ -280,6 +288,10 @@ def choose_fp8_weights(modules: list[nn.Module], params, mp_policy: MixedPrecisi
         _, p, places = by_weight[id(m.weight)]
         if len(places) > 1 or is_marked(p):
             continue  # tied (an embedding's table, a tied head) or replicated: never FP8
+        if isinstance(p, DTensor) and (policy.modules(fqn, m) if policy.modules is not None else True):
+            raise ValueError(f"MixedPrecisionPolicy(fp8=...): '{fqn or type(m).__name__}' is a tensor-parallel "
+                             "layer, whose FP8 weights are not supported; leave it out with "
+                             "Fp8Policy(modules=lambda fqn, m: ...)")
         default = m.in_features % 16 == 0 and m.out_features % 16 == 0 and m is not head
         if not (policy.modules(fqn, m) if policy.modules is not None else default):
             continue

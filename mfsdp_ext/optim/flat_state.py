@@ -83,7 +83,7 @@ def _local_part(group: ParamGroup, i: int, value: torch.Tensor, view: DTensor) -
         value = value.full_tensor()
     if value.shape == view._local_tensor.shape and value.shape != view.shape:
         return value  # already this rank's rows
-    return group.local_rows(i, value)
+    return group.local_of_full(i, value)
 
 
 def build_runs(group: ParamGroup, items: list[tuple[int, object]]) -> tuple[torch.Tensor, list[object]]:

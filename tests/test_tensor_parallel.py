@@ -1,0 +1,258 @@
+"""Tensor parallelism + fully_shard on a 2 x 2 (dp, tp) mesh of 4 gloo ranks: parallelize_module(block, tp_mesh,
+plan), then fully_shard over the dp mesh, against FSDP2 doing the same and a single-process model (fp32)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from mfsdp_ext import MixedPrecisionPolicy, Fp8Policy, fully_shard
+
+from .conftest import get_pool
+from .models import rel_err
+
+DIM, HEADS, HIDDEN, VOCAB, SEQ = 16, 4, 20, 11, 8
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head_dim = DIM // HEADS
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        # -1 heads: under tensor parallelism the colwise projections hold this rank's heads only
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(DIM), nn.RMSNorm(DIM)
+        self.attention = Attention()
+        self.w1, self.w3 = nn.Linear(DIM, HIDDEN, bias=False), nn.Linear(DIM, HIDDEN, bias=False)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x):
+        h = x + self.attention(self.attention_norm(x))
+        y = self.ffn_norm(h)
+        return h + self.w2(F.silu(self.w1(y)) * self.w3(y))
+
+
+class Llama(nn.Module):
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(layers))
+        self.norm = nn.RMSNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def _plan():
+    """torchtitan's plan for a Llama block: colwise q/k/v/w1/w3, rowwise o/w2."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    col, row = ColwiseParallel(), RowwiseParallel()
+    return {"attention.wq": col, "attention.wk": col, "attention.wv": col, "attention.wo": row, "w1": col,
+            "w3": col, "w2": row}
+
+
+def _build(base, shard_fn, mesh, **kwargs):
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model = copy.deepcopy(base)
+    for block in model.layers:
+        parallelize_module(block, mesh["tp"], _plan())
+        shard_fn(block, mesh=mesh["dp"], **kwargs)
+    shard_fn(model, mesh=mesh["dp"], **kwargs)
+    return model
+
+
+def _batch(step: int, batch: int):
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _train(model, steps: int, dp_rank: int, dp_size: int) -> list[float]:
+    """AdamW on this dp rank's slice of the global batch (the tp ranks of one dp rank see the same data)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        tokens, targets = _batch(step, 8)  # the same global batch whatever the data-parallel size
+        tokens, targets = tokens.chunk(dp_size)[dp_rank], targets.chunk(dp_size)[dp_rank]
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        if dp_size > 1:  # the mean over dp ranks (each counted once per tp rank, which holds the same loss)
+            dist.all_reduce(total)
+            total /= dist.get_world_size()
+        losses.append(total.item())
+    return losses
+
+
+def _case_tp_fsdp_vs_fsdp2_and_reference():
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    base = Llama()
+    ours, theirs = _build(base, fully_shard, mesh), _build(base, fsdp2_fully_shard, mesh)
+    # the same labels as FSDP2's, the same local shards
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        assert isinstance(p, DTensor) and p.placements == q.placements and p.device_mesh == q.device_mesh, \
+            (name, p.placements, q.placements)
+        assert torch.equal(p.to_local(), q.to_local()), name
+        assert torch.equal(p.full_tensor(), dict(base.named_parameters())[name].detach()), name
+    wq = dict(ours.named_parameters())["layers.0.attention.wq.weight"]
+    dp_rank, dp_size = mesh.get_local_rank("dp"), mesh["dp"].size()
+    our_losses = _train(ours, 4, dp_rank, dp_size)
+    their_losses = _train(theirs, 4, dp_rank, dp_size)
+    ref_losses = _train(copy.deepcopy(base), 4, 0, 1)
+    vs_fsdp2 = max(abs(a - b) / abs(b) for a, b in zip(our_losses, their_losses))
+    vs_ref = max(abs(a - b) / abs(b) for a, b in zip(our_losses, ref_losses))
+    params_err = max(rel_err(p.full_tensor(), q.full_tensor()) for p, q in zip(ours.parameters(), theirs.parameters()))
+    assert vs_fsdp2 <= 1e-5 and params_err <= 1e-5 and vs_ref <= 1e-5, (vs_fsdp2, params_err, vs_ref)
+    return {"wq": str(wq.placements), "loss_vs_fsdp2": vs_fsdp2, "loss_vs_single_process": vs_ref,
+            "params_vs_fsdp2": params_err}
+
+
+def _case_refusals():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model = Llama(layers=1)
+    parallelize_module(model.layers[0], mesh["tp"], _plan())
+    with pytest.raises(ValueError, match="not a sibling sub-mesh"):  # the tp mesh given as the dp mesh
+        fully_shard(copy.deepcopy(model).layers[0], mesh=mesh["tp"])
+    fp8 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, fp8=Fp8Policy(compute=False))
+    with pytest.raises(ValueError, match="tensor-parallel layer"):
+        fully_shard(model.layers[0], mesh=mesh["dp"], mp_policy=fp8)
+    return "ok"
+
+
+def test_tp_fsdp_vs_fsdp2_and_reference():
+    print(get_pool(4).run(_case_tp_fsdp_vs_fsdp2_and_reference)[0])
+
+
+def test_refusals():
+    print(get_pool(4).run(_case_refusals)[0])
+
+
+def _case_fused_optimizer_and_microbatches():
+    """mfsdp_ext.optim.AdamW and the microbatch API on the 2-D layout: the fused kernel steps the TP-local shards,
+    its state DTensors carry the parameters' 2-D placements; the same numbers as FSDP2 with torch's AdamW."""
+    import mfsdp_ext
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(1)
+    base = Llama()
+    ours, theirs = _build(base, fully_shard, mesh), _build(base, fsdp2_fully_shard, mesh)
+    opts = [mfsdp_ext.optim.AdamW(ours.parameters(), lr=1e-2), torch.optim.AdamW(theirs.parameters(), lr=1e-2)]
+    dp_rank, dp_size = mesh.get_local_rank("dp"), mesh["dp"].size()
+    for step in range(3):
+        tokens, targets = (t.chunk(dp_size)[dp_rank] for t in _batch(step, 8))
+        for model, opt in zip((ours, theirs), opts):
+            for i, (t, y) in enumerate(zip(tokens.chunk(2), targets.chunk(2))):
+                ctx = mfsdp_ext.microbatch(model, is_first=i == 0, is_last=i == 1) if model is ours else None
+                if ctx is None:
+                    model.set_requires_gradient_sync(i == 1)
+                    (F.cross_entropy(model(t).flatten(0, 1), y.flatten()) / 2).backward()
+                else:
+                    with ctx:
+                        (F.cross_entropy(model(t).flatten(0, 1), y.flatten()) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+    err = max(rel_err(p.full_tensor(), q.full_tensor()) for p, q in zip(ours.parameters(), theirs.parameters()))
+    assert err <= 1e-5, err
+    state = opts[0].state[dict(ours.named_parameters())["layers.0.w1.weight"]]["exp_avg"]
+    assert state.placements == dict(ours.named_parameters())["layers.0.w1.weight"].placements
+    return {"params_vs_fsdp2": err, "exp_avg": str(state.placements)}
+
+
+def _case_dcp_reshard(tmp: str):
+    """A checkpoint saved at (dp=2, tp=2) loads at (dp=4, tp=1) and (dp=1, tp=4) exactly, ours and FSDP2 both
+    ways: the labels say what each shard is."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    torch.manual_seed(2)
+    base = Llama()
+    full = {k: v.detach().clone() for k, v in base.state_dict().items()}
+    for saver, path in ((fully_shard, f"{tmp}/ours"), (fsdp2_fully_shard, f"{tmp}/fsdp2")):
+        model = _build(base, saver, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+        dcp.save(model.state_dict(), checkpoint_id=path)
+    results = {}
+    for shape in ((4, 1), (1, 4)):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+        for loader in (fully_shard, fsdp2_fully_shard):
+            for path in (f"{tmp}/ours", f"{tmp}/fsdp2"):
+                torch.manual_seed(99)  # other weights: the load must bring the saved ones
+                model = _build(Llama(), loader, mesh)
+                sd = model.state_dict()
+                dcp.load(sd, checkpoint_id=path)
+                model.load_state_dict(sd)
+                got = {k: v.full_tensor() for k, v in model.state_dict().items()}
+                assert all(torch.equal(got[k], full[k]) for k in full), (shape, loader.__module__, path)
+                results[f"{shape} {'ours' if loader is fully_shard else 'fsdp2'} <- {path.rsplit('/', 1)[1]}"] = "exact"
+    return results
+
+
+def test_fused_optimizer_and_microbatches():
+    print(get_pool(4).run(_case_fused_optimizer_and_microbatches)[0])
+
+
+def test_dcp_reshard(tmp_path):
+    print(get_pool(4).run(_case_dcp_reshard, str(tmp_path))[0])
+
+
+def _case_hsdp_tp():
+    """HSDP + TP on a (replicate, shard, tp) = 2 x 2 x 2 mesh of 8 ranks: labels (Replicate(), Shard(0) or
+    _StridedShard, TP placement), the same numbers as FSDP2."""
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("rep", "dp", "tp"))
+    torch.manual_seed(3)
+    base = Llama()
+    models = []
+    for shard_fn in (fully_shard, fsdp2_fully_shard):
+        model = copy.deepcopy(base)
+        for block in model.layers:
+            parallelize_module(block, mesh["tp"], _plan())
+            shard_fn(block, mesh=mesh["rep", "dp"])
+        shard_fn(model, mesh=mesh["rep", "dp"])
+        models.append(model)
+    ours, theirs = models
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        assert p.placements == q.placements and torch.equal(p.to_local(), q.to_local()), (name, p.placements)
+    dp_rank = mesh.get_local_rank("rep") * 2 + mesh.get_local_rank("dp")
+    losses = [_train(m, 3, dp_rank, 4) for m in models]
+    err = max(rel_err(p.full_tensor(), q.full_tensor()) for p, q in zip(ours.parameters(), theirs.parameters()))
+    assert losses[0] == losses[1] or max(abs(a - b) / abs(b) for a, b in zip(*losses)) <= 1e-6, losses
+    assert err <= 1e-6, err
+    return {"wq": str(dict(ours.named_parameters())["layers.0.attention.wq.weight"].placements), "params": err}
+
+
+def test_hsdp_tp():
+    print(get_pool(8).run(_case_hsdp_tp)[0])
