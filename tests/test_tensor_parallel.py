@@ -256,3 +256,53 @@ def _case_hsdp_tp():
 
 def test_hsdp_tp():
     print(get_pool(8).run(_case_hsdp_tp)[0])
+
+
+class Experts(nn.Module):
+    """Grouped experts as 3-D parameters [experts, dim, hidden] (torchtitan's layout); the forward uses this rank's
+    local experts (an expert-parallel layout holds a slice of them as DTensors Shard(0) over "ep")."""
+
+    def __init__(self, num: int = 4):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(num, DIM, HIDDEN) / DIM**0.5)
+        self.w2 = nn.Parameter(torch.randn(num, HIDDEN, DIM) / HIDDEN**0.5)
+
+    def forward(self, x):
+        w1, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2))
+        return torch.einsum("eth,ehd->td", F.silu(torch.einsum("td,edh->eth", x, w1)), w2)
+
+
+def _case_expert_parallel_dtensors():
+    """Experts held as DTensors Shard(0) over an "ep" mesh, sharded by fully_shard over the "edp" mesh: FSDP2's
+    labels ((_StridedShard(0, 2), Shard(0))) and the same numbers as FSDP2."""
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    torch.manual_seed(4)
+    base = Experts()
+    models = []
+    for shard_fn in (fully_shard, fsdp2_fully_shard):
+        model = copy.deepcopy(base)
+        for name in ("w1", "w2"):
+            setattr(model, name, nn.Parameter(distribute_tensor(getattr(model, name).detach(), mesh["ep"],
+                                                                [Shard(0)])))
+        shard_fn(model, mesh=mesh["edp"])
+        models.append(model)
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert p.placements == q.placements and torch.equal(p.to_local(), q.to_local()), (name, p.placements)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for step in range(3):
+        x = torch.randn(6, DIM, generator=g)
+        for model, opt in zip(models, opts):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    err = max(rel_err(p.full_tensor(), q.full_tensor()) for p, q in zip(*(m.parameters() for m in models)))
+    assert err <= 1e-6, err
+    return {"w1": str(models[0].w1.placements), "params_vs_fsdp2": err}
+
+
+def test_expert_parallel_dtensors():
+    print(get_pool(4).run(_case_expert_parallel_dtensors)[0])
