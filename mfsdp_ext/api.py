@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from . import checkpoint, dtensor_norms, shard_init
 from .marks import is_marked
@@ -44,9 +44,9 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
 
     FSDP2's keywords take FSDP2's values: ``mp_policy`` may be torch's ``MixedPrecisionPolicy`` (mapped onto
     ours field by field) or ``mfsdp_ext.MixedPrecisionPolicy``; ``offload_policy`` torch's ``OffloadPolicy()``
-    (no offload; ``CPUOffloadPolicy`` is refused); ``shard_placement_fn`` may answer None or ``Shard(0)`` for
-    every parameter (other placements are refused, naming the parameter); ``ignored_params`` stay as they are
-    (not sharded, not moved, gradients not reduced); ``dp_mesh_dims`` is refused. ``verbose=True`` on the root
+    (no offload; ``CPUOffloadPolicy`` is refused); ``shard_placement_fn`` may answer None or ``Shard(d)``
+    per parameter (d > 0: an even split, as FSDP2's; a per-parameter mesh is refused, naming the parameter);
+    ``ignored_params`` stay as they are (not sharded, not moved, gradients not reduced); ``dp_mesh_dims`` is refused. ``verbose=True`` on the root
     (or ``MFSDP_EXT_SUMMARY=1``) prints one line per unit at the first forward (rank 0). ``check_finite_grads=True``
     on the root: after each backward, raise NonFiniteGradError on every rank naming the first parameter whose
     reduced gradient holds NaN or inf. ``native_collectives=True`` (NCCL only) issues the unit's collectives
@@ -67,7 +67,7 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
     dtensor_norms.install()  # clip_grad_norm_(norm_type=inf) on ranks with empty shards
     mesh, device, shard_group, replicate_group = shard_init.resolve_mesh(mesh, strategy)
     params = shard_init.owned_params(modules, ignored_params or ())
-    _check_placements(shard_placement_fn, params)
+    dims = _shard_dims(shard_placement_fn, params, shard_group)
     shard_init.check_tensor_parallel(params, mesh)
     if params and all(is_marked(p) for _, p, _ in params):
         return module  # all no_shard: no unit, no hooks; the enclosing unit (the root's) holds them
@@ -75,7 +75,8 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
     shard_init.move_buffers(modules, device)
     use_symm_mem = check_available(use_symm_mem, shard_group)
     native_collectives = native_collectives_available(native_collectives, shard_group)
-    groups = shard_init.make_groups(modules, params, mesh, device, shard_group, replicate_group, mp_policy, strategy)
+    groups = shard_init.make_groups(modules, params, mesh, device, shard_group, replicate_group, mp_policy, strategy,
+                                    dims)
     unit = FsdpUnit(modules, groups, strategy, reshard_after_forward, mp_policy, device, use_symm_mem,
                     native_collectives, verbose, check_finite_grads)
     for m in modules:
@@ -111,16 +112,30 @@ def _check_offload(offload_policy) -> None:
     raise TypeError(f"fully_shard: offload_policy must be torch's OffloadPolicy() or None, got {offload_policy!r}")
 
 
-def _check_placements(shard_placement_fn: Optional[Callable], params) -> None:
-    """FSDP2's shard_placement_fn, where it asks for what mfsdp_ext does: None or Shard(0) for every parameter."""
+def _shard_dims(shard_placement_fn: Optional[Callable], params, shard_group) -> dict[int, int]:
+    """FSDP2's shard_placement_fn: per parameter None or Shard(0) (torch.chunk's rows), or Shard(d) for another
+    dim (an even split, as FSDP2 requires). Returns id(parameter) -> d for those not on dim 0."""
     if shard_placement_fn is None:
-        return
+        return {}
+    world = dist.get_world_size(shard_group) if shard_group is not None else 1
+    dims = {}
     for fqn, p, _ in params:
         placement = shard_placement_fn(p)
-        if placement is not None and placement != Shard(0):
-            raise ValueError(f"fully_shard: shard_placement_fn places '{fqn}' as {placement!r}; mfsdp_ext shards "
-                             "every parameter on dim 0 over the mesh given to fully_shard (return None or "
-                             "Shard(0))")
+        if placement is None or placement == Shard(0):
+            continue
+        if type(placement) is not Shard:
+            raise ValueError(f"fully_shard: shard_placement_fn places '{fqn}' as {placement!r}; mfsdp_ext takes "
+                             "Shard(dim) on the mesh given to fully_shard (or None); a per-parameter mesh is not "
+                             "supported")
+        dim = placement.dim % p.dim()
+        size = (p._local_tensor if isinstance(p, DTensor) else p).shape[dim]
+        if dim and size % world:
+            raise ValueError(f"fully_shard: shard_placement_fn places '{fqn}' as Shard({dim}), whose size {size} "
+                             f"does not divide by the {world} ranks of the mesh (sharding a dim other than 0 needs "
+                             "an even split, as in FSDP2)")
+        if dim:
+            dims[id(p)] = dim
+    return dims
 
 
 def _become_fsdp_module(module: nn.Module, unit: FsdpUnit) -> None:

@@ -49,16 +49,34 @@ class FlatBuffer:
 
     def chunk_slot(self, index: int, rank: int | None = None) -> torch.Tensor:
         """Parameter ``index``'s chunk slot (``chunk_rows`` rows, padding included): in a shard, this rank's;
-        in the unsharded buffer, where ``rank``'s chunk lands."""
+        in the unsharded buffer, where ``rank``'s chunk lands (for a dim > 0 split: in the staging area)."""
         slot = self.layout.slots[index]
-        start = slot.shard_offset if self.sharded else slot.unsharded_offset + rank * slot.chunk_numel
+        gathered_at = slot.staging_offset if slot.dim else slot.unsharded_offset
+        start = slot.shard_offset if self.sharded else gathered_at + rank * slot.chunk_numel
         return self.data[start : start + slot.chunk_numel]
 
     def padded_param(self, index: int) -> torch.Tensor:
-        """Unsharded buffer only: the parameter padded to ``world * chunk_rows`` rows (an all-gather's output)."""
+        """Unsharded buffer only: where an all-gather of the parameter's chunks lands: the parameter padded to
+        ``world * chunk_rows`` rows (dim 0), or its staging area (dim > 0; ``unstage`` puts it in place)."""
         slot = self.layout.slots[index]
-        start = slot.unsharded_offset
+        start = slot.staging_offset if slot.dim else slot.unsharded_offset
         return self.data[start : start + self.layout.world_size * slot.chunk_numel]
+
+    def param_region(self, index: int) -> torch.Tensor:
+        """Unsharded buffer only: the parameter's own elements, flat (padding rows included for dim 0)."""
+        slot = self.layout.slots[index]
+        return self.data[slot.unsharded_offset : slot.unsharded_offset + slot.world * slot.chunk_numel]
+
+    def unstage(self) -> None:
+        """Unsharded buffer only: each dim > 0 parameter's gathered chunks, ``W`` slices ``[outer, b, inner]``
+        back to back in its staging area, into place as ``[outer, W * b, inner]`` (one strided copy each)."""
+        world = self.layout.world_size
+        for slot in self.layout.slots:
+            if slot.dim:
+                outer = slot.shape[: slot.dim].numel()
+                staged = self.data[slot.staging_offset : slot.staging_offset + slot.numel].view(world, outer, -1)
+                placed = self.data[slot.unsharded_offset : slot.unsharded_offset + slot.numel].view(outer, world, -1)
+                placed.copy_(staged.transpose(0, 1))
 
     # Storage lifetime: free after use, reallocate before the next all-gather.
     def free(self) -> None:

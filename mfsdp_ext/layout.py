@@ -11,6 +11,11 @@ Three arrangements of the same chunks:
                A per-parameter all-gather of the chunk slots writes every parameter in place, and the module's
                parameters are plain views (no copy-out).
   rank-major   W shards back to back: the input of one flat reduce-scatter whose output is the shard itself.
+
+A parameter sharded on a dim d > 0 (FSDP2's ``shard_placement_fn`` answering ``Shard(d)``) is split evenly on that
+dim: rank r holds the contiguous tensor ``x.narrow(d, r*b, b)``, ``b = shape[d] / W``. Its chunk is not a range of
+the whole parameter, so its unsharded extent is the parameter followed by a staging area of W chunks: the
+all-gather lands there and one native copy puts each rank's columns in place (FSDP2 copies out the same way).
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ class ParamSlot:
 
     shape: torch.Size
     row_numel: int
-    chunk_rows: int  # c = ceil(rows / world)
+    chunk_rows: int  # c = ceil(rows / world) (dim 0)
     shard_offset: int  # start of its chunk slot in every rank's shard
     unsharded_offset: int  # start of the parameter in the param-major gathered buffer
+    dim: int = 0  # the sharded dim (> 0: an even split, its gathers staged after the parameter)
+    world: int = 1
 
     @property
     def rows(self) -> int:
@@ -48,7 +55,16 @@ class ParamSlot:
 
     @property
     def chunk_numel(self) -> int:
-        return self.chunk_rows * self.row_numel
+        return self.chunk_rows * self.row_numel if self.dim == 0 else self.numel // self.world
+
+    @property
+    def staging_offset(self) -> int:
+        """dim > 0: where the all-gather of its chunks lands (W chunks back to back), after the parameter."""
+        return self.unsharded_offset + self.numel
+
+    @property
+    def unsharded_extent(self) -> int:
+        return self.world * self.chunk_numel * (2 if self.dim else 1)
 
     def view(self, unsharded: torch.Tensor) -> torch.Tensor:
         """This parameter, shaped, inside a param-major (unsharded) flat buffer."""
@@ -58,23 +74,28 @@ class ParamSlot:
 class FlatLayout:
     """Placement of ``shapes`` for ``world_size`` ranks (see the module docstring)."""
 
-    def __init__(self, shapes: Sequence[torch.Size], world_size: int, align: int = ALIGN_ELEMS):
+    def __init__(self, shapes: Sequence[torch.Size], world_size: int, align: int = ALIGN_ELEMS,
+                 dims: Sequence[int] | None = None):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.align = align
         self.slots: list[ParamSlot] = []
         shard_cursor = unsharded_cursor = 0
-        for shape in (torch.Size(s) for s in shapes):
+        for shape, dim in zip((torch.Size(s) for s in shapes), dims or [0] * len(shapes)):
             if len(shape) == 0:
                 raise ValueError("FlatLayout cannot place a 0-d (scalar) parameter; reshape it to (1,)")
+            dim = dim if world_size > 1 else 0  # one rank: its chunk is the whole parameter, in place
+            if dim and shape[dim] % world_size:
+                raise ValueError(f"sharding dim {dim} of a parameter of shape {tuple(shape)} needs it to divide by "
+                                 f"{world_size} ranks (an even split, as FSDP2 requires for dims other than 0)")
             row_numel = shape[1:].numel()
             chunk_rows = -(-shape[0] // world_size)
             slot = ParamSlot(shape, row_numel, chunk_rows, align_up(shard_cursor, align),
-                             align_up(unsharded_cursor, align))
+                             align_up(unsharded_cursor, align), dim, world_size)
             self.slots.append(slot)
             shard_cursor = slot.shard_offset + slot.chunk_numel
-            unsharded_cursor = slot.unsharded_offset + world_size * slot.chunk_numel
+            unsharded_cursor = slot.unsharded_offset + slot.unsharded_extent
         self.shard_numel = align_up(shard_cursor, align)
         self.unsharded_numel = align_up(unsharded_cursor, align)
         self._view_args: dict = {}  # view_args(rank), per rank
@@ -96,8 +117,19 @@ class FlatLayout:
         return first, min(first + slot.chunk_rows, slot.rows)
 
     def local_numel(self, slot: ParamSlot, rank: int) -> int:
+        if slot.dim:
+            return slot.chunk_numel
         r0, r1 = self.local_rows(slot, rank)
         return (r1 - r0) * slot.row_numel
+
+    def local_shape(self, slot: ParamSlot, rank: int) -> tuple:
+        """The shape of what ``rank`` holds of the parameter."""
+        if slot.dim:
+            shape = list(slot.shape)
+            shape[slot.dim] //= self.world_size
+            return tuple(shape)
+        r0, r1 = self.local_rows(slot, rank)
+        return (r1 - r0, *slot.shape[1:])
 
     def view_args(self, rank: int | None) -> list[tuple[tuple, tuple, int]]:
         """Per parameter, the (shape, stride, offset) of its ``as_strided`` view: in ``rank``'s shard its rows
@@ -109,8 +141,7 @@ class FlatLayout:
                 if rank is None:
                     shape, offset = tuple(slot.shape), slot.unsharded_offset
                 else:
-                    r0, r1 = self.local_rows(slot, rank)
-                    shape, offset = (r1 - r0, *slot.shape[1:]), slot.shard_offset
+                    shape, offset = self.local_shape(slot, rank), slot.shard_offset
                 args.append((shape, contiguous_stride(shape), offset))
             self._view_args[rank] = args
         return self._view_args[rank]
@@ -120,8 +151,18 @@ class FlatLayout:
         rank-major buffer): where packing copies gradients before the flat reduce-scatter, and where unpacking
         copies a flat rank-major gather into the param-major buffer (at ``unsharded_offset + first``)."""
         S = self.shard_numel
-        return [(i, self.local_rows(s, r)[0] * s.row_numel, self.local_numel(s, r), r * S + s.shard_offset)
-                for i, s in enumerate(self.slots) for r in range(self.world_size) if self.local_numel(s, r) > 0]
+        pieces = []
+        for i, s in enumerate(self.slots):
+            for r in range(self.world_size):
+                if s.dim:  # rank r's columns of every outer index: runs of b * inner elements
+                    b, inner = s.shape[s.dim] // self.world_size, s.shape[s.dim + 1:].numel()
+                    base = r * S + s.shard_offset
+                    pieces += [(i, (o * s.shape[s.dim] + r * b) * inner, b * inner, base + o * b * inner)
+                               for o in range(s.shape[:s.dim].numel())]
+                elif self.local_numel(s, r) > 0:
+                    pieces.append((i, self.local_rows(s, r)[0] * s.row_numel, self.local_numel(s, r),
+                                   r * S + s.shard_offset))
+        return pieces
 
     def local_segments(self, rank: int) -> list[tuple[int, int]]:
         """Per parameter, [start, end) of the rows ``rank`` holds in its shard: the segment table of the FP8
@@ -135,10 +176,10 @@ class FlatLayout:
                 raise AssertionError(f"FlatLayout: unaligned slot {s}")
             if s.shard_offset < shard_end or s.unsharded_offset < unsharded_end:
                 raise AssertionError(f"FlatLayout: slot {s} overlaps the previous one")
-            if s.chunk_rows * self.world_size < s.rows:
+            if s.dim == 0 and s.chunk_rows * self.world_size < s.rows:
                 raise AssertionError(f"FlatLayout: chunks of {s} do not cover the parameter")
             shard_end = s.shard_offset + s.chunk_numel
-            unsharded_end = s.unsharded_offset + self.world_size * s.chunk_numel
+            unsharded_end = s.unsharded_offset + s.unsharded_extent
         if shard_end > self.shard_numel or unsharded_end > self.unsharded_numel:
             raise AssertionError("FlatLayout: a slot ends past its buffer")
 

@@ -93,6 +93,7 @@ class ParamInfo:
     places: list[ParamPlace]
     shape: torch.Size  # the global shape
     tp_spec: DTensorSpec | None = None  # a tensor-parallel parameter's own spec; the group holds its local tensor
+    dim: int = 0  # the dim it is sharded on (FSDP2's shard_placement_fn: Shard(dim))
     sharded: nn.Parameter = None  # DTensor view of main_weight
     unsharded: nn.Parameter = None  # view of the unsharded buffer
     grad_ref: weakref.ref | None = None  # the DTensor view of main_grad attached as sharded.grad (weak: see main_grad)
@@ -120,7 +121,8 @@ class ParamGroup(GroupGradients):
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, main_grad_dtype: torch.dtype,
                  device: torch.device, shard_group: dist.ProcessGroup, replicate_group: dist.ProcessGroup | None,
                  cache_model_weight: bool | None = None, reduce_when_ready: bool = False,
-                 reduce_comm_dtype: torch.dtype | None = None):
+                 reduce_comm_dtype: torch.dtype | None = None, dims: dict[int, int] | None = None):
+        """``dims``: id(parameter) -> the dim it is sharded on, where not 0."""
         first = params[0][1]
         self.dtype = first.dtype
         self.requires_grad = first.requires_grad
@@ -144,11 +146,13 @@ class ParamGroup(GroupGradients):
         self.on_grads_ready = None
         self.grads_ready = 0
         self.unit = None  # weak reference to the FsdpUnit that owns the group (set by the unit)
-        self.infos = [ParamInfo(fqn, places, p.shape, p._spec if isinstance(p, DTensor) else None)
+        dims = dims or {}
+        self.infos = [ParamInfo(fqn, places, p.shape, p._spec if isinstance(p, DTensor) else None, dims.get(id(p), 0))
                       for fqn, p, places in params]
         self._specs: dict[tuple[int, torch.dtype], DTensorSpec] = {}  # as_dtensor's, per (parameter, dtype)
         # the flat buffers hold each rank's local tensors: a tensor-parallel parameter's TP shard, split again here
-        self.layout = FlatLayout([_local(p).shape for _, p, _ in params], self.world)
+        self.layout = FlatLayout([_local(p).shape for _, p, _ in params], self.world,
+                                 dims=[info.dim for info in self.infos])
         self._plan_copies()
         self.on_meta = first.device.type == "meta"
         storage_device = torch.device("meta") if self.on_meta else device
@@ -201,6 +205,8 @@ class ParamGroup(GroupGradients):
         self._pieces = layout.rank_major_pieces()
         self._grad_pieces = torch.tensor(self._pieces, dtype=torch.int64).reshape(-1, 4)  # pack_pieces' table
         self.rank_major_offsets = [offset for _, _, _, offset in self._pieces]
+        self._staged = any(slot.dim for slot in layout.slots)  # dim > 0 splits: gathers land in a staging area
+        self._staged_pending = False
 
     def _plan_views(self) -> None:
         """Views of the buffers that the collectives read and write (valid across free/alloc of the storage):
@@ -209,7 +215,13 @@ class ParamGroup(GroupGradients):
         self.gather_inputs = self._gather_inputs()
         self.gather_outputs = [self.unsharded.padded_param(i) for i in self._gathered]
         self.own_unsharded_slots = [self.unsharded.chunk_slot(i, self.rank) for i in self._gathered]
-        self.unsharded_pieces = [self.unsharded.padded_param(i)[first : first + n] for i, first, n, _ in self._pieces]
+        self.unsharded_pieces = [self.unsharded.param_region(i)[first : first + n] for i, first, n, _ in self._pieces]
+
+    def _unstage(self, buffer: FlatBuffer) -> None:
+        """dim > 0 splits: each rank's slice, gathered into the staging area, into place."""
+        if self._staged:
+            with torch.autograd._unsafe_preserve_version_counter(buffer.data):
+                buffer.unstage()
 
     def _gather_inputs(self) -> list[torch.Tensor]:
         return [self.gather_source().chunk_slot(i) for i in self._gathered]
@@ -218,8 +230,12 @@ class ParamGroup(GroupGradients):
         """This rank's rows of parameter i (torch.chunk's split), out of its unsharded local tensor (the whole
         parameter, or a tensor-parallel parameter's TP shard): a view, detached."""
         slot = self.layout.slots[i]
+        full = full.detach().reshape(slot.shape)
+        if slot.dim:  # an even split on that dim
+            b = slot.shape[slot.dim] // self.world
+            return full.narrow(slot.dim, self.rank * b, b)
         r0, r1 = self.layout.local_rows(slot, self.rank)
-        return full.detach().reshape(slot.shape)[r0:r1]
+        return full[r0:r1]
 
     def local_of_full(self, i: int, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of parameter i out of the full (global) tensor: its TP shard's rows for a
@@ -255,7 +271,7 @@ class ParamGroup(GroupGradients):
         if spec is None:
             info = self.infos[i]
             spec = self._specs[i, local.dtype] = placements.sharded_spec(self.mesh, self.replicated, info.tp_spec,
-                                                                         info.shape, local.dtype)
+                                                                         info.shape, local.dtype, info.dim)
         return DTensor(local, spec, requires_grad=False)
 
     def _make_params(self) -> None:
@@ -424,6 +440,7 @@ class ParamGroup(GroupGradients):
         """The plain all-gather up to its collective: the buffer allocated, this rank's chunks cast into their slots
         where no compute-dtype shard is kept; returns the collective's (outputs, inputs)."""
         self.unsharded.alloc()
+        self._staged_pending = self._staged
         if self.cast_in_slot:
             self.cast_into_own_slots()
             return self.gather_outputs, self.own_unsharded_slots
@@ -431,6 +448,9 @@ class ParamGroup(GroupGradients):
 
     def gather_end(self) -> None:
         """After the all-gather's collective (issued, on this stream)."""
+        if self._staged_pending:  # the plain gather landed dim > 0 splits in the staging area
+            self._unstage(self.unsharded)
+            self._staged_pending = False
         self.stats.all_gathers += 1
         if not self.replicated:
             self.stats.all_gather_bytes += self.gathered_bytes(self.compute_dtype)
@@ -457,6 +477,7 @@ class ParamGroup(GroupGradients):
         else:
             dist_ops.all_gather_into([full.padded_param(i) for i in self._gathered],
                                  [shard.chunk_slot(i) for i in self._gathered], self.shard_group)
+            self._unstage(full)
         return full
 
     def free_unsharded(self) -> None:

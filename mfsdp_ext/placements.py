@@ -22,23 +22,24 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .layout import contiguous_stride
 
 
-def data_parallel_placements(mesh_ndim: int, replicated: bool) -> tuple:
+def data_parallel_placements(mesh_ndim: int, replicated: bool, dim: int = 0) -> tuple:
     """The placements over the data-parallel mesh: 1-D shard, HSDP (replicate, shard), or replicated."""
     if replicated:
         return (Replicate(),) * mesh_ndim
-    return (Replicate(), Shard(0)) if mesh_ndim == 2 else (Shard(0),)
+    return (Replicate(), Shard(dim)) if mesh_ndim == 2 else (Shard(dim),)
 
 
 def sharded_spec(dp_mesh: DeviceMesh, replicated: bool, tp_spec: Optional[DTensorSpec], shape: torch.Size,
-                 dtype: torch.dtype) -> DTensorSpec:
-    """The spec of a shard of a parameter of global ``shape`` (``tp_spec``: its tensor-parallel spec, or None)."""
+                 dtype: torch.dtype, dim: int = 0) -> DTensorSpec:
+    """The spec of a shard of a parameter of global ``shape`` split on ``dim`` (``tp_spec``: its
+    tensor-parallel spec, or None)."""
     meta = TensorMeta(shape, contiguous_stride(shape), dtype)
-    dp = data_parallel_placements(dp_mesh.ndim, replicated)
+    dp = data_parallel_placements(dp_mesh.ndim, replicated, dim)
     if tp_spec is None:
         return DTensorSpec(dp_mesh, dp, tensor_meta=meta)
-    split = tp_spec.num_shards_map[0]
+    split = tp_spec.num_shards_map[dim]
     if not replicated and split > 1:
-        dp = (*dp[:-1], _StridedShard(0, split_factor=split))
+        dp = (*dp[:-1], _StridedShard(dim, split_factor=split))
     return DTensorSpec(DeviceMesh._concatenate([dp_mesh, tp_spec.mesh]), (*dp, *tp_spec.placements),
                        tensor_meta=meta)
 

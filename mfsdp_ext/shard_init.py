@@ -49,11 +49,17 @@ def resolve_mesh(mesh: Optional[DeviceMesh], strategy: Strategy) -> tuple[Device
 
 
 def make_groups(modules: list[nn.Module], params, mesh: DeviceMesh, device: torch.device, shard_group,
-                replicate_group, mp_policy: MixedPrecisionPolicy, strategy: Strategy) -> list[ParamGroup]:
+                replicate_group, mp_policy: MixedPrecisionPolicy, strategy: Strategy,
+                dims: dict[int, int] | None = None) -> list[ParamGroup]:
     """One ParamGroup per (dtype, requires_grad, marked no_shard, FP8) of the parameters, which become the groups'
     DTensor shards (a marked group: replicated over the mesh, as the no_shard strategy holds everything; an FP8
     group: Fp8ParamGroup, the weights of the linear layers ``mp_policy.fp8`` chooses)."""
     fp8 = choose_fp8_weights(modules, params, mp_policy, strategy)
+    off_dim0 = [fqn for fqn, p, _ in params if id(p) in fp8 and (dims or {}).get(id(p))]
+    if off_dim0:
+        raise ValueError(f"fully_shard: '{off_dim0[0]}' would hold FP8 weights sharded on a dim other than 0; FP8 "
+                         "weights are sharded on dim 0: leave the layer out (Fp8Policy(modules=...)) or shard it on "
+                         "dim 0")
     late = set().union(*(_used_after_inner_units(m, params) for m in modules))
     groups = []
     kinds = _group_by_kind(params, fp8, late)
@@ -64,7 +70,7 @@ def make_groups(modules: list[nn.Module], params, mesh: DeviceMesh, device: torc
         kwargs = dict(compute_dtype=mp_policy.compute_dtype(dtype), reduce_dtype=mp_policy.reduction_dtype(dtype),
                       reduce_comm_dtype=mp_policy.reduction_comm_dtype(dtype, narrow_wins and not replicated),
                       main_grad_dtype=mp_policy.main_grad_dtype if dtype == torch.float32 else dtype, device=device,
-                      shard_group=None if replicated else shard_group,
+                      shard_group=None if replicated else shard_group, dims=dims,
                       replicate_group=_whole_mesh_group(mesh) if replicated else replicate_group,
                       reduce_when_ready=is_late)
         # a copy of the model weight (bf16 or FP8 shard) saves a cast per gather: none where weights stay gathered

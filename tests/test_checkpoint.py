@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard
 from mfsdp_ext.checkpoint import full_state_dict
@@ -153,8 +153,15 @@ def test_resume_bit_exact(cpu_pool, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ resharding
-def _case_save_for_reshard(root: str):
-    model = _model(32)
+def _shard_columns(p):
+    return Shard(1) if p.dim() == 2 else None
+
+
+SPLITS = {"rows": {}, "columns": {"shard_placement_fn": _shard_columns}}  # dim 0 (the default), or matrices on dim 1
+
+
+def _case_save_for_reshard(root: str, split: str = "rows"):
+    model = _model(32, **SPLITS[split])
     opt = _optimizer(model, "adamw")
     _steps(model, opt, range(K))
     msd, osd = get_state_dict(model, opt)
@@ -168,10 +175,10 @@ def _case_save_for_reshard(root: str):
     return losses
 
 
-def _case_load_resharded(root: str):
-    """Load on another number of ranks: parameters and optimizer state equal the saved full tensors exactly,
-    and the next N losses equal the saved run's within 1e-6 (another world size sums in another order)."""
-    model = _model(33)
+def _case_load_resharded(root: str, split: str = "rows"):
+    """Load on another number of ranks (or split): parameters and optimizer state equal the saved full tensors
+    exactly, and the next N losses equal the saved run's within 1e-6 (another world size sums in another order)."""
+    model = _model(33, **SPLITS[split])
     opt = _optimizer(model, "adamw")
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
@@ -192,10 +199,12 @@ def _case_load_resharded(root: str):
     return {"world": dist.get_world_size(), "rel_err": err}
 
 
-@pytest.mark.parametrize("saved_on,loaded_on", [(2, 4), (2, 1), (4, 2)])
-def test_reshard(tmp_path, saved_on, loaded_on):
-    get_pool(saved_on).run(_case_save_for_reshard, str(tmp_path))
-    print(get_pool(loaded_on).run(_case_load_resharded, str(tmp_path))[0])
+@pytest.mark.parametrize("saved_on,loaded_on,saved_split,loaded_split",
+                         [(2, 4, "rows", "rows"), (2, 1, "rows", "rows"), (4, 2, "rows", "rows"),
+                          (2, 4, "columns", "rows"), (4, 2, "rows", "columns")])
+def test_reshard(tmp_path, saved_on, loaded_on, saved_split, loaded_split):
+    get_pool(saved_on).run(_case_save_for_reshard, str(tmp_path), saved_split)
+    print(get_pool(loaded_on).run(_case_load_resharded, str(tmp_path), loaded_split)[0])
 
 
 # ------------------------------------------------------------------------------------------ interop with FSDP2

@@ -451,8 +451,10 @@ def _case_ignored_params():
     assert rel_err(model.lin.weight.grad.full_tensor(), ref.lin.weight.grad) <= 1e-5
     msgs = {"offload": _expect(ValueError, "not supported",
                                lambda: fully_shard(nn.Linear(4, 4), offload_policy=CPUOffloadPolicy())),
-            "placement": _expect(ValueError, "dim 0",
-                                 lambda: fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1)))}
+            "placement": _expect(ValueError, "Shard(dim)",
+                                 lambda: fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Replicate())),
+            "uneven": _expect(ValueError, "even split",
+                              lambda: fully_shard(nn.Linear(3, 3), shard_placement_fn=lambda p: Shard(1)))}
     # FSDP2's default placement asked for explicitly is what mfsdp_ext does
     fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(0) if p.dim() == 2 else None)
     return msgs

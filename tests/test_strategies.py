@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
@@ -114,6 +114,37 @@ def _case_hsdp(k: int):
     placements = {tuple(type(pl).__name__ for pl in p.placements) for p in model.parameters()}
     assert placements == {("Replicate", "Shard")}, placements
     return {"loss_err": loss_err, "param_err": param_err, "counts": dict(counts)}
+
+
+def _shard_columns(p):
+    """shard_placement_fn: every matrix on its columns (dim 1), the rest on rows (TinyLM's widths divide by 2, 4)."""
+    return Shard(1) if p.dim() == 2 else None
+
+
+def _case_shard_dim1():
+    """Shard(1) through shard_placement_fn under every strategy, microbatches {1, 3}, and HSDP: a single-process
+    model's numbers, Shard(1) labels, and gathered weights in place."""
+    world = dist.get_world_size()
+    hsdp = init_device_mesh(rank_device().type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    results = {}
+    for layout, k in itertools.product(STRATEGIES + ["hsdp"], [1, 3]):
+        torch.manual_seed(17)
+        model = TinyLM()
+        ref = copy.deepcopy(model).to(rank_device())
+        ref_losses = train(ref, STEPS, GLOBAL_BATCH, sharded=False)
+        kwargs = dict(mesh=hsdp) if layout == "hsdp" else dict(sharding_strategy=layout)
+        shard_tiny_lm(model, fully_shard, shard_placement_fn=_shard_columns, **kwargs)
+        if layout in ("optim_grads_params", "hsdp"):
+            assert model.emb.weight.placements[-1] == Shard(1), model.emb.weight.placements
+        losses = train(model, STEPS, GLOBAL_BATCH, sharded=True, microbatches=k, microbatch_ctx=microbatch)
+        loss_err = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
+        param_err = _compare_params(model, ref)
+        full = full_state_dict(model)
+        assert all(torch.equal(full[n].cpu(), p.full_tensor().cpu()) for n, p in model.named_parameters())
+        results[f"{layout}/mb{k}"] = (loss_err, param_err)
+    bad = {key: v for key, v in results.items() if max(v) > 1e-5}
+    assert not bad, bad
+    return results
 
 
 def _case_hsdp_grads_kept_across_steps():
@@ -549,6 +580,12 @@ def test_hsdp_2x2(k):
     from .conftest import get_pool
 
     print(get_pool(4).run(_case_hsdp, k)[0])
+
+
+def test_shard_dim1():
+    from .conftest import get_pool
+
+    print(get_pool(4).run(_case_shard_dim1)[0])
 
 
 def test_hsdp_grads_kept_across_steps():

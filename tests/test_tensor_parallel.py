@@ -109,13 +109,20 @@ def _train(model, steps: int, dp_rank: int, dp_size: int) -> list[float]:
     return losses
 
 
-def _case_tp_fsdp_vs_fsdp2_and_reference():
+def _shard_dim1(p):
+    from torch.distributed.tensor import Shard
+
+    return Shard(1) if p.dim() == 2 else None
+
+
+def _case_tp_fsdp_vs_fsdp2_and_reference(shard_placement_fn=None):
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     base = Llama()
-    ours, theirs = _build(base, fully_shard, mesh), _build(base, fsdp2_fully_shard, mesh)
+    ours, theirs = (_build(base, fn, mesh, shard_placement_fn=shard_placement_fn)
+                    for fn in (fully_shard, fsdp2_fully_shard))
     # the same labels as FSDP2's, the same local shards
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
         assert isinstance(p, DTensor) and p.placements == q.placements and p.device_mesh == q.device_mesh, \
@@ -147,11 +154,14 @@ def _case_refusals():
     fp8 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, fp8=Fp8Policy(compute=False))
     with pytest.raises(ValueError, match="tensor-parallel layer"):
         fully_shard(model.layers[0], mesh=mesh["dp"], mp_policy=fp8)
+    with pytest.raises(ValueError, match="sharded on a dim other than 0"):  # FP8 weights are split on rows only
+        fully_shard(Block(), mesh=mesh["dp"], mp_policy=fp8, shard_placement_fn=_shard_dim1)
     return "ok"
 
 
-def test_tp_fsdp_vs_fsdp2_and_reference():
-    print(get_pool(4).run(_case_tp_fsdp_vs_fsdp2_and_reference)[0])
+@pytest.mark.parametrize("shard_placement_fn", [None, _shard_dim1], ids=["dim0", "dim1"])
+def test_tp_fsdp_vs_fsdp2_and_reference(shard_placement_fn):
+    print(get_pool(4).run(_case_tp_fsdp_vs_fsdp2_and_reference, shard_placement_fn)[0])
 
 
 def test_refusals():
@@ -306,3 +316,53 @@ def _case_expert_parallel_dtensors():
 
 def test_expert_parallel_dtensors():
     print(get_pool(4).run(_case_expert_parallel_dtensors)[0])
+
+
+def _case_shard_dim1(param_dtype):
+    """shard_placement_fn answering Shard(1) (torchtitan's choice for experts when ranks outnumber them), for the
+    3-D expert weights and a 2-D weight: FSDP2's labels and local shards, and its numbers (fp32: to the bit; a bf16
+    compute dtype: within bf16's rounding)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+    from torch.distributed.tensor import Shard
+
+    class LinearThenExperts(nn.Module):  # the Linear feeds the experts: both get gradients
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(DIM, 2 * DIM)
+            self.experts = Experts(num=4)
+
+        def forward(self, x):
+            return self.experts(self.proj(x)[:, :DIM])
+
+    torch.manual_seed(5)
+    base = LinearThenExperts()
+    models = []
+    policy = TorchPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for shard_fn in (fully_shard, fsdp2_fully_shard):
+        model = copy.deepcopy(base)
+        shard_fn(model, shard_placement_fn=lambda p: Shard(1) if p.dim() > 1 else None, mp_policy=policy)
+        models.append(model)
+
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert p.placements == q.placements and torch.equal(p.to_local(), q.to_local()), (name, p.placements)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for step in range(3):
+        x = torch.randn(6, DIM, generator=g)
+        for model, opt in zip(models, opts):
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    err = max(rel_err(p.full_tensor(), q.full_tensor()) for p, q in zip(*(m.parameters() for m in models)))
+    assert err <= (0.0 if param_dtype is None else 2e-2), err
+    from mfsdp_ext.checkpoint import full_state_dict
+
+    full = full_state_dict(models[0])  # gathered and put in place from the staging area
+    assert all(torch.equal(full[n], p.full_tensor()) for n, p in models[0].named_parameters())
+    return {"w1": str(models[0].experts.w1.placements), "params_vs_fsdp2": err}
+
+
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_shard_dim1(cpu_pool, param_dtype):
+    print(cpu_pool.run(_case_shard_dim1, param_dtype)[0])
