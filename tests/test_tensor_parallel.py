@@ -168,7 +168,7 @@ def test_refusals():
     print(get_pool(4).run(_case_refusals)[0])
 
 
-def _case_fused_optimizer_and_microbatches():
+def _case_fused_optimizer_and_microbatches(shard_placement_fn=None):
     """mfsdp_ext.optim.AdamW and the microbatch API on the 2-D layout: the fused kernel steps the TP-local shards,
     its state DTensors carry the parameters' 2-D placements; the same numbers as FSDP2 with torch's AdamW."""
     import mfsdp_ext
@@ -177,7 +177,8 @@ def _case_fused_optimizer_and_microbatches():
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(1)
     base = Llama()
-    ours, theirs = _build(base, fully_shard, mesh), _build(base, fsdp2_fully_shard, mesh)
+    ours, theirs = (_build(base, fn, mesh, shard_placement_fn=shard_placement_fn)
+                    for fn in (fully_shard, fsdp2_fully_shard))
     opts = [mfsdp_ext.optim.AdamW(ours.parameters(), lr=1e-2), torch.optim.AdamW(theirs.parameters(), lr=1e-2)]
     dp_rank, dp_size = mesh.get_local_rank("dp"), mesh["dp"].size()
     for step in range(3):
@@ -228,8 +229,9 @@ def _case_dcp_reshard(tmp: str):
     return results
 
 
-def test_fused_optimizer_and_microbatches():
-    print(get_pool(4).run(_case_fused_optimizer_and_microbatches)[0])
+@pytest.mark.parametrize("shard_placement_fn", [None, _shard_dim1], ids=["dim0", "dim1"])
+def test_fused_optimizer_and_microbatches(shard_placement_fn):
+    print(get_pool(4).run(_case_fused_optimizer_and_microbatches, shard_placement_fn)[0])
 
 
 def test_dcp_reshard(tmp_path):
