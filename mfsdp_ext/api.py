@@ -67,16 +67,20 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
     dtensor_norms.install()  # clip_grad_norm_(norm_type=inf) on ranks with empty shards
     mesh, device, shard_group, replicate_group = shard_init.resolve_mesh(mesh, strategy)
     params = shard_init.owned_params(modules, ignored_params or ())
-    dims = _shard_dims(shard_placement_fn, params, shard_group)
-    shard_init.check_tensor_parallel(params, mesh)
+    placed = _shard_placements(shard_placement_fn, params, mesh)
+    shard_init.check_tensor_parallel(params, mesh, placed)
     if params and all(is_marked(p) for _, p, _ in params):
         return module  # all no_shard: no unit, no hooks; the enclosing unit (the root's) holds them
     shard_init.check_devices(params, device)
     shard_init.move_buffers(modules, device)
+    if use_symm_mem and any(own is not mesh for _, own in placed.values()):
+        if use_symm_mem is True:
+            raise ValueError("fully_shard(use_symm_mem=True): shard_placement_fn puts parameters on a mesh of their "
+                             "own; symmetric memory takes one shard group per model: pass use_symm_mem=False")
+        use_symm_mem = False  # "auto": the plain collectives
     use_symm_mem = check_available(use_symm_mem, shard_group)
     native_collectives = native_collectives_available(native_collectives, shard_group)
-    groups = shard_init.make_groups(modules, params, mesh, device, shard_group, replicate_group, mp_policy, strategy,
-                                    dims)
+    groups = shard_init.make_groups(modules, params, mesh, device, mp_policy, strategy, placed)
     unit = FsdpUnit(modules, groups, strategy, reshard_after_forward, mp_policy, device, use_symm_mem,
                     native_collectives, verbose, check_finite_grads)
     for m in modules:
@@ -112,30 +116,46 @@ def _check_offload(offload_policy) -> None:
     raise TypeError(f"fully_shard: offload_policy must be torch's OffloadPolicy() or None, got {offload_policy!r}")
 
 
-def _shard_dims(shard_placement_fn: Optional[Callable], params, shard_group) -> dict[int, int]:
-    """FSDP2's shard_placement_fn: per parameter None or Shard(0) (torch.chunk's rows), or Shard(d) for another
-    dim (an even split, as FSDP2 requires). Returns id(parameter) -> d for those not on dim 0."""
+def _shard_placements(shard_placement_fn: Optional[Callable], params, mesh: DeviceMesh) -> dict[int, tuple]:
+    """FSDP2's shard_placement_fn, per parameter: None or Shard(0) (torch.chunk's rows), Shard(d) for another dim
+    (an even split, as FSDP2 requires), or FSDP2's ShardPlacementResult (a Shard on a mesh of its own: torchtitan's
+    experts on the expert-data-parallel mesh). Returns id(parameter) -> (dim, mesh) where either differs from
+    (0, ``mesh``)."""
     if shard_placement_fn is None:
         return {}
-    world = dist.get_world_size(shard_group) if shard_group is not None else 1
-    dims = {}
+    out = {}
     for fqn, p, _ in params:
-        placement = shard_placement_fn(p)
-        if placement is None or placement == Shard(0):
-            continue
-        if type(placement) is not Shard:
-            raise ValueError(f"fully_shard: shard_placement_fn places '{fqn}' as {placement!r}; mfsdp_ext takes "
-                             "Shard(dim) on the mesh given to fully_shard (or None); a per-parameter mesh is not "
-                             "supported")
-        dim = placement.dim % p.dim()
+        placement, own_mesh = _placement_and_mesh(fqn, shard_placement_fn(p), mesh)
+        dim = placement.dim % p.dim() if placement is not None else 0
+        world = own_mesh.size(own_mesh.ndim - 1)  # the shard dim: 1-D, or HSDP's (replicate, shard)
         size = (p._local_tensor if isinstance(p, DTensor) else p).shape[dim]
         if dim and size % world:
             raise ValueError(f"fully_shard: shard_placement_fn places '{fqn}' as Shard({dim}), whose size {size} "
                              f"does not divide by the {world} ranks of the mesh (sharding a dim other than 0 needs "
                              "an even split, as in FSDP2)")
-        if dim:
-            dims[id(p)] = dim
-    return dims
+        if dim or own_mesh is not mesh:
+            out[id(p)] = (dim, own_mesh)
+    return out
+
+
+def _placement_and_mesh(fqn: str, answer, mesh: DeviceMesh) -> tuple[Optional[Shard], DeviceMesh]:
+    if answer is None or type(answer) is Shard:
+        return answer, mesh
+    info = getattr(answer, "mesh_info", None)  # FSDP2's ShardPlacementResult(placement, mesh_info)
+    if info is not None and hasattr(answer, "placement") and (answer.placement is None or
+                                                              type(answer.placement) is Shard):
+        if getattr(info, "is_spmd_mesh", False):
+            raise ValueError(f"fully_shard: shard_placement_fn places '{fqn}' on a full SPMD mesh (dp_mesh_dims); "
+                             "give its data-parallel mesh instead")
+        own = info.mesh
+        if own.ndim != (1 if getattr(info, "replicate_mesh_dim", None) is None else 2) or \
+                info.shard_mesh_dim != own.ndim - 1:
+            raise ValueError(f"fully_shard: shard_placement_fn places '{fqn}' on a mesh whose shard dim is "
+                             f"{info.shard_mesh_dim} of {own.ndim}; mfsdp_ext takes a 1-D mesh or a 2-D (replicate, "
+                             "shard) mesh")
+        return answer.placement, own
+    raise ValueError(f"fully_shard: shard_placement_fn places '{fqn}' as {answer!r}; mfsdp_ext takes None, "
+                     "Shard(dim) or FSDP2's ShardPlacementResult(Shard(dim) or None, mesh_info)")
 
 
 def _become_fsdp_module(module: nn.Module, unit: FsdpUnit) -> None:

@@ -48,18 +48,46 @@ def resolve_mesh(mesh: Optional[DeviceMesh], strategy: Strategy) -> tuple[Device
     return mesh, _mesh_device(mesh), mesh.get_group(0), None
 
 
-def make_groups(modules: list[nn.Module], params, mesh: DeviceMesh, device: torch.device, shard_group,
-                replicate_group, mp_policy: MixedPrecisionPolicy, strategy: Strategy,
-                dims: dict[int, int] | None = None) -> list[ParamGroup]:
-    """One ParamGroup per (dtype, requires_grad, marked no_shard, FP8) of the parameters, which become the groups'
-    DTensor shards (a marked group: replicated over the mesh, as the no_shard strategy holds everything; an FP8
-    group: Fp8ParamGroup, the weights of the linear layers ``mp_policy.fp8`` chooses)."""
+def make_groups(modules: list[nn.Module], params, mesh: DeviceMesh, device: torch.device,
+                mp_policy: MixedPrecisionPolicy, strategy: Strategy, placed: dict[int, tuple] | None = None
+                ) -> list[ParamGroup]:
+    """One ParamGroup per (mesh, dtype, requires_grad, marked no_shard, FP8) of the parameters, which become the
+    groups' DTensor shards (a marked group: replicated over the mesh, as the no_shard strategy holds everything; an
+    FP8 group: Fp8ParamGroup, the weights of the linear layers ``mp_policy.fp8`` chooses). ``placed``: id(parameter)
+    -> (dim, mesh) where shard_placement_fn moved it off (0, ``mesh``)."""
+    placed = placed or {}
     fp8 = choose_fp8_weights(modules, params, mp_policy, strategy)
-    off_dim0 = [fqn for fqn, p, _ in params if id(p) in fp8 and (dims or {}).get(id(p))]
+    off_dim0 = [fqn for fqn, p, _ in params if id(p) in fp8 and placed.get(id(p), (0,))[0]]
     if off_dim0:
         raise ValueError(f"fully_shard: '{off_dim0[0]}' would hold FP8 weights sharded on a dim other than 0; FP8 "
                          "weights are sharded on dim 0: leave the layer out (Fp8Policy(modules=...)) or shard it on "
                          "dim 0")
+    dims = {key: dim for key, (dim, _) in placed.items() if dim}
+    by_mesh: dict[int, tuple[DeviceMesh, list]] = {id(mesh): (mesh, [])}
+    for item in params:
+        own = placed.get(id(item[1]), (0, mesh))[1]
+        by_mesh.setdefault(id(own), (own, []))[1].append(item)
+    groups = []
+    for own, members in by_mesh.values():
+        if members:
+            groups += _groups_on_mesh(modules, members, own, device, mp_policy, strategy, fp8, dims)
+    owner = "+".join(type(m).__name__ for m in modules)
+    for fqn, p, _ in params:
+        _OWNER_NAMES[p] = owner  # the original Parameter: a use of it outside this unit is caught later
+        replaced_params.note_replaced(p, f"'{fqn}' of a {owner}", "before fully_shard")
+    for g in groups:
+        for info in g.infos:
+            _OWNER_NAMES[info.sharded] = owner
+        g.use_sharded_params()
+    return groups
+
+
+def _groups_on_mesh(modules, params, mesh: DeviceMesh, device: torch.device, mp_policy: MixedPrecisionPolicy,
+                    strategy: Strategy, fp8: set[int], dims: dict[int, int]) -> list[ParamGroup]:
+    mesh, mesh_device, shard_group, replicate_group = resolve_mesh(mesh, strategy)
+    if mesh_device != device:
+        raise ValueError(f"fully_shard: shard_placement_fn gives a mesh on {mesh_device}, the module's mesh is on "
+                         f"{device}; every mesh of one module is on one device type")
     late = set().union(*(_used_after_inner_units(m, params) for m in modules))
     groups = []
     kinds = _group_by_kind(params, fp8, late)
@@ -80,14 +108,6 @@ def make_groups(modules: list[nn.Module], params, mesh: DeviceMesh, device: torc
                                         **kwargs))
         else:
             groups.append(ParamGroup(members, mesh, **kwargs, cache_model_weight=cache))
-    owner = "+".join(type(m).__name__ for m in modules)
-    for fqn, p, _ in params:
-        _OWNER_NAMES[p] = owner  # the original Parameter: a use of it outside this unit is caught later
-        replaced_params.note_replaced(p, f"'{fqn}' of a {owner}", "before fully_shard")
-    for g in groups:
-        for info in g.infos:
-            _OWNER_NAMES[info.sharded] = owner
-        g.use_sharded_params()
     return groups
 
 
@@ -172,12 +192,13 @@ def _check_param(fqn: str, p: nn.Parameter, holder: nn.Module) -> None:
                          "gradients cannot be reduce-scattered into flat shards: build it with sparse=False")
 
 
-def check_tensor_parallel(params, mesh: DeviceMesh) -> None:
+def check_tensor_parallel(params, mesh: DeviceMesh, placed: dict[int, tuple] | None = None) -> None:
     """DTensor parameters (tensor parallelism applied before fully_shard) are taken when placed on a sibling
-    sub-mesh of the data-parallel mesh, as FSDP2 takes them (placements.py)."""
+    sub-mesh of their data-parallel mesh (``mesh``, or the one shard_placement_fn gave them in ``placed``), as FSDP2
+    takes them (placements.py)."""
     for fqn, p, _ in params:
         if isinstance(p, DTensor):
-            problem = placements.tensor_parallel_problem(fqn, p, mesh)
+            problem = placements.tensor_parallel_problem(fqn, p, (placed or {}).get(id(p), (0, mesh))[1])
             if problem is not None:
                 raise ValueError(problem)
 

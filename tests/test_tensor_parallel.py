@@ -143,6 +143,8 @@ def _case_tp_fsdp_vs_fsdp2_and_reference(shard_placement_fn=None):
 
 
 def _case_refusals():
+    from torch.distributed.tensor import Shard
+
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     from torch.distributed.tensor.parallel import parallelize_module
@@ -156,6 +158,13 @@ def _case_refusals():
         fully_shard(model.layers[0], mesh=mesh["dp"], mp_policy=fp8)
     with pytest.raises(ValueError, match="sharded on a dim other than 0"):  # FP8 weights are split on rows only
         fully_shard(Block(), mesh=mesh["dp"], mp_policy=fp8, shard_placement_fn=_shard_dim1)
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+
+    own_mesh = _get_mesh_info(mesh["tp"], None)  # a mesh of its own for every weight
+    with pytest.raises(ValueError, match="use_symm_mem=False"):
+        fully_shard(Block(), mesh=mesh["dp"], use_symm_mem=True,
+                    shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), own_mesh))
     return "ok"
 
 
@@ -318,6 +327,72 @@ def _case_expert_parallel_dtensors():
 
 def test_expert_parallel_dtensors():
     print(get_pool(4).run(_case_expert_parallel_dtensors)[0])
+
+
+class MoeBlock(nn.Module):
+    """A dense projection and grouped experts: torchtitan's MoE block in miniature."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+        self.experts = Experts(num=4)
+
+    def forward(self, x):
+        return self.experts(F.silu(self.proj(x)))
+
+
+def _case_per_parameter_mesh(expert_dim: int):
+    """torchtitan's expert parallelism: one fully_shard over the block on the dense "dp" mesh (4 ranks), whose
+    shard_placement_fn answers ShardPlacementResult(Shard(expert_dim), the "edp" mesh) for the experts, held as
+    DTensors Shard(0) over "ep": FSDP2's labels, local shards and numbers (fp32: to the bit)."""
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dense = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    sparse = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    dp_info, edp_info = _get_mesh_info(dense, None), _get_mesh_info(sparse["edp"], None)
+    torch.manual_seed(6)
+    base = MoeBlock()
+    models = []
+    for shard_fn in (fully_shard, fsdp2_fully_shard):
+        model = copy.deepcopy(base)
+        experts = model.experts
+        for name in ("w1", "w2"):
+            setattr(experts, name, nn.Parameter(distribute_tensor(getattr(experts, name).detach(), sparse["ep"],
+                                                                  [Shard(0)])))
+        expert_params = set(experts.parameters())
+
+        def placement(p):
+            if p in expert_params:
+                return ShardPlacementResult(placement=Shard(expert_dim), mesh_info=edp_info)
+            return ShardPlacementResult(placement=Shard(0), mesh_info=dp_info)
+
+        shard_fn(model, mesh=dense, shard_placement_fn=placement)
+        models.append(model)
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert p.placements == q.placements and p.device_mesh == q.device_mesh, (name, p.placements, q.placements)
+        assert torch.equal(p.to_local(), q.to_local()), name
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for step in range(3):
+        x = torch.randn(6, DIM, generator=g)
+        for model, opt in zip(models, opts):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    err = max(rel_err(p.full_tensor(), q.full_tensor()) for p, q in zip(*(m.parameters() for m in models)))
+    assert err == 0.0, err
+    groups = models[0]._mfsdp_unit.groups
+    assert len({id(g.shard_group) for g in groups}) == 2, "one group per mesh"
+    return {"w1": str(models[0].experts.w1.placements), "proj": str(models[0].proj.weight.placements),
+            "params_vs_fsdp2": err}
+
+
+@pytest.mark.parametrize("expert_dim", [0, 1])
+def test_per_parameter_mesh(expert_dim):
+    print(get_pool(4).run(_case_per_parameter_mesh, expert_dim)[0])
 
 
 def _case_shard_dim1(param_dtype):
