@@ -73,12 +73,7 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
         return module  # all no_shard: no unit, no hooks; the enclosing unit (the root's) holds them
     shard_init.check_devices(params, device)
     shard_init.move_buffers(modules, device)
-    if use_symm_mem and any(own is not mesh for _, own in placed.values()):
-        if use_symm_mem is True:
-            raise ValueError("fully_shard(use_symm_mem=True): shard_placement_fn puts parameters on a mesh of their "
-                             "own; symmetric memory takes one shard group per model: pass use_symm_mem=False")
-        use_symm_mem = False  # "auto": the plain collectives
-    use_symm_mem = check_available(use_symm_mem, shard_group)
+    use_symm_mem = _symmetric_memory(use_symm_mem, shard_group, any(own is not mesh for _, own in placed.values()))
     native_collectives = native_collectives_available(native_collectives, shard_group)
     groups = shard_init.make_groups(modules, params, mesh, device, mp_policy, strategy, placed)
     unit = FsdpUnit(modules, groups, strategy, reshard_after_forward, mp_policy, device, use_symm_mem,
@@ -136,6 +131,16 @@ def _shard_placements(shard_placement_fn: Optional[Callable], params, mesh: Devi
         if dim or own_mesh is not mesh:
             out[id(p)] = (dim, own_mesh)
     return out
+
+
+def _symmetric_memory(use_symm_mem, shard_group, several_meshes: bool) -> bool | str:
+    """The use_symm_mem setting resolved (symmetric memory takes one shard group per model)."""
+    if use_symm_mem and several_meshes:
+        if use_symm_mem is True:
+            raise ValueError("fully_shard(use_symm_mem=True): shard_placement_fn puts parameters on a mesh of their "
+                             "own; symmetric memory takes one shard group per model: pass use_symm_mem=False")
+        return False  # "auto": the plain collectives
+    return check_available(use_symm_mem, shard_group)
 
 
 def _placement_and_mesh(fqn: str, answer, mesh: DeviceMesh) -> tuple[Optional[Shard], DeviceMesh]:

@@ -350,11 +350,16 @@ class FsdpUnit:
         return rebuild(flat)
 
     def _hook_pre_backward(self, output) -> bool:
-        """Hook the output tensors that require grad (gather again before this unit's backward); False if none."""
+        """Hook the output tensors that require grad (gather again before this unit's backward); False if none.
+        A call after the root's forward ended (a chunked loss's head, run and backpropagated chunk by chunk on
+        detached hidden states) prefetches nothing in its backward: that backward does not reach the units before
+        it, and a gather issued for them would be freed unused when it ends (FSDP2 prefetches none there either)."""
+        ctx = self.context
+        hook = self._pre_backward if ctx.root not in ctx.forward_end_order else self._pre_backward_no_prefetch
         hooked = False
         for t in tensor_tree.flatten(output)[0]:
             if torch.is_tensor(t) and t.requires_grad:
-                t.register_hook(self._pre_backward)
+                t.register_hook(hook)
                 hooked = True
         return hooked
 
@@ -374,7 +379,10 @@ class FsdpUnit:
             "per unit.)", stacklevel=2)
 
     # ------------------------------------------------------------------ backward hooks
-    def _pre_backward(self, grad):
+    def _pre_backward_no_prefetch(self, grad):
+        return self._pre_backward(grad, prefetch=False)
+
+    def _pre_backward(self, grad, prefetch: bool = True):
         if self.training_state is TrainingState.PRE_BACKWARD:
             return grad
         # From POST_BACKWARD: a module called several times whose earlier call's inputs needed no grad carries its
@@ -388,7 +396,7 @@ class FsdpUnit:
         if self.unshard_in_backward:
             self.unshard()
             self.wait_unshard()
-        for prev in self._prefetch_targets(self.backward_prefetch, ctx.next_in_backward(self)):
+        for prev in self._prefetch_targets(self.backward_prefetch, ctx.next_in_backward(self)) if prefetch else ():
             if prev.unshard_in_backward and prev.training_state in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD):
                 prev.unshard()
         return grad

@@ -4,8 +4,9 @@
 
 Per optimizer step, each rank appends a JSON line to COUNTS_PATH.rankR: the units' weight gathers and gradient
 reductions of that step. FSDP2: calls of foreach_all_gather / foreach_reduce (one per unit's parameter group and
-collective). mfsdp_ext: a unit's unshard that gathered, and a unit that reduced in a backward (once, also when it
-reduced a group early and the rest at its post-backward; not when it kept accumulating under no-sync). The counters wrap both implementations' functions, so the example
+collective; a unit has one group per mesh). mfsdp_ext: a unit's unshard that gathered, and a unit that reduced in a
+backward (once, also when it reduced a group early and the rest at its post-backward; not when it kept accumulating
+under no-sync), each counted once per mesh its groups shard over (shard_placement_fn may give some their own). The counters wrap both implementations' functions, so the example
 switches between them as it would without this wrapper.
 """
 
@@ -57,9 +58,10 @@ def install_counters(path: str) -> None:
     reduced = set()  # reduces once in that backward, as FSDP2's one reduce-scatter of the unit's group
 
     def note_reduction(self, ctx, groups):
-        if any(g.has_unsharded_grads() and self.reduces_now(ctx, g) for g in groups):
-            if (backward[0], id(self)) not in reduced:
-                reduced.add((backward[0], id(self)))
+        for g in groups:
+            key = (backward[0], id(self), id(g.shard_group))
+            if g.has_unsharded_grads() and self.reduces_now(ctx, g) and key not in reduced:
+                reduced.add(key)
                 counts["reduce"] += 1
 
     def counted_reduce_groups(self, ctx, groups):
@@ -76,10 +78,10 @@ def install_counters(path: str) -> None:
         return out
 
     def counted_unshard(self, *a, **k):
-        before = sum(g.stats.all_gathers for g in self.groups)
+        before = [g.stats.all_gathers for g in self.groups]
         out = unshard(self, *a, **k)
-        if sum(g.stats.all_gathers for g in self.groups) > before:
-            counts["gather"] += 1
+        gathered = {id(g.shard_group) for g, n in zip(self.groups, before) if g.stats.all_gathers > n}
+        counts["gather"] += len(gathered)
         return out
 
     GradReduction.reduce_groups, GradReduction.reduce = counted_reduce_groups, counted_reduce

@@ -45,11 +45,11 @@ def _needs(module: str, install: str) -> None:
 
 
 def _run(tmp, name: str, script: str, *args: str, counts: bool = False, env: dict | None = None,
-         timeout: int = 600) -> dict:
-    """torchrun of an example on 2 CPU ranks; returns its per-step metrics (rank 0) and, with ``counts``, the
-    gathers and reductions per step (rank 0)."""
+         timeout: int = 600, ranks: int = 2) -> dict:
+    """torchrun of an example on ``ranks`` CPU ranks; returns its per-step metrics (rank 0) and, with ``counts``,
+    the gathers and reductions per step (rank 0)."""
     metrics = os.path.join(tmp, f"{name}.jsonl")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     if counts:
         cmd += [PROBE, os.path.join(tmp, f"{name}.counts")]
     cmd += [os.path.join(EXAMPLES, script), *args, "--metrics", metrics]
@@ -101,10 +101,10 @@ def titan_assets(tmp_path_factory):
     return assets.make_assets(str(tmp_path_factory.mktemp("titan_assets")))
 
 
-def _titan(tmp, assets, name, impl, config, *extra, dump=None, counts=False):
+def _titan(tmp, assets, name, impl, config, *extra, dump=None, counts=False, ranks=2):
     env = {"TITAN_ASSETS": assets, "TITAN_DUMP": dump or os.path.join(tmp, f"dump_{name}")}
     return _run(tmp, name, "torchtitan_train.py", "--impl", impl, "--module", "titan_configs", "--config", config,
-                *extra, counts=counts, env=env)
+                *extra, counts=counts, env=env, ranks=ranks)
 
 
 def test_torchtitan_llama3(tmp_path, titan_assets):
@@ -142,6 +142,21 @@ def test_torchtitan_qwen3_moe(tmp_path, titan_assets):
     runs = {impl: _titan(tmp, titan_assets, f"qwen_{impl}", impl, "qwen3_moe_debug_cpu", counts=True)
             for impl in ("fsdp2", "ours")}
     _assert_same(runs["fsdp2"], runs["ours"], "torchtitan Qwen3 MoE: ours vs FSDP2")
+    assert runs["ours"]["counts"] == runs["fsdp2"]["counts"], (runs["ours"]["counts"], runs["fsdp2"]["counts"])
+
+
+@pytest.mark.parametrize("config,degree", [("llama3_debug_cpu", "--parallelism.tensor_parallel_degree"),
+                                           ("qwen3_moe_debug_cpu", "--parallelism.expert_parallel_degree")],
+                         ids=["tensor_parallel", "expert_parallel"])
+def test_torchtitan_2d(tmp_path, titan_assets, config, degree):
+    """torchtitan's own 2-D layouts on 4 ranks: tensor parallel 2 x FSDP 2 (Llama3: parallelize_module, then
+    fully_shard over the dp mesh), and expert parallel 2 (Qwen3 MoE: the experts DTensors over "ep", sharded over
+    "efsdp" through shard_placement_fn's ShardPlacementResult, the rest over "fsdp"). Ours equals FSDP2, with the
+    same collectives."""
+    tmp = str(tmp_path)
+    runs = {impl: _titan(tmp, titan_assets, f"{config}_{impl}", impl, config, degree, "2", counts=True, ranks=4)
+            for impl in ("fsdp2", "ours")}
+    _assert_same(runs["fsdp2"], runs["ours"], f"torchtitan {config} {degree} 2: ours vs FSDP2")
     assert runs["ours"]["counts"] == runs["fsdp2"]["counts"], (runs["ours"]["counts"], runs["fsdp2"]["counts"])
 
 
