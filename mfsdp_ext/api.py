@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 
-from . import checkpoint, dtensor_norms, shard_init
+from . import checkpoint, dtensor_norms, shard_init, spmd_mesh
 from .marks import is_marked
 from .mixed_precision import MixedPrecisionPolicy, as_mfsdp_policy
 from .comm.native import check_available as native_collectives_available
@@ -21,6 +21,7 @@ from .module import FsdpModule
 from .states import Strategy
 from .unit import FsdpUnit, eager_hook, resolve_reshard_after_forward
 from .param_group import ParamGroup
+from .placements import SpmdDims
 from .comm.symmetric.choose import check_available
 
 _FSDP_CLASSES: dict[type, type] = {}
@@ -45,8 +46,10 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
     FSDP2's keywords take FSDP2's values: ``mp_policy`` may be torch's ``MixedPrecisionPolicy`` (mapped onto
     ours field by field) or ``mfsdp_ext.MixedPrecisionPolicy``; ``offload_policy`` torch's ``OffloadPolicy()``
     (no offload; ``CPUOffloadPolicy`` is refused); ``shard_placement_fn`` may answer None or ``Shard(d)``
-    per parameter (d > 0: an even split, as FSDP2's; a per-parameter mesh is refused, naming the parameter);
-    ``ignored_params`` stay as they are (not sharded, not moved, gradients not reduced); ``dp_mesh_dims`` is refused. ``verbose=True`` on the root
+    per parameter (d > 0: an even split, as FSDP2's) or FSDP2's ``ShardPlacementResult`` (a mesh of its own);
+    ``ignored_params`` stay as they are (not sharded, not moved, gradients not reduced). ``dp_mesh_dims`` (FSDP2's
+    full-SPMD form): ``mesh`` holds every parallel dim, the parameters are DTensors on it, Replicate() on the dims
+    it names, and fully_shard shards and replicates over those (spmd_mesh.py). ``verbose=True`` on the root
     (or ``MFSDP_EXT_SUMMARY=1``) prints one line per unit at the first forward (rank 0). ``check_finite_grads=True``
     on the root: after each backward, raise NonFiniteGradError on every rank naming the first parameter whose
     reduced gradient holds NaN or inf. ``native_collectives=True`` (NCCL only) issues the unit's collectives
@@ -57,25 +60,22 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
     mp_policy = as_mfsdp_policy(mp_policy)
     reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward)
     _check_offload(offload_policy)
-    if dp_mesh_dims is not None:
-        raise ValueError("fully_shard: dp_mesh_dims (parameters on a full SPMD mesh) is not supported; pass the "
-                         "data-parallel mesh as mesh= and plain (non-DTensor) parameters")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("fully_shard needs torch.distributed: call dist.init_process_group(...) first "
                            "(gloo on CPU, nccl with device_id=... on GPUs)")
-    strategy = Strategy(sharding_strategy)
+    mesh, strategy, spmd_of = _full_mesh(mesh, dp_mesh_dims, Strategy(sharding_strategy))
     dtensor_norms.install()  # clip_grad_norm_(norm_type=inf) on ranks with empty shards
     mesh, device, shard_group, replicate_group = shard_init.resolve_mesh(mesh, strategy)
     params = shard_init.owned_params(modules, ignored_params or ())
-    placed = _shard_placements(shard_placement_fn, params, mesh)
-    shard_init.check_tensor_parallel(params, mesh, placed)
+    placed = _shard_placements(shard_placement_fn, params, mesh, spmd_of)
+    shard_init.check_tensor_parallel(params, mesh, placed, spmd_of)
     if params and all(is_marked(p) for _, p, _ in params):
         return module  # all no_shard: no unit, no hooks; the enclosing unit (the root's) holds them
     shard_init.check_devices(params, device)
     shard_init.move_buffers(modules, device)
     use_symm_mem = _symmetric_memory(use_symm_mem, shard_group, any(own is not mesh for _, own in placed.values()))
     native_collectives = native_collectives_available(native_collectives, shard_group)
-    groups = shard_init.make_groups(modules, params, mesh, device, mp_policy, strategy, placed)
+    groups = shard_init.make_groups(modules, params, mesh, device, mp_policy, strategy, placed, spmd_of)
     unit = FsdpUnit(modules, groups, strategy, reshard_after_forward, mp_policy, device, use_symm_mem,
                     native_collectives, verbose, check_finite_grads)
     for m in modules:
@@ -111,16 +111,30 @@ def _check_offload(offload_policy) -> None:
     raise TypeError(f"fully_shard: offload_policy must be torch's OffloadPolicy() or None, got {offload_policy!r}")
 
 
-def _shard_placements(shard_placement_fn: Optional[Callable], params, mesh: DeviceMesh) -> dict[int, tuple]:
+def _full_mesh(mesh: Optional[DeviceMesh], dp_mesh_dims, strategy: Strategy
+               ) -> tuple[Optional[DeviceMesh], Strategy, dict[int, SpmdDims]]:
+    """``mesh`` and the strategy as the rest of fully_shard takes them: with FSDP2's ``dp_mesh_dims``, the
+    data-parallel mesh out of the full one (no shard dim: FSDP2's DDP form, every parameter replicated), and
+    id(that mesh) -> its SpmdDims."""
+    if dp_mesh_dims is None:
+        return mesh, strategy, {}
+    if mesh is None:
+        raise ValueError("fully_shard(dp_mesh_dims=...): pass the full mesh the parameters are DTensors on as mesh=")
+    spmd = spmd_mesh.resolve(mesh, dp_mesh_dims)
+    return spmd.dp_mesh, strategy if spmd.shard_dims else Strategy.NO_SHARD, {id(spmd.dp_mesh): spmd}
+
+
+def _shard_placements(shard_placement_fn: Optional[Callable], params, mesh: DeviceMesh,
+                      spmd_of: dict[int, SpmdDims]) -> dict[int, tuple]:
     """FSDP2's shard_placement_fn, per parameter: None or Shard(0) (torch.chunk's rows), Shard(d) for another dim
     (an even split, as FSDP2 requires), or FSDP2's ShardPlacementResult (a Shard on a mesh of its own: torchtitan's
-    experts on the expert-data-parallel mesh). Returns id(parameter) -> (dim, mesh) where either differs from
-    (0, ``mesh``)."""
+    experts on the expert-data-parallel mesh; a full SPMD mesh's is added to ``spmd_of``). Returns id(parameter)
+    -> (dim, mesh) where either differs from (0, ``mesh``)."""
     if shard_placement_fn is None:
         return {}
     out = {}
     for fqn, p, _ in params:
-        placement, own_mesh = _placement_and_mesh(fqn, shard_placement_fn(p), mesh)
+        placement, own_mesh = _placement_and_mesh(fqn, shard_placement_fn(p), mesh, spmd_of)
         dim = placement.dim % p.dim() if placement is not None else 0
         world = own_mesh.size(own_mesh.ndim - 1)  # the shard dim: 1-D, or HSDP's (replicate, shard)
         size = (p._local_tensor if isinstance(p, DTensor) else p).shape[dim]
@@ -143,16 +157,16 @@ def _symmetric_memory(use_symm_mem, shard_group, several_meshes: bool) -> bool |
     return check_available(use_symm_mem, shard_group)
 
 
-def _placement_and_mesh(fqn: str, answer, mesh: DeviceMesh) -> tuple[Optional[Shard], DeviceMesh]:
+def _placement_and_mesh(fqn: str, answer, mesh: DeviceMesh, spmd_of: dict[int, SpmdDims]
+                        ) -> tuple[Optional[Shard], DeviceMesh]:
     if answer is None or type(answer) is Shard:
         return answer, mesh
     info = getattr(answer, "mesh_info", None)  # FSDP2's ShardPlacementResult(placement, mesh_info)
     if info is not None and hasattr(answer, "placement") and (answer.placement is None or
                                                               type(answer.placement) is Shard):
-        if getattr(info, "is_spmd_mesh", False):
-            raise ValueError(f"fully_shard: shard_placement_fn places '{fqn}' on a full SPMD mesh (dp_mesh_dims); "
-                             "give its data-parallel mesh instead")
         own = info.mesh
+        if getattr(info, "is_spmd_mesh", False) and id(own) not in spmd_of:
+            spmd_of[id(own)] = spmd_mesh.resolve(info.spmd_mesh, info.dp_mesh_dims, dp_mesh=own)
         if own.ndim != (1 if getattr(info, "replicate_mesh_dim", None) is None else 2) or \
                 info.shard_mesh_dim != own.ndim - 1:
             raise ValueError(f"fully_shard: shard_placement_fn places '{fqn}' on a mesh whose shard dim is "

@@ -52,14 +52,19 @@ def _check_graph_grads(optimizer, args, kwargs) -> None:
 def _local_grad(info) -> torch.Tensor | None:
     """What a parameter's unsharded gradient contributes here: the tensor, or for a tensor-parallel parameter the
     local tensor of its DTensor gradient, first placed as the parameter is (a sequence-parallel norm's gradient
-    arrives Partial over the tensor-parallel mesh: summed there first, as FSDP2 does)."""
+    arrives Partial over the tensor-parallel mesh: summed there first, as FSDP2 does). On a full SPMD mesh the
+    data-parallel dims keep the placement the gradient has (Partial there: the reduction sums it, as FSDP2's)."""
     grad = info.unsharded.grad
     if grad is None or info.tp_spec is None:
         return grad
     if isinstance(grad, AsyncCollectiveTensor):
         grad = grad.wait()
-    if grad.placements != info.tp_spec.placements:
-        grad = grad.redistribute(placements=info.tp_spec.placements)
+    target = info.tp_spec.placements
+    if info.spmd is not None:
+        keep = info.spmd.all_dims
+        target = tuple(g if i in keep else own for i, (g, own) in enumerate(zip(grad.placements, target)))
+    if grad.placements != target:
+        grad = grad.redistribute(placements=target)
     return grad._local_tensor
 
 

@@ -94,6 +94,7 @@ class ParamInfo:
     shape: torch.Size  # the global shape
     tp_spec: DTensorSpec | None = None  # a tensor-parallel parameter's own spec; the group holds its local tensor
     dim: int = 0  # the dim it is sharded on (FSDP2's shard_placement_fn: Shard(dim))
+    spmd: placements.SpmdDims | None = None  # tp_spec is on a full SPMD mesh with these data-parallel dims
     sharded: nn.Parameter = None  # DTensor view of main_weight
     unsharded: nn.Parameter = None  # view of the unsharded buffer
     grad_ref: weakref.ref | None = None  # the DTensor view of main_grad attached as sharded.grad (weak: see main_grad)
@@ -121,8 +122,10 @@ class ParamGroup(GroupGradients):
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, main_grad_dtype: torch.dtype,
                  device: torch.device, shard_group: dist.ProcessGroup, replicate_group: dist.ProcessGroup | None,
                  cache_model_weight: bool | None = None, reduce_when_ready: bool = False,
-                 reduce_comm_dtype: torch.dtype | None = None, dims: dict[int, int] | None = None):
-        """``dims``: id(parameter) -> the dim it is sharded on, where not 0."""
+                 reduce_comm_dtype: torch.dtype | None = None, dims: dict[int, int] | None = None,
+                 spmd: placements.SpmdDims | None = None):
+        """``dims``: id(parameter) -> the dim it is sharded on, where not 0; ``spmd``: the full SPMD mesh the
+        parameters are DTensors on (dp_mesh_dims; ``mesh`` is its data-parallel part)."""
         first = params[0][1]
         self.dtype = first.dtype
         self.requires_grad = first.requires_grad
@@ -146,9 +149,8 @@ class ParamGroup(GroupGradients):
         self.on_grads_ready = None
         self.grads_ready = 0
         self.unit = None  # weak reference to the FsdpUnit that owns the group (set by the unit)
-        dims = dims or {}
-        self.infos = [ParamInfo(fqn, places, p.shape, p._spec if isinstance(p, DTensor) else None, dims.get(id(p), 0))
-                      for fqn, p, places in params]
+        self.infos = [ParamInfo(fqn, places, p.shape, p._spec if isinstance(p, DTensor) else None,
+                                (dims or {}).get(id(p), 0), spmd) for fqn, p, places in params]
         self._specs: dict[tuple[int, torch.dtype], DTensorSpec] = {}  # as_dtensor's, per (parameter, dtype)
         # the flat buffers hold each rank's local tensors: a tensor-parallel parameter's TP shard, split again here
         self.layout = FlatLayout([_local(p).shape for _, p, _ in params], self.world,
@@ -156,7 +158,6 @@ class ParamGroup(GroupGradients):
         self._plan_copies()
         self.on_meta = first.device.type == "meta"
         storage_device = torch.device("meta") if self.on_meta else device
-
         self.main_weight = FlatBuffer(self.layout, self.dtype, storage_device, rank=self.rank)
         if not self.on_meta:
             self._load_main_weight([_local(p) for _, p, _ in params])
@@ -271,7 +272,7 @@ class ParamGroup(GroupGradients):
         if spec is None:
             info = self.infos[i]
             spec = self._specs[i, local.dtype] = placements.sharded_spec(self.mesh, self.replicated, info.tp_spec,
-                                                                         info.shape, local.dtype, info.dim)
+                                                                         info.shape, local.dtype, info.dim, info.spmd)
         return DTensor(local, spec, requires_grad=False)
 
     def _make_params(self) -> None:

@@ -49,13 +49,14 @@ def resolve_mesh(mesh: Optional[DeviceMesh], strategy: Strategy) -> tuple[Device
 
 
 def make_groups(modules: list[nn.Module], params, mesh: DeviceMesh, device: torch.device,
-                mp_policy: MixedPrecisionPolicy, strategy: Strategy, placed: dict[int, tuple] | None = None
-                ) -> list[ParamGroup]:
+                mp_policy: MixedPrecisionPolicy, strategy: Strategy, placed: dict[int, tuple] | None = None,
+                spmd_of: dict[int, placements.SpmdDims] | None = None) -> list[ParamGroup]:
     """One ParamGroup per (mesh, dtype, requires_grad, marked no_shard, FP8) of the parameters, which become the
     groups' DTensor shards (a marked group: replicated over the mesh, as the no_shard strategy holds everything; an
     FP8 group: Fp8ParamGroup, the weights of the linear layers ``mp_policy.fp8`` chooses). ``placed``: id(parameter)
-    -> (dim, mesh) where shard_placement_fn moved it off (0, ``mesh``)."""
-    placed = placed or {}
+    -> (dim, mesh) where shard_placement_fn moved it off (0, ``mesh``); ``spmd_of``: id(mesh) -> its full SPMD mesh
+    (dp_mesh_dims)."""
+    placed, spmd_of = placed or {}, spmd_of or {}
     fp8 = choose_fp8_weights(modules, params, mp_policy, strategy)
     off_dim0 = [fqn for fqn, p, _ in params if id(p) in fp8 and placed.get(id(p), (0,))[0]]
     if off_dim0:
@@ -70,7 +71,8 @@ def make_groups(modules: list[nn.Module], params, mesh: DeviceMesh, device: torc
     groups = []
     for own, members in by_mesh.values():
         if members:
-            groups += _groups_on_mesh(modules, members, own, device, mp_policy, strategy, fp8, dims)
+            groups += _groups_on_mesh(modules, members, own, device, mp_policy, strategy, fp8, dims,
+                                      spmd_of.get(id(own)))
     owner = "+".join(type(m).__name__ for m in modules)
     for fqn, p, _ in params:
         _OWNER_NAMES[p] = owner  # the original Parameter: a use of it outside this unit is caught later
@@ -83,7 +85,8 @@ def make_groups(modules: list[nn.Module], params, mesh: DeviceMesh, device: torc
 
 
 def _groups_on_mesh(modules, params, mesh: DeviceMesh, device: torch.device, mp_policy: MixedPrecisionPolicy,
-                    strategy: Strategy, fp8: set[int], dims: dict[int, int]) -> list[ParamGroup]:
+                    strategy: Strategy, fp8: set[int], dims: dict[int, int],
+                    spmd: placements.SpmdDims | None = None) -> list[ParamGroup]:
     mesh, mesh_device, shard_group, replicate_group = resolve_mesh(mesh, strategy)
     if mesh_device != device:
         raise ValueError(f"fully_shard: shard_placement_fn gives a mesh on {mesh_device}, the module's mesh is on "
@@ -98,7 +101,7 @@ def _groups_on_mesh(modules, params, mesh: DeviceMesh, device: torch.device, mp_
         kwargs = dict(compute_dtype=mp_policy.compute_dtype(dtype), reduce_dtype=mp_policy.reduction_dtype(dtype),
                       reduce_comm_dtype=mp_policy.reduction_comm_dtype(dtype, narrow_wins and not replicated),
                       main_grad_dtype=mp_policy.main_grad_dtype if dtype == torch.float32 else dtype, device=device,
-                      shard_group=None if replicated else shard_group, dims=dims,
+                      shard_group=None if replicated else shard_group, dims=dims, spmd=spmd,
                       replicate_group=_whole_mesh_group(mesh) if replicated else replicate_group,
                       reduce_when_ready=is_late)
         # a copy of the model weight (bf16 or FP8 shard) saves a cast per gather: none where weights stay gathered
@@ -192,15 +195,19 @@ def _check_param(fqn: str, p: nn.Parameter, holder: nn.Module) -> None:
                          "gradients cannot be reduce-scattered into flat shards: build it with sparse=False")
 
 
-def check_tensor_parallel(params, mesh: DeviceMesh, placed: dict[int, tuple] | None = None) -> None:
+def check_tensor_parallel(params, mesh: DeviceMesh, placed: dict[int, tuple] | None = None,
+                          spmd_of: dict[int, placements.SpmdDims] | None = None) -> None:
     """DTensor parameters (tensor parallelism applied before fully_shard) are taken when placed on a sibling
     sub-mesh of their data-parallel mesh (``mesh``, or the one shard_placement_fn gave them in ``placed``), as FSDP2
-    takes them (placements.py)."""
+    takes them (placements.py); on a full SPMD mesh (``spmd_of``: dp_mesh_dims), every parameter is a DTensor on
+    it, Replicate() on its data-parallel dims."""
     for fqn, p, _ in params:
-        if isinstance(p, DTensor):
-            problem = placements.tensor_parallel_problem(fqn, p, (placed or {}).get(id(p), (0, mesh))[1])
-            if problem is not None:
-                raise ValueError(problem)
+        own = (placed or {}).get(id(p), (0, mesh))[1]
+        spmd = (spmd_of or {}).get(id(own))
+        problem = (placements.spmd_problem(fqn, p, spmd) if spmd is not None else
+                   placements.tensor_parallel_problem(fqn, p, own) if isinstance(p, DTensor) else None)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 def check_devices(params, device: torch.device) -> None:

@@ -145,18 +145,24 @@ def test_torchtitan_qwen3_moe(tmp_path, titan_assets):
     assert runs["ours"]["counts"] == runs["fsdp2"]["counts"], (runs["ours"]["counts"], runs["fsdp2"]["counts"])
 
 
-@pytest.mark.parametrize("config,degree", [("llama3_debug_cpu", "--parallelism.tensor_parallel_degree"),
-                                           ("qwen3_moe_debug_cpu", "--parallelism.expert_parallel_degree")],
-                         ids=["tensor_parallel", "expert_parallel"])
-def test_torchtitan_2d(tmp_path, titan_assets, config, degree):
+_2D = {"tensor_parallel": ("llama3_debug_cpu", "--parallelism.tensor_parallel_degree", "partial_dtensor"),
+       "expert_parallel": ("qwen3_moe_debug_cpu", "--parallelism.expert_parallel_degree", "partial_dtensor"),
+       "tensor_parallel_full_dtensor": ("llama3_debug_cpu", "--parallelism.tensor_parallel_degree", "full_dtensor"),
+       "expert_parallel_full_dtensor": ("qwen3_moe_debug_cpu", "--parallelism.expert_parallel_degree", "full_dtensor")}
+
+
+@pytest.mark.parametrize("layout", list(_2D))
+def test_torchtitan_2d(tmp_path, titan_assets, layout):
     """torchtitan's own 2-D layouts on 4 ranks: tensor parallel 2 x FSDP 2 (Llama3: parallelize_module, then
     fully_shard over the dp mesh), and expert parallel 2 (Qwen3 MoE: the experts DTensors over "ep", sharded over
-    "efsdp" through shard_placement_fn's ShardPlacementResult, the rest over "fsdp"). Ours equals FSDP2, with the
-    same collectives."""
+    "efsdp" through shard_placement_fn's ShardPlacementResult, the rest over "fsdp"); each also under torchtitan's
+    full_dtensor backend (every parameter a DTensor on the full mesh, fully_shard given dp_mesh_dims). Ours equals
+    FSDP2, with the same collectives."""
+    config, degree, backend = _2D[layout]
     tmp = str(tmp_path)
-    runs = {impl: _titan(tmp, titan_assets, f"{config}_{impl}", impl, config, degree, "2", counts=True, ranks=4)
-            for impl in ("fsdp2", "ours")}
-    _assert_same(runs["fsdp2"], runs["ours"], f"torchtitan {config} {degree} 2: ours vs FSDP2")
+    runs = {impl: _titan(tmp, titan_assets, f"{layout}_{impl}", impl, config, degree, "2",
+                         "--parallelism.spmd_backend", backend, counts=True, ranks=4) for impl in ("fsdp2", "ours")}
+    _assert_same(runs["fsdp2"], runs["ours"], f"torchtitan {layout}: ours vs FSDP2")
     assert runs["ours"]["counts"] == runs["fsdp2"]["counts"], (runs["ours"]["counts"], runs["fsdp2"]["counts"])
 
 

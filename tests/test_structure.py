@@ -18,7 +18,7 @@ LAYERS = [
     ["_native", "layout", "mixed_precision", "device", "states", "marks", "dtensor_norms", "replaced_params",
      "tensor_tree", "comm.hosts"],
     ["placements"],
-    ["flat_buffer", "comm.dist_ops", "comm.symmetric.comm", "fp8.tensor"],
+    ["flat_buffer", "comm.dist_ops", "comm.symmetric.comm", "fp8.tensor", "spmd_mesh"],
     ["comm.collectives", "fp8.linear"],
     ["comm.symmetric.collectives", "comm.native"],
     ["comm.symmetric.choose", "group_grads"],

@@ -4,6 +4,7 @@ plan), then fully_shard over the dp mesh, against FSDP2 doing the same and a sin
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from mfsdp_ext import MixedPrecisionPolicy, Fp8Policy, fully_shard
 
@@ -31,7 +32,12 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         # -1 heads: under tensor parallelism the colwise projections hold this rank's heads only
         q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # plain ops, not scaled_dot_product_attention: DTensor has no CPU rule for it (test_spmd_mesh's DTensors)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+        mask = torch.full((t, t), float("-inf")).triu(1)
+        if isinstance(scores, DTensor):
+            mask = distribute_tensor(mask, scores.device_mesh, [Replicate()] * scores.device_mesh.ndim)
+        o = (scores + mask).softmax(-1) @ v
         return self.wo(o.transpose(1, 2).reshape(b, t, -1))
 
 
