@@ -118,6 +118,8 @@ def _full_mesh(mesh: Optional[DeviceMesh], dp_mesh_dims, strategy: Strategy
     id(that mesh) -> its SpmdDims."""
     if dp_mesh_dims is None:
         return mesh, strategy, {}
+    if not hasattr(dp_mesh_dims, "shard") or not hasattr(dp_mesh_dims, "replicate"):
+        raise TypeError(f"fully_shard: dp_mesh_dims must be torch's DataParallelMeshDims, got {dp_mesh_dims!r:.80}")
     if mesh is None:
         raise ValueError("fully_shard(dp_mesh_dims=...): pass the full mesh the parameters are DTensors on as mesh=")
     spmd = spmd_mesh.resolve(mesh, dp_mesh_dims)

@@ -21,7 +21,8 @@ Changes for every config:
     CPU backward); on GPU it avoids compiling FlexAttention's kernels (no network, and the same attention for both
     implementations). torchtitan refuses attn_backend="sdpa" for language models, so the built config is edited.
   * parallelism.spmd_backend = "partial_dtensor": the default "spmd_types" makes FSDP2 itself fail at fully_shard on
-    torch 2.13 (and ours refuses its dp_mesh_dims by name)
+    torch 2.13 (and ours, with the same cause: plain tensors given with dp_mesh_dims); "full_dtensor" works for
+    both (--parallelism.spmd_backend full_dtensor)
   * no validator, no CUDA graphs, fixed seed, log every step, no tensorboard
   * TITAN_DUMP names the dump folder (checkpoints: TITAN_DUMP/checkpoint/step-N)
 """

@@ -26,7 +26,7 @@ Only on a CPU-only machine (2 gloo ranks; FSDP2 needs them as much as ours), mar
      reduces with SUM.
 And for a torch older than torchtitan 0.3.0 expects (any device): torch.distributed.set_timeout is skipped when this
 torch lacks it (2.13 does), and torch < 2.12 gets a placeholder for torch.distributed.fsdp.DataParallelMeshDims, a
-name torchtitan imports but uses only with its spmd_types / full_dtensor backends (not selected here).
+name torchtitan imports but uses only with its spmd_types / full_dtensor backends (full_dtensor needs torch >= 2.12).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ import torch.distributed.fsdp as _torch_fsdp  # noqa: E402
 
 if not hasattr(_torch_fsdp, "DataParallelMeshDims"):
     # torch < 2.12 (the GPU machines' 2.11): torchtitan 0.3.0 imports this name at module level but uses it only
-    # with its spmd_types / full_dtensor backends, which titan_configs.py does not select
+    # with its spmd_types / full_dtensor backends (--parallelism.spmd_backend; titan_configs.py selects partial_dtensor)
     class DataParallelMeshDims:
         def __init__(self, *args, **kwargs):
             raise NotImplementedError(f"DataParallelMeshDims needs torch >= 2.12 (this is {torch.__version__})")
