@@ -157,13 +157,26 @@ def test_torchtitan_2d(tmp_path, titan_assets, layout):
     fully_shard over the dp mesh), and expert parallel 2 (Qwen3 MoE: the experts DTensors over "ep", sharded over
     "efsdp" through shard_placement_fn's ShardPlacementResult, the rest over "fsdp"); each also under torchtitan's
     full_dtensor backend (every parameter a DTensor on the full mesh, fully_shard given dp_mesh_dims). Ours equals
-    FSDP2, with the same collectives."""
+    FSDP2, with the same collectives, and its CheckpointManager resumes exactly, also across the implementations."""
     config, degree, backend = _2D[layout]
     tmp = str(tmp_path)
-    runs = {impl: _titan(tmp, titan_assets, f"{layout}_{impl}", impl, config, degree, "2",
-                         "--parallelism.spmd_backend", backend, counts=True, ranks=4) for impl in ("fsdp2", "ours")}
-    _assert_same(runs["fsdp2"], runs["ours"], f"torchtitan {layout}: ours vs FSDP2")
-    assert runs["ours"]["counts"] == runs["fsdp2"]["counts"], (runs["ours"]["counts"], runs["fsdp2"]["counts"])
+    saved = 2 if config.startswith("llama3") else 1  # of 4 and 2 steps
+    args = (config, degree, "2", "--parallelism.spmd_backend", backend, "--checkpoint.enable",
+            "--checkpoint.interval", str(saved))
+    full = {impl: _titan(tmp, titan_assets, f"{layout}_{impl}", impl, *args, counts=True, ranks=4)
+            for impl in ("fsdp2", "ours")}
+    _assert_same(full["fsdp2"], full["ours"], f"torchtitan {layout}: ours vs FSDP2")
+    assert full["ours"]["counts"] == full["fsdp2"]["counts"], (full["ours"]["counts"], full["fsdp2"]["counts"])
+
+    def resumed(impl, source):
+        dump = os.path.join(tmp, f"dump_{impl}_from_{source}")
+        shutil.copytree(os.path.join(tmp, f"dump_{layout}_{source}", "checkpoint", f"step-{saved}"),
+                        os.path.join(dump, "checkpoint", f"step-{saved}"))
+        run = _titan(tmp, titan_assets, f"{layout}_{impl}_from_{source}", impl, *args, dump=dump, ranks=4)
+        assert "Loading the checkpoint" in run["log"] and min(run["steps"]) == saved + 1, sorted(run["steps"])
+        return run
+
+    _check_interop(tmp, resumed, full)
 
 
 # ----------------------------------------------------------------------------------------------- accelerate
