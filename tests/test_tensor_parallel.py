@@ -299,25 +299,18 @@ class Experts(nn.Module):
         return torch.einsum("eth,ehd->td", F.silu(torch.einsum("td,edh->eth", x, w1)), w2)
 
 
-def _case_expert_parallel_dtensors():
-    """Experts held as DTensors Shard(0) over an "ep" mesh, sharded by fully_shard over the "edp" mesh: FSDP2's
-    labels ((_StridedShard(0, 2), Shard(0))) and the same numbers as FSDP2."""
-    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+def _experts_on(experts: nn.Module, ep_mesh) -> set:
+    """The experts' weights made DTensors Shard(0) over ``ep_mesh`` (expert parallelism); returns them."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
-    torch.manual_seed(4)
-    base = Experts()
-    models = []
-    for shard_fn in (fully_shard, fsdp2_fully_shard):
-        model = copy.deepcopy(base)
-        for name in ("w1", "w2"):
-            setattr(model, name, nn.Parameter(distribute_tensor(getattr(model, name).detach(), mesh["ep"],
-                                                                [Shard(0)])))
-        shard_fn(model, mesh=mesh["edp"])
-        models.append(model)
-    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
-        assert p.placements == q.placements and torch.equal(p.to_local(), q.to_local()), (name, p.placements)
+    for name in ("w1", "w2"):
+        setattr(experts, name, nn.Parameter(distribute_tensor(getattr(experts, name).detach(), ep_mesh, [Shard(0)])))
+    return set(experts.parameters())
+
+
+def _train_both(models) -> float:
+    """Three AdamW steps of each model on the same per-rank inputs; the largest relative difference of their
+    weights afterwards."""
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     g = torch.Generator().manual_seed(dist.get_rank())
     for step in range(3):
@@ -326,7 +319,26 @@ def _case_expert_parallel_dtensors():
             model(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
-    err = max(rel_err(p.full_tensor(), q.full_tensor()) for p, q in zip(*(m.parameters() for m in models)))
+    return max(rel_err(p.full_tensor(), q.full_tensor()) for p, q in zip(*(m.parameters() for m in models)))
+
+
+def _case_expert_parallel_dtensors():
+    """Experts held as DTensors Shard(0) over an "ep" mesh, sharded by fully_shard over the "edp" mesh: FSDP2's
+    labels ((_StridedShard(0, 2), Shard(0))) and the same numbers as FSDP2."""
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    torch.manual_seed(4)
+    base = Experts()
+    models = []
+    for shard_fn in (fully_shard, fsdp2_fully_shard):
+        model = copy.deepcopy(base)
+        _experts_on(model, mesh["ep"])
+        shard_fn(model, mesh=mesh["edp"])
+        models.append(model)
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert p.placements == q.placements and torch.equal(p.to_local(), q.to_local()), (name, p.placements)
+    err = _train_both(models)
     assert err <= 1e-6, err
     return {"w1": str(models[0].w1.placements), "params_vs_fsdp2": err}
 
@@ -354,7 +366,7 @@ def _case_per_parameter_mesh(expert_dim: int):
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Shard
 
     dense = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     sparse = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
@@ -364,11 +376,7 @@ def _case_per_parameter_mesh(expert_dim: int):
     models = []
     for shard_fn in (fully_shard, fsdp2_fully_shard):
         model = copy.deepcopy(base)
-        experts = model.experts
-        for name in ("w1", "w2"):
-            setattr(experts, name, nn.Parameter(distribute_tensor(getattr(experts, name).detach(), sparse["ep"],
-                                                                  [Shard(0)])))
-        expert_params = set(experts.parameters())
+        expert_params = _experts_on(model.experts, sparse["ep"])
 
         def placement(p):
             if p in expert_params:
@@ -380,15 +388,7 @@ def _case_per_parameter_mesh(expert_dim: int):
     for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
         assert p.placements == q.placements and p.device_mesh == q.device_mesh, (name, p.placements, q.placements)
         assert torch.equal(p.to_local(), q.to_local()), name
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
-    g = torch.Generator().manual_seed(dist.get_rank())
-    for step in range(3):
-        x = torch.randn(6, DIM, generator=g)
-        for model, opt in zip(models, opts):
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-    err = max(rel_err(p.full_tensor(), q.full_tensor()) for p, q in zip(*(m.parameters() for m in models)))
+    err = _train_both(models)
     assert err == 0.0, err
     groups = models[0]._mfsdp_unit.groups
     assert len({id(g.shard_group) for g in groups}) == 2, "one group per mesh"
