@@ -4,6 +4,11 @@
     torchrun --nproc-per-node 4 benchmarks/step.py --extra-ours use_symm_mem=auto --out benchmarks/results
     torchrun --nproc-per-node 2 benchmarks/step.py --tiny --impls fsdp2 --out /tmp/step   # CPU smoke test
     torchrun --nproc-per-node 2 benchmarks/step.py --impls ours,ours_fp8,fsdp2,fsdp2_float8 --out benchmarks/results
+    torchrun --nproc-per-node 4 benchmarks/step.py --tp 2 --configs 1,6 --impls ours_fused,fsdp2_fused --out ...
+
+``--tp N``: a (dp, tp) mesh; every block tensor-parallel over "tp" (examples/gpt.py's tensor_parallel: colwise q/k/v
+and gate/up, rowwise o and down), then fully_shard over "dp" for both implementations; the ranks of one dp group
+read the same batch. FP8 variants and the floor are not run with it.
 
 FP8 variants, only when named in ``--impls``: ``ours_fp8`` is ours with
 ``MixedPrecisionPolicy(..., fp8=Fp8Policy(compute=True))`` (FP8 weights gathered in FP8, FP8 GEMMs in the blocks'
@@ -160,6 +165,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ac-skip-last", type=int, default=0, metavar="K",
                    help="with activation checkpointing: do not checkpoint the last K blocks (no recomputation there), "
                         "to spend saved memory on speed; the report names it")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (see above)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
     p.add_argument("--floor-steps", type=int, default=5)
@@ -433,7 +439,8 @@ def dtype_or_value(val):
     return getattr(torch, name) if name and isinstance(getattr(torch, name, None), torch.dtype) else val
 
 
-def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: torch.device, args) -> dict:
+def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: torch.device, args,
+                tp_mesh=None) -> dict:
     rank = dist.get_rank()
     free_memory(device)
     _, MixedPrecisionPolicy = gpt.load_impl(v.impl)
@@ -457,13 +464,14 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
 
         model = build_fsdp2_float8(cfg, device, args.init == "meta", mesh=mesh, mp_policy=mp, **shard_extra)
     else:
-        model = gpt.build_sharded(cfg, v.impl, device, args.init == "meta", mesh=mesh, mp_policy=mp, **shard_extra)
+        model = gpt.build_sharded(cfg, v.impl, device, args.init == "meta", tp_mesh=tp_mesh, mesh=mesh, mp_policy=mp,
+                                  **shard_extra)
     if args.init != "meta":
         free_memory(device)  # drop the transient full model (and reset the peak after it)
     optimizer = make_optimizer(v, model)
     gpt.synchronize(device)
     build_s = time.perf_counter() - t_build
-    batches = make_batches(bc, device, seed=100 + rank)
+    batches = make_batches(bc, device, seed=100 + mesh.get_local_rank())  # one batch per data-parallel rank
     k = bc.microbatches
     losses = []
     step = make_step(v, model, optimizer, batches, losses, after_step, args.warmup)
@@ -501,17 +509,18 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
     return dict(median_ms=statistics.median(times), min_ms=min(times), max_ms=max(times), times_ms=times,
                 peak_gib=mem[0].item() / 2**30, resting_gib=mem[1].item() / 2**30, build_s=build_s,
                 loss_first=loss_first, loss_last=loss_last,
-                tokens_per_s=dist.get_world_size() * k * bc.batch * bc.seq / (statistics.median(times) / 1e3),
-                mfu=model_flops_utilization(bc, statistics.median(times), device))
+                tokens_per_s=mesh.size() * k * bc.batch * bc.seq / (statistics.median(times) / 1e3),
+                mfu=model_flops_utilization(bc, statistics.median(times), device, args.tp))
 
 
 # Dense bf16 peak per GPU (no sparsity), the MFU denominator: H100 SXM and H200 both 989 TFLOP/s.
 BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
 
 
-def model_flops_utilization(bc: BenchConfig, step_ms: float, device: torch.device):
+def model_flops_utilization(bc: BenchConfig, step_ms: float, device: torch.device, tp: int = 1):
     """Model FLOPs (6 x matmul parameters + causal attention per token; recompute not counted) of one rank's
-    tokens per step / step time / the GPU's dense bf16 peak; None where the peak is not known."""
+    tokens per step (a tensor-parallel rank's share: 1/tp of its group's) / step time / the GPU's dense bf16 peak;
+    None where the peak is not known."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
@@ -519,7 +528,7 @@ def model_flops_utilization(bc: BenchConfig, step_ms: float, device: torch.devic
     if peak is None:
         return None
     tokens = bc.microbatches * bc.batch * bc.seq
-    return gpt.flops_per_token(bc.model_config(), bc.seq) * tokens / (step_ms / 1e3) / (peak * 1e12)
+    return gpt.flops_per_token(bc.model_config(), bc.seq) * tokens / tp / (step_ms / 1e3) / (peak * 1e12)
 
 
 def profile_step(step, device: torch.device, path: str) -> None:
@@ -565,7 +574,7 @@ def profile_step(step, device: torch.device, path: str) -> None:
 def environment(device: torch.device, world: int, args) -> dict:
     env = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
                python=platform.python_version(), torch=torch.__version__, world=world, device=device.type,
-               steps=args.steps, warmup=args.warmup, dtype=args.dtype, tiny=args.tiny, init=args.init)
+               steps=args.steps, warmup=args.warmup, dtype=args.dtype, tiny=args.tiny, init=args.init, tp=args.tp)
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         v = torch.cuda.nccl.version()
@@ -610,7 +619,8 @@ def write_report(results: List[dict], variants: List[Variant], env: dict, out_di
     head += [f"{n} peak GiB" for n in names] + ["floor ms"] + [f"{n} eff" for n in names]
     head += [f"{n} MFU" for n in names]
     lines = [
-        f"# Training step: mfsdp_ext vs FSDP2, {env['world']} x {env.get('gpu', env['device'])}",
+        f"# Training step: mfsdp_ext vs FSDP2, {env['world']} x {env.get('gpu', env['device'])}"
+        + (f", tensor parallel {env['tp']} x data parallel {env['world'] // env['tp']}" if env.get("tp", 1) > 1 else ""),
         "",
         f"{env['date']}, torch {env['torch']}" + (f", CUDA {env['cuda']}, NCCL {env['nccl']}" if "nccl" in env else "")
         + f", {env['steps']} timed steps after {env['warmup']} warm-up, {env['init']} init, compute {env['dtype']},"
@@ -715,17 +725,30 @@ def write_chart(results: List[dict], names: List[str], env: dict, path: str) -> 
 # --------------------------------------------------------------------------------------------- main
 
 
+def _meshes(device: torch.device, world: int, args):
+    """The data-parallel mesh fully_shard takes, and the tensor-parallel one (None without --tp)."""
+    if args.tp == 1:
+        return init_device_mesh(device.type, (world,)), None
+    if world % args.tp:
+        raise SystemExit(f"--tp {args.tp} does not divide the {world} ranks")
+    if any(v.fp8 for v in make_variants(args)):
+        raise SystemExit("--tp: the FP8 variants refuse tensor-parallel layers; leave them out of --impls")
+    args.no_floor = True  # the floor is one GPU's unsharded step: not a tensor-parallel rank's
+    mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+    return mesh["dp"], mesh["tp"]
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     device = gpt.setup_distributed(args.device, timeout=datetime.timedelta(seconds=args.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world,))
+    mesh, tp_mesh = _meshes(device, world, args)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     table = TINY_CONFIGS if args.tiny else CONFIGS
     config_ids = [int(c) for c in args.configs.split(",") if c.strip()]
     variants = make_variants(args)
     env = environment(device, world, args)
-    stem = f"step_{world}{'gpu' if device.type == 'cuda' else 'cpu'}"
+    stem = f"step_{world}{'gpu' if device.type == 'cuda' else 'cpu'}" + (f"_tp{args.tp}" if args.tp > 1 else "")
 
     def log(*a):
         if rank == 0:
@@ -760,7 +783,7 @@ def main(argv=None) -> None:
         order = variants[n_cfg % len(variants):] + variants[: n_cfg % len(variants)]
         for v in order:
             try:
-                res = run_variant(v, bc, mesh, dtype, device, args)
+                res = run_variant(v, bc, mesh, dtype, device, args, tp_mesh)
                 log(f"  {v.name:<24} median {res['median_ms']:8.1f} ms (min {res['min_ms']:.1f}, max {res['max_ms']:.1f})"
                     f" | peak {res['peak_gib']:6.2f} GiB | rest {res['resting_gib']:6.2f} GiB"
                     f" | {res['tokens_per_s']:9.0f} tok/s | build {res['build_s']:.1f} s"

@@ -151,14 +151,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
-        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism (tensor_parallel below) the projections hold this rank's heads only
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
         if rope is not None:
             cos, sin = rope
             q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        gqa = {"enable_gqa": True} if self.n_kv_heads != self.n_heads else {}
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         return self.wo(y.transpose(1, 2).reshape(b, s, -1))
 
@@ -301,6 +302,23 @@ def load_impl(impl: str) -> Tuple[Callable, type]:
     raise ValueError(f"unknown impl {impl!r}; choose from {IMPLS}")
 
 
+def tensor_parallel(model: GPT, tp_mesh) -> GPT:
+    """Megatron-style tensor parallelism of every block over ``tp_mesh`` (torchtitan's plan without sequence
+    parallelism): colwise q/k/v and the MLP's gate/up, rowwise o and down. Embeddings, norms and the head stay
+    whole on every tensor-parallel rank. Apply before fully_shard, which then shards over the data-parallel mesh."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    heads = (model.cfg.n_heads, model.cfg.n_kv_heads)
+    if any(h % tp_mesh.size() for h in heads):
+        raise ValueError(f"tensor_parallel: {tp_mesh.size()} ranks do not divide the heads {heads}")
+    col, row = ColwiseParallel(), RowwiseParallel()
+    plan = {"attn.wq": col, "attn.wk": col, "attn.wv": col, "attn.wo": row, "mlp.w1": col, "mlp.w3": col,
+            "mlp.w2": row}
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, plan)
+    return model
+
+
 def shard_model(model: GPT, fully_shard_fn: Callable, **kwargs) -> GPT:
     """Apply ``fully_shard`` bottom-up: each block is one unit, then the root (embeddings, norm, head)."""
     for layer in model.layers:
@@ -320,17 +338,22 @@ def materialize(model: GPT, impl: str, device: torch.device) -> None:
     model.init_weights()
 
 
-def build_sharded(cfg: GPTConfig, impl: str, device: torch.device, meta_init: bool, **shard_kwargs) -> GPT:
+def build_sharded(cfg: GPTConfig, impl: str, device: torch.device, meta_init: bool, tp_mesh=None,
+                  **shard_kwargs) -> GPT:
     """A sharded GPT: built on the meta device and initialised shard by shard, or built whole on ``device`` from
-    the current RNG state (the same weights on every rank for one seed) and then sharded."""
+    the current RNG state (the same weights on every rank for one seed) and then sharded; ``tp_mesh``: its blocks
+    made tensor-parallel over it first (tensor_parallel)."""
     fully_shard_fn, _ = load_impl(impl)
     if meta_init:
         with torch.device("meta"):
             model = GPT(cfg)
-        shard_model(model, fully_shard_fn, **shard_kwargs)
-        materialize(model, impl, device)
     else:
-        model = shard_model(GPT(cfg, device=device), fully_shard_fn, **shard_kwargs)
+        model = GPT(cfg, device=device)
+    if tp_mesh is not None:
+        tensor_parallel(model, tp_mesh)
+    shard_model(model, fully_shard_fn, **shard_kwargs)
+    if meta_init:
+        materialize(model, impl, device)
     return model
 
 

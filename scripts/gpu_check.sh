@@ -5,7 +5,8 @@
 #   run twice per mode with --deterministic, bit-identical; gpt200: 200 training steps, bf16 vs FP8; fp8step, fp8cache: FP8 step rows on any GPU
 #   count; fp8host: the FP8 layer's host time; step6ac: config 6 with less recomputation; ctas: NCCL_MAX_CTAS sweep; wire, wirefp8: the default bf16-sent, fp32-summed gradients vs the fp32 reduce-scatter; native: native_collectives
 #   against torch.distributed's collectives; timeline: where the GPU waits in each config's step; graphs: CUDA graph
-#   tests, probe and captured step rows; titan: torchtitan's Trainer at the 8B shape, see scripts/gpu_titan.sh)
+#   tests, probe and captured step rows; titan: torchtitan's Trainer at the 8B shape, see scripts/gpu_titan.sh;
+#   nd: N-D layouts on 4 GPUs: Shard(1) GPU tests, dp2 x tp2 step rows at configs 1 and 6)
 #   scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
 #   scripts/gpu_check.sh build fp8train FP8 weights in fully_shard: GPU tests + step.py's FP8 variants (2 GPUs)
 # Logs and result tables go to $OUT (the device runner's output folder; /tmp/out elsewhere).
@@ -44,6 +45,11 @@ for stage in $stages; do
                 --nproc-per-node $n benchmarks/collectives.py --units --out "$OUT"
         done ;;
     step) run step bash scripts/gpu_step.sh ;;
+    nd)  # N-D layouts: Shard(1) placements on every collective path, then tensor parallel 2 x FSDP 2 (4 GPUs), fused
+         # AdamW on both sides, configs 1 and 6 (step_4gpu_tp2.md)
+        run nd_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/test_gpu.py -k "shard_dim1"
+        run nd_step timeout -k 10 420 torchrun --standalone --nproc-per-node 4 benchmarks/step.py --tp 2 \
+            --configs 1,6 --impls ours_fused,fsdp2_fused --steps 6 --warmup 2 --init meta --out "$OUT" ;;
     step6)  # real size: the Llama-3-8B shape, seq 8192, activation checkpointing per block; MFU, bf16 and FP8 (2 GPUs)
         run step6 timeout -k 10 420 torchrun --standalone --nproc-per-node 2 benchmarks/step.py --configs 6 \
             --impls ours_fused,ours_fp8_fused,fsdp2 --steps 5 --warmup 2 --init meta --out "$OUT" ;;
