@@ -396,6 +396,38 @@ def _case_per_parameter_mesh(expert_dim: int):
             "params_vs_fsdp2": err}
 
 
+def _case_local_experts_on_sub_mesh():
+    """Experts as plain local tensors (each "ep" rank its own, other weights), sharded by their own fully_shard over
+    the "edp" sub-mesh inside a block sharded over the whole "dp" mesh: FSDP2's labels and numbers (fp32: to the
+    bit); each expert weight's gradient is reduced over edp only, the dense one over all 4 ranks."""
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    dense = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    sparse = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    torch.manual_seed(7)
+    base = MoeBlock()
+    with torch.no_grad():  # this ep rank's experts differ from the other ep rank's
+        for w in base.experts.parameters():
+            w.copy_(torch.randn(w.shape, generator=torch.Generator().manual_seed(sparse.get_local_rank("ep"))))
+    models = []
+    for shard_fn in (fully_shard, fsdp2_fully_shard):
+        model = copy.deepcopy(base)
+        shard_fn(model.experts, mesh=sparse["edp"])
+        shard_fn(model, mesh=dense)
+        models.append(model)
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert p.placements == q.placements and p.device_mesh == q.device_mesh, (name, p.placements, q.placements)
+        assert torch.equal(p.to_local(), q.to_local()), name
+    err = _train_both(models)
+    assert err == 0.0, err
+    return {"w1": f"{models[0].experts.w1.placements} on {models[0].experts.w1.device_mesh.mesh_dim_names}",
+            "params_vs_fsdp2": err}
+
+
+def test_local_experts_on_sub_mesh():
+    print(get_pool(4).run(_case_local_experts_on_sub_mesh)[0])
+
+
 @pytest.mark.parametrize("expert_dim", [0, 1])
 def test_per_parameter_mesh(expert_dim):
     print(get_pool(4).run(_case_per_parameter_mesh, expert_dim)[0])
