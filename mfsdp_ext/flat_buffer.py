@@ -51,16 +51,14 @@ class FlatBuffer:
         """Parameter ``index``'s chunk slot (``chunk_rows`` rows, padding included): in a shard, this rank's;
         in the unsharded buffer, where ``rank``'s chunk lands (for a dim > 0 split: in the staging area)."""
         slot = self.layout.slots[index]
-        gathered_at = slot.staging_offset if slot.dim else slot.unsharded_offset
-        start = slot.shard_offset if self.sharded else gathered_at + rank * slot.chunk_numel
+        start = slot.shard_offset if self.sharded else slot.gathered_offset + rank * slot.chunk_numel
         return self.data[start : start + slot.chunk_numel]
 
     def padded_param(self, index: int) -> torch.Tensor:
         """Unsharded buffer only: where an all-gather of the parameter's chunks lands: the parameter padded to
         ``world * chunk_rows`` rows (dim 0), or its staging area (dim > 0; ``unstage`` puts it in place)."""
         slot = self.layout.slots[index]
-        start = slot.staging_offset if slot.dim else slot.unsharded_offset
-        return self.data[start : start + self.layout.world_size * slot.chunk_numel]
+        return self.data[slot.gathered_offset : slot.gathered_offset + self.layout.world_size * slot.chunk_numel]
 
     def param_region(self, index: int) -> torch.Tensor:
         """Unsharded buffer only: the parameter's own elements, flat (padding rows included for dim 0)."""

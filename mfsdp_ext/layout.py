@@ -63,6 +63,11 @@ class ParamSlot:
         return self.unsharded_offset + self.numel
 
     @property
+    def gathered_offset(self) -> int:
+        """Where an all-gather of its chunks lands in the unsharded buffer: in place (dim 0) or staged."""
+        return self.staging_offset if self.dim else self.unsharded_offset
+
+    @property
     def unsharded_extent(self) -> int:
         return self.world * self.chunk_numel * (2 if self.dim else 1)
 

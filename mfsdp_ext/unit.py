@@ -355,7 +355,7 @@ class FsdpUnit:
         detached hidden states) prefetches nothing in its backward: that backward does not reach the units before
         it, and a gather issued for them would be freed unused when it ends (FSDP2 prefetches none there either)."""
         ctx = self.context
-        hook = self._pre_backward if ctx.root not in ctx.forward_end_order else self._pre_backward_no_prefetch
+        hook = functools.partial(self._pre_backward, prefetch=ctx.root not in ctx.forward_end_order)
         hooked = False
         for t in tensor_tree.flatten(output)[0]:
             if torch.is_tensor(t) and t.requires_grad:
@@ -379,9 +379,6 @@ class FsdpUnit:
             "per unit.)", stacklevel=2)
 
     # ------------------------------------------------------------------ backward hooks
-    def _pre_backward_no_prefetch(self, grad):
-        return self._pre_backward(grad, prefetch=False)
-
     def _pre_backward(self, grad, prefetch: bool = True):
         if self.training_state is TrainingState.PRE_BACKWARD:
             return grad
@@ -396,9 +393,11 @@ class FsdpUnit:
         if self.unshard_in_backward:
             self.unshard()
             self.wait_unshard()
-        for prev in self._prefetch_targets(self.backward_prefetch, ctx.next_in_backward(self)) if prefetch else ():
-            if prev.unshard_in_backward and prev.training_state in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD):
-                prev.unshard()
+        if prefetch:
+            for prev in self._prefetch_targets(self.backward_prefetch, ctx.next_in_backward(self)):
+                if prev.unshard_in_backward and prev.training_state in (TrainingState.FORWARD,
+                                                                        TrainingState.PRE_BACKWARD):
+                    prev.unshard()
         return grad
 
     def post_backward(self) -> None:

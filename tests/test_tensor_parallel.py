@@ -308,6 +308,13 @@ def _experts_on(experts: nn.Module, ep_mesh) -> set:
     return set(experts.parameters())
 
 
+def _assert_same_shards(ours: nn.Module, theirs: nn.Module) -> None:
+    """Every parameter labelled as FSDP2's, on the same mesh, holding the same local shard."""
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        assert p.placements == q.placements and p.device_mesh == q.device_mesh, (name, p.placements, q.placements)
+        assert torch.equal(p.to_local(), q.to_local()), name
+
+
 def _train_both(models) -> float:
     """Three AdamW steps of each model on the same per-rank inputs; the largest relative difference of their
     weights afterwards."""
@@ -385,9 +392,7 @@ def _case_per_parameter_mesh(expert_dim: int):
 
         shard_fn(model, mesh=dense, shard_placement_fn=placement)
         models.append(model)
-    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
-        assert p.placements == q.placements and p.device_mesh == q.device_mesh, (name, p.placements, q.placements)
-        assert torch.equal(p.to_local(), q.to_local()), name
+    _assert_same_shards(*models)
     err = _train_both(models)
     assert err == 0.0, err
     groups = models[0]._mfsdp_unit.groups
@@ -415,9 +420,7 @@ def _case_local_experts_on_sub_mesh():
         shard_fn(model.experts, mesh=sparse["edp"])
         shard_fn(model, mesh=dense)
         models.append(model)
-    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
-        assert p.placements == q.placements and p.device_mesh == q.device_mesh, (name, p.placements, q.placements)
-        assert torch.equal(p.to_local(), q.to_local()), name
+    _assert_same_shards(*models)
     err = _train_both(models)
     assert err == 0.0, err
     return {"w1": f"{models[0].experts.w1.placements} on {models[0].experts.w1.device_mesh.mesh_dim_names}",
