@@ -134,8 +134,10 @@ class Variant:
 
 FUSED_IMPLS = {"ours_fused": "ours", "ours_fp8_fused": "ours_fp8"}  # name -> the variant it is, with our AdamW
 # name -> (impl, graph): fused AdamW on both sides (ours: mfsdp_ext.optim.AdamW; FSDP2: torch's fused=True)
-GRAPH_IMPLS = {"fsdp2_fused": ("fsdp2", ""), "fsdp2_captured": ("fsdp2", "fwdbwd"),
-               "ours_captured": ("ours", "fwdbwd"), "ours_graphed": ("ours", "step")}
+# name -> (impl, graph, fp8)
+GRAPH_IMPLS = {"fsdp2_fused": ("fsdp2", "", ""), "fsdp2_captured": ("fsdp2", "fwdbwd", ""),
+               "ours_captured": ("ours", "fwdbwd", ""), "ours_graphed": ("ours", "step", ""),
+               "ours_fp8_captured": ("ours", "fwdbwd", "ours"), "ours_fp8_graphed": ("ours", "step", "ours")}
 
 
 FP8_IMPLS = {"ours_fp8": ("ours", "ours"), "fsdp2_float8": ("fsdp2", "torchao")}  # name -> (impl, fp8)
@@ -191,8 +193,8 @@ def make_variants(args) -> List[Variant]:
     variants = []
     for impl in [s.strip() for s in args.impls.split(",") if s.strip()]:
         if impl in GRAPH_IMPLS:
-            base, graph = GRAPH_IMPLS[impl]
-            variants.append(Variant(impl, base, {}, fused_optimizer=True, graph=graph))
+            base, graph, fp8 = GRAPH_IMPLS[impl]
+            variants.append(Variant(impl, base, {}, fp8, fused_optimizer=True, graph=graph))
             continue
         fused = impl in FUSED_IMPLS
         name, impl = impl, FUSED_IMPLS.get(impl, impl)
@@ -209,7 +211,7 @@ def make_variants(args) -> List[Variant]:
             variants.append(Variant(impl, base, {}, fp8))
             continue
         if impl not in gpt.IMPLS:
-            raise SystemExit(f"unknown impl {impl!r} (choose from {list(gpt.IMPLS) + list(FP8_IMPLS) + list(FUSED_IMPLS)})")
+            raise SystemExit(f"unknown impl {impl!r} (choose from {list(gpt.IMPLS) + list(FP8_IMPLS) + list(FUSED_IMPLS) + list(GRAPH_IMPLS)})")
         variants.append(Variant(impl, impl, {}))
     for base_name, fp8, fused, texts in (("ours", "", False, args.extra_ours),
                                          ("ours_fp8", "ours", False, args.extra_ours_fp8),

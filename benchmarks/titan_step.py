@@ -1,9 +1,12 @@
-"""torchtitan's own Trainer on the Llama 3 8B shape: PyTorch FSDP2 vs mfsdp_ext (bf16) vs mfsdp_ext with FP8
-weights, in one invocation, on the GPUs of one host; tokens/s per GPU and peak memory side by side.
+"""torchtitan's own Trainer on the Llama 3 8B shape (or Qwen3 30B-A3B's MoE shape): PyTorch FSDP2 vs mfsdp_ext (bf16)
+vs mfsdp_ext with FP8 weights, in one invocation, on the GPUs of one host; tokens/s per GPU, peak memory, and how far
+each run's losses and grad norms are from FSDP2's, side by side.
 
     python3 benchmarks/titan_step.py --out DIR [--nproc 2] [--layers 16] [--steps 10] [--warmup 3]
-        [--impls fsdp2,ours,ours_fp8] [--config llama3_8b_gpu] [--deadline 540]
-    (scripts/gpu_titan.sh installs torchtitan from .whl/titan/ and runs this on 2 GPUs)
+        [--impls fsdp2,ours,ours_fp8] [--config llama3_8b_gpu|qwen3_moe_gpu] [--tag TAG] [--deadline 540]
+        [-- more torchtitan options, e.g. --parallelism.tensor_parallel_degree 2]
+    (scripts/gpu_titan.sh installs torchtitan from .whl/titan/ and runs this on 2 GPUs; its `nd` mode runs the
+    2-D layouts on 4; an impl named NAME_rerun runs NAME again: FSDP2's own run-to-run spread)
 
 Each implementation is one ``torchrun`` of examples/frameworks/torchtitan_train.py (``--impl fsdp2|ours|ours_fp8``)
 with the config ``llama3_8b_gpu`` of examples/frameworks/titan_configs.py: torchtitan's llama3_8b (dim 4096, FFN 14336,
@@ -44,7 +47,7 @@ def run_one(args, impl: str, layers: int, out_dir: str, timeout: float) -> dict:
     env = {**os.environ, "TITAN_LAYERS": str(layers), "TITAN_DUMP": os.path.join(out_dir, f"dump_{impl}"),
            "TITAN_ASSETS": args.assets, "TITAN_AC": args.ac, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-           SCRIPT, "--impl", impl, "--metrics", metrics, "--module", "titan_configs", "--config", args.config,
+           SCRIPT, "--impl", impl.removesuffix("_rerun"), "--metrics", metrics, "--module", "titan_configs", "--config", args.config,
            "--training.steps", str(args.steps)] + args.titan_args
     t0 = time.time()
     print(f"== {impl}, {layers} layers: {' '.join(cmd[3:])}", flush=True)
@@ -73,6 +76,7 @@ def run_one(args, impl: str, layers: int, out_dir: str, timeout: float) -> dict:
         r0 = rows[min(rows)]
         result["loss_first"], result["loss_last"] = r0[0]["loss"], r0[-1]["loss"]
         result["steps"] = len(r0)
+        result["by_step"] = {row["step"]: {"loss": row["loss"], "grad_norm": row["grad_norm"]} for row in r0}
     else:
         tail = "\n".join(text.splitlines()[-15:])
         print(f"!! {impl} failed (rc {rc}{', out of memory' if oom else ''}); log tail:\n{tail}", flush=True)
@@ -103,35 +107,58 @@ def versions() -> dict:
     return v
 
 
+MODELS = {  # --config -> (title, what the model is)
+    "llama3_8b_gpu": ("Llama 3 8B shape", "torchtitan `llama3_8b` (dim 4096, FFN 14336, 32 heads, 8 KV heads, vocab "
+                      "128256) with {layers} of its 32 layers; seq 8192, local batch 1"),
+    "qwen3_moe_gpu": ("Qwen3 30B-A3B MoE shape", "torchtitan `qwen3_30b_a3b` (dim 2048, 128 experts of FFN 768, top 8, "
+                      "vocab 151936) with {layers} of its 48 layers; seq 4096, local batch 1"),
+}
+
+
+def max_rel_diff(ref: dict, other: dict, key: str) -> float:
+    """The largest |other - ref| / |ref| of a per-step metric over the steps both runs logged."""
+    steps = set(ref["by_step"]) & set(other["by_step"])
+    return max((abs(other["by_step"][s][key] - ref["by_step"][s][key]) / abs(ref["by_step"][s][key])
+                for s in steps), default=float("nan"))
+
+
 def write_table(args, results: list[dict], meta: dict) -> str:
     ref = next((r for r in results if r["impl"] == "fsdp2" and "tokens_per_s_per_gpu" in r), None)
-    lines = [f"# torchtitan Trainer, Llama 3 8B shape: FSDP2 vs mfsdp_ext, {args.nproc} x {meta['gpu']}", "",
-             f"- **Reproduce:** `bash scripts/gpu_titan.sh` (= `python3 benchmarks/titan_step.py --out DIR "
-             f"--nproc {args.nproc} --steps {args.steps} --warmup {args.warmup} --ac {args.ac}`)",
+    title, model = MODELS.get(args.config, (args.config, "torchtitan config `{config}`, {layers} layers"))
+    extra = " -- " + " ".join(args.titan_args) if args.titan_args else ""
+    lines = [f"# torchtitan Trainer, {title}: FSDP2 vs mfsdp_ext, {args.nproc} x {meta['gpu']}", "",
+             f"- **Reproduce:** `python3 benchmarks/titan_step.py --out DIR --config {args.config} --nproc "
+             f"{args.nproc} --layers {args.layers} --steps {args.steps} --warmup {args.warmup} --ac {args.ac} "
+             f"--impls {args.impls}{extra}` (torchtitan installed as in `scripts/gpu_titan.sh --setup`)",
              f"- **Commit:** `{meta.get('commit')}`; **date:** {meta['date']}",
              f"- **Versions:** torch {meta['torch']}, CUDA {meta['cuda']}, NCCL {meta['nccl']}, torchtitan "
              f"{meta.get('torchtitan')}",
-             f"- **Model:** torchtitan `llama3_8b` (dim 4096, FFN 14336, 32 heads, 8 KV heads, vocab 128256) with "
-             f"{results[0]['layers'] if results else '?'} of its 32 layers; seq 8192, local batch 1, bf16 compute, "
-             f"fp32 gradient reduction, {'torchtitan' + chr(39) + 's selective' if args.ac == 'selective' else 'full'} "
-             "activation checkpointing, chunked loss, fused AdamW, "
-             "clipping; SDPA attention; 2000-token local tokenizer and corpus (examples/frameworks/titan_assets.py)",
+             f"- **Model:** {model.format(layers=results[0]['layers'] if results else '?', config=args.config)}, "
+             f"bf16 compute, fp32 gradient reduction, the config's activation checkpointing "
+             f"({'as configured' if args.ac == 'selective' else 'full'}), chunked loss, fused AdamW, "
+             "clipping; SDPA attention; 2000-token local tokenizer and corpus (examples/frameworks/titan_assets.py)"
+             + (f"; torchtitan options `{' '.join(args.titan_args)}`" if args.titan_args else ""),
              "- **Variants:** fsdp2 = torchtitan as shipped; ours = the same run after `mfsdp_ext.use_as_fsdp2()`; "
              "ours_fp8 = ours with `Fp8Policy(compute=True)` added to torchtitan's policy (the blocks' linear "
              "layers in FP8, the output head bf16)",
              f"- tok/s/GPU: median over steps {args.warmup + 1}..{args.steps} (min over ranks); peak: "
-             "torch.cuda.max_memory_allocated, max over steps and ranks", "",
+             "torch.cuda.max_memory_allocated, max over steps and ranks",
+             "- loss / grad norm vs fsdp2: the largest relative difference over the steps from fsdp2's run (rank 0's "
+             "logged values; bf16 runs differ run to run: `fsdp2_rerun` is FSDP2 again, its spread)", "",
              "| impl | layers | tok/s/GPU | vs fsdp2 | peak GiB | vs fsdp2 | reserved GiB | loss first -> last | "
-             "status |", "|---|---|---|---|---|---|---|---|---|"]
+             "loss vs fsdp2 | grad norm vs fsdp2 | status |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "tokens_per_s_per_gpu" in r:
             tps, peak = r["tokens_per_s_per_gpu"], r["peak_gib"]
             vs_t = f"{tps / ref['tokens_per_s_per_gpu']:.3f}" if ref else "-"
             vs_m = f"{peak / ref['peak_gib']:.3f}" if ref and ref["peak_gib"] else "-"
+            d_loss, d_norm = ((f"{max_rel_diff(ref, r, k):.2e}" for k in ("loss", "grad_norm"))
+                              if ref and r is not ref else ("-", "-"))
             lines.append(f"| {r['impl']} | {r['layers']} | {tps:.0f} | {vs_t} | {peak:.2f} | {vs_m} | "
-                         f"{r['peak_reserved_gib']:.2f} | {r['loss_first']:.4f} -> {r['loss_last']:.4f} | ok |")
+                         f"{r['peak_reserved_gib']:.2f} | {r['loss_first']:.4f} -> {r['loss_last']:.4f} | "
+                         f"{d_loss} | {d_norm} | ok |")
         else:
-            lines.append(f"| {r['impl']} | {r['layers']} | - | - | - | - | - | - | rc {r['rc']}"
+            lines.append(f"| {r['impl']} | {r['layers']} | - | - | - | - | - | - | - | - | rc {r['rc']}"
                          f"{' (out of memory)' if r['oom'] else ''}, see {r['log']} |")
     return "\n".join(lines) + "\n"
 
@@ -144,7 +171,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--impls", default="fsdp2,ours,ours_fp8")
-    ap.add_argument("--config", default="llama3_8b_gpu")
+    ap.add_argument("--config", default="llama3_8b_gpu", choices=sorted(MODELS))
+    ap.add_argument("--tag", default="", help="names the table: titan_step_TAG_<N>gpu (e.g. tp2, moe)")
     ap.add_argument("--assets", default="", help="the tokenizer/corpus folder (default: OUT/titan_assets)")
     ap.add_argument("--deadline", type=float, default=540.0, help="seconds for everything (a retry is skipped "
                     "when it cannot finish in time)")
@@ -176,7 +204,8 @@ def main() -> int:
         print(f"== out of memory at {layers} layers: all variants again at {layers - 4}", flush=True)
         layers -= 4
     meta = {**versions(), "date": datetime.datetime.now().isoformat(timespec="seconds")}
-    stem = os.path.join(args.out, f"titan_step_{args.nproc}gpu" + ("_fullac" if args.ac == "full" else ""))
+    stem = os.path.join(args.out, f"titan_step{'_' + args.tag if args.tag else ''}_{args.nproc}gpu"
+                        + ("_fullac" if args.ac == "full" else ""))
     with open(f"{stem}.json", "w") as f:
         json.dump({"meta": meta, "args": {k: v for k, v in vars(args).items()}, "results": results}, f, indent=1)
     table = write_table(args, results, meta)

@@ -33,7 +33,7 @@ for stage in $stages; do
         nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
         # always: the machine keeps an older _C between calls, and the build is incremental
         run build env MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e . ;;
-    tests) run tests python3 -m pytest -m gpu -q -s tests/test_gpu.py tests/test_kernels.py tests/test_symm_mem.py tests/test_device.py \
+    tests) run tests timeout -k 10 330 python3 -m pytest -m gpu -q -s tests/test_gpu.py tests/test_kernels.py tests/test_symm_mem.py tests/test_device.py \
                tests/test_optim.py tests/test_fp8_training.py ;;
     optim)  # the fused AdamW step over configs 1 and 3's shards vs torch's foreach and fused AdamW, vs the bandwidth bound (1 GPU)
         run optim timeout -k 10 200 python3 benchmarks/optim.py --configs 1,3 --out "$OUT" ;;
@@ -47,8 +47,9 @@ for stage in $stages; do
     step) run step bash scripts/gpu_step.sh ;;
     nd)  # N-D layouts: Shard(1) placements on every collective path, then tensor parallel 2 x FSDP 2 (4 GPUs), fused
          # AdamW on both sides, configs 1 and 6 (step_4gpu_tp2.md)
-        run nd_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/test_gpu.py -k "shard_dim1"
-        run nd_step timeout -k 10 420 torchrun --standalone --nproc-per-node 4 benchmarks/step.py --tp 2 \
+        [[ " $stages " == *" tests "* ]] ||  # the tests stage runs them too
+            run nd_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/test_gpu.py -k "shard_dim1"
+        run nd_step timeout -k 10 300 torchrun --standalone --nproc-per-node 4 benchmarks/step.py --tp 2 \
             --configs 1,6 --impls ours_fused,fsdp2_fused --steps 6 --warmup 2 --init meta --out "$OUT" ;;
     step6)  # real size: the Llama-3-8B shape, seq 8192, activation checkpointing per block; MFU, bf16 and FP8 (2 GPUs)
         run step6 timeout -k 10 420 torchrun --standalone --nproc-per-node 2 benchmarks/step.py --configs 6 \
@@ -180,11 +181,15 @@ open(p, "w").write(s.replace(kept, kept + "            unit.unshard_event = None
 EOF
         run race_unfixed_must_fail bash -c '! timeout -k 10 120 python3 -m pytest -m gpu -q -s tests/test_gpu.py -k gather_in_flight'
         cp "$OUT/unit.py.fixed" mfsdp_ext/unit.py ;;
-    graphs)  # CUDA graphs: capture/replay tests, the per-feature probe, and the captured step rows (2 GPUs)
-        run graph_tests timeout -k 10 200 python3 -m pytest -m gpu -q tests/test_gpu.py -k "captured or graphed"
-        run graph_probe timeout -k 10 300 torchrun --standalone --nproc-per-node 2 scripts/graph_probe.py --main .
-        run graph_step timeout -k 10 400 torchrun --standalone --nproc-per-node 2 benchmarks/step.py --configs 3,2,4,1,5 \
-            --impls fsdp2_fused,fsdp2_captured,ours_fused,ours_captured,ours_graphed --steps 10 --warmup 3 --out "$OUT" ;;
+    graphs)  # CUDA graphs: capture/replay tests (unless the tests stage ran them), and the captured step rows, bf16
+             # and FP8, on every GPU here (GRAPH_PROBE=1: also the per-feature probe, 2 GPUs)
+        [[ " $stages " == *" tests "* ]] ||
+            run graph_tests timeout -k 10 200 python3 -m pytest -m gpu -q tests/test_gpu.py -k "captured or graphed"
+        [ -n "${GRAPH_PROBE:-}" ] &&
+            run graph_probe timeout -k 10 300 torchrun --standalone --nproc-per-node 2 scripts/graph_probe.py --main .
+        run graph_step timeout -k 10 420 torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \
+            benchmarks/step.py --configs 3,2,4,1,5 --impls fsdp2_fused,fsdp2_captured,ours_fused,ours_captured,\
+ours_graphed,ours_fp8_fused,ours_fp8_captured,ours_fp8_graphed --steps 10 --warmup 3 --out "$OUT/graph_step" ;;
     titan) run titan bash scripts/gpu_titan.sh ;;   # torchtitan at the 8B shape, FSDP2 vs ours vs ours FP8 (after gpu_titan.sh --setup; carry .whl)
     jit) run jit bash scripts/gpu_jit.sh ;;          # fresh venv, no ahead-of-time build: import compiles CUDA + NCCL
     hf) run hf bash scripts/gpu_hf.sh ;;             # train_hf.py: ours vs FSDP2 (fp32 1e-5), bf16, AC + compile

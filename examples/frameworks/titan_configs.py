@@ -14,6 +14,9 @@ Each starts from torchtitan's own config and changes only what is listed; the mo
                        TITAN_AC=full: full activation checkpointing of each block instead of torchtitan's selective
                        one (which saves every other matmul output: mfsdp_ext's FP8 GEMMs are native kernels it does
                        not see, so under it they are all recomputed)
+  qwen3_moe_gpu        torchtitan's qwen3_30b_a3b (dim 2048, 128 experts, top 8, vocab 151936), seq 4096, local batch
+                       1, bf16 compute, its full activation checkpointing, with TITAN_LAYERS of its 48 layers (default
+                       4); no checkpoints, 10 steps; expert parallel by --parallelism.expert_parallel_degree
 
 Changes for every config:
   * local assets (titan_assets.py: a 2000-token tokenizer and a small corpus; TITAN_ASSETS names the folder)
@@ -101,4 +104,15 @@ def llama3_8b_gpu():
         from torchtitan.distributed.activation_checkpoint import FullAC
 
         config.activation_checkpoint = FullAC.Config()
+    return config
+
+
+def qwen3_moe_gpu():
+    from torchtitan.models.qwen3.config_registry import qwen3_30b_a3b
+
+    config = _common(qwen3_30b_a3b(), seq_len=4096, local_batch_size=1, steps=10)
+    model = config.model_spec.model
+    model.layers = model.layers[: int(os.environ.get("TITAN_LAYERS", "4"))]
+    config.profiler.enable_profiling = False
+    config.checkpoint.enable = False
     return config
