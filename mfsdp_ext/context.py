@@ -54,6 +54,7 @@ class FsdpContext:
         self.explicit_microbatch = False
         self.in_backward = False  # from the first pre-backward hook to the final callback
         self.iteration_open = False  # from the root's forward to the end of a backward (or an abandoned iteration)
+        self.iterations = 0  # root forwards so far (mfsdp_ext.graphed: which models a step uses)
         self.capturing = False  # inside a CUDA graph capture of the root's forward and backward (capture.py)
         self.graphed = False  # some capture happened: replays, not our hooks, run those steps
         self.grads_kept = False  # a deferred reduction kept unsharded grads (reduced on the last microbatch)
@@ -73,6 +74,7 @@ class FsdpContext:
         self.forward_order = []
         self.forward_end_order = []
         self.iteration_open = True
+        self.iterations += 1
         self._note_forward_mode(training)
 
     def _note_forward_mode(self, training: bool) -> None:

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 from torch.profiler import record_function
+from torch.distributed.tensor import DTensor
 
 _profiler_enabled = torch._C._autograd._profiler_enabled  # also true under emit_nvtx (Nsight)
 
@@ -71,6 +72,8 @@ class DeviceHandle:
     def record_stream(self, tensor: torch.Tensor, stream: Optional[torch.cuda.Stream]) -> None:
         """``tensor`` (allocated on the current stream) is used on ``stream``: keep its memory until that use ends."""
         if stream is not None:
+            if isinstance(tensor, DTensor):  # a tensor-parallel gradient: DTensor has no record_stream rule
+                tensor = tensor._local_tensor
             tensor.record_stream(stream)
 
     @staticmethod

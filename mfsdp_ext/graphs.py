@@ -55,6 +55,7 @@ class GraphedStep:
         self.static_leaves: list = []  # the capture's tensor arguments (replays copy new ones into them)
         self.static_out: Any = None
         self.optimizers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> optimizer stepped
+        self.contexts: list[weakref.ref] = []  # the fully_shard roots whose forward the captured step runs
         self.captures = 0
         self._cpu_group = None
         self._warned = False
@@ -72,7 +73,7 @@ class GraphedStep:
                 return self.train_step(*args, **kwargs)
         key = self._key(leaves, spec)
         if self.graph is None or not self._same_on_every_rank(key):
-            return self._capture(leaves, spec, key)
+            return self._capture(leaves, spec)
         for static, new in zip(self.static_leaves, leaves):
             if isinstance(static, torch.Tensor):
                 static.copy_(new)
@@ -83,9 +84,11 @@ class GraphedStep:
         return self._output()
 
     # ------------------------------------------------------------------ capture
-    def _capture(self, leaves: list, spec, key: tuple):
+    def _capture(self, leaves: list, spec):
         """Capture the step on static copies of this call's arguments, then replay it once for this call."""
-        self.graph = None  # the last graph (if any) is dropped first: its buffers go back to the pool
+        # The last graph (if any) lives until the new one is captured into its pool: torch refuses a pool that no
+        # graph holds. Its output is let go first, so the new capture reuses that memory; it is never replayed again.
+        old_graph, self.graph, self.static_out = self.graph, None, None
         torch.cuda.synchronize()
         # made before the capture (as every buffer a replay's host side writes): inside it they could share memory
         # with the graph's temporaries
@@ -97,11 +100,15 @@ class GraphedStep:
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+        iterations = weakref.WeakKeyDictionary({ctx: ctx.iterations for ctx in FsdpContext.live()})
         with self._recording_optimizers(), torch.cuda.graph(graph, pool=self.pool):
             out = self.train_step(*args, **kwargs)
+        del old_graph
         for opt in flat_optimizers:
             opt.graph_upload()
-        self.graph, self.static_out, self.key = graph, out, key
+        self.contexts = [weakref.ref(ctx) for ctx in FsdpContext.live() if ctx.iterations != iterations.get(ctx)]
+        self.graph, self.static_out = graph, out
+        self.key = self._key(leaves, spec)  # with the models and optimizers the step was seen to use
         self.captures += 1
         graph.replay()  # the capture ran nothing: this call's step
         self._after_replay()
@@ -119,7 +126,9 @@ class GraphedStep:
     def _key(self, leaves: list, spec) -> tuple:
         arguments = tuple((tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else repr(x)
                           for x in leaves)
-        modes = tuple(sorted((id(ctx), ctx.root.module.training) for ctx in FsdpContext.live()))
+        # only the models the step uses: another one built or collected meanwhile changes nothing
+        modes = tuple(ctx.root.module.training if ctx is not None else None
+                      for ctx in (ref() for ref in self.contexts))
         optimizers = tuple((id(opt), tuple(tuple(id(p) for p in g["params"]) for g in opt.param_groups))
                            for opt in self.optimizers.values())
         return (str(spec), arguments, modes, optimizers, param_group.buffers_generation())

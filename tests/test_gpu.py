@@ -170,12 +170,13 @@ def test_peak_memory_bound(gpu_pool):
 
 
 # ----------------------------------------------------------------------------------------------- symmetric memory
-def _train_side_by_side(seed: int, mp, k: int, global_batch: int, **shard_kwargs):
-    """A TinyLM sharded with the default collectives and one sharded with ``shard_kwargs``, trained alike for 5
-    steps: (plain, other, max relative loss difference, max relative parameter difference, losses, losses)."""
+def _train_side_by_side(seed: int, mp, k: int, global_batch: int, reference: dict | None = None, **shard_kwargs):
+    """A TinyLM sharded with the default collectives (or the keywords ``reference``) and one sharded with
+    ``shard_kwargs``, trained alike for 5 steps: (plain, other, max relative loss difference, max relative parameter
+    difference, losses, losses)."""
     torch.manual_seed(seed)
     base = TinyLM(vocab=512, dim=256, ffn=1024)
-    plain = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=mp)
+    plain = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=mp, **(reference or {}))
     other = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=mp, **shard_kwargs)
     a = train(plain, 5, global_batch, sharded=True, microbatches=k, microbatch_ctx=microbatch)
     b = train(other, 5, global_batch, sharded=True, microbatches=k, microbatch_ctx=microbatch)
@@ -246,13 +247,14 @@ def test_symm_mem_auto(gpu_pool, native):
 def _case_shard_dim1(mode: str):
     """shard_placement_fn answering Shard(1) for every matrix, with each collective path (the plain grouped
     all-gather into the staging area, the native transport, symmetric memory's rank-major gather unpacked by column
-    runs; a bf16 compute copy): the numbers of the default Shard(0) model on the plain path."""
+    runs; a bf16 compute copy): the numbers of the default Shard(0) model on the same path (fp32: each path sums
+    the ranks' gradients in its own order)."""
     from torch.distributed.tensor import Shard
 
     kwargs = {"plain": {}, "native": dict(native_collectives=True), "symm": dict(use_symm_mem=True)}.get(mode, {})
     mp = BF16 if mode == "bf16" else MixedPrecisionPolicy()
-    _, columns, loss_err, param_err, a, b = _train_side_by_side(
-        23, mp, 3, 24, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None, **kwargs)
+    rows, columns, loss_err, param_err, a, b = _train_side_by_side(
+        23, mp, 3, 24, reference=kwargs, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None, **kwargs)
     assert columns.emb.weight.placements == (Shard(1),), columns.emb.weight.placements
     if mode == "bf16":  # the same bf16 casts of the same weights; sums in another order
         assert loss_err <= 2e-2, (loss_err, a, b)
@@ -260,6 +262,7 @@ def _case_shard_dim1(mode: str):
         assert loss_err <= 1e-6 and param_err <= 1e-5, (loss_err, param_err, a, b)
     if mode == "symm":
         columns.release_symmetric_memory()
+        rows.release_symmetric_memory()
     return {"loss_err": loss_err, "param_err": param_err}
 
 

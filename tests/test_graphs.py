@@ -5,7 +5,9 @@ tests (tests/test_gpu.py::test_graphed_whole_step)."""
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -54,6 +56,8 @@ def _case_key_sees_what_a_graph_depends_on():
     lm_loss(model, tokens, targets).backward()  # lazy init: the model's context exists
     step = GraphedStep(lambda *a: None, warmup=1)
     step.optimizers[id(opt)] = opt
+    ctx = model._mfsdp_unit.context
+    step.contexts = [weakref.ref(ctx)]  # as a capture notes the roots whose forward ran in it (ctx.iterations)
 
     def key(*args):
         from torch.utils import _pytree as pytree
@@ -61,7 +65,16 @@ def _case_key_sees_what_a_graph_depends_on():
         leaves, spec = pytree.tree_flatten((args, {}))
         return step._key(leaves, spec)
 
+    other = shard_tiny_lm(TinyLM(tie=False).to(rank_device()), fully_shard)  # a model the step does not use
+    iterations = ctx.iterations
+    lm_loss(other, tokens, targets).backward()
+    assert ctx.iterations == iterations and other._mfsdp_unit.context.iterations == 1
     first = key(tokens, targets, 0.5)
+    assert key(tokens, targets, 0.5) == first
+    other.eval()
+    assert key(tokens, targets, 0.5) == first  # built, switched to eval, then collected: nothing to capture again
+    del other
+    gc.collect()
     assert key(tokens, targets, 0.5) == first
     changed = {"shape": key(tokens[:1], targets[:1], 0.5), "value": key(tokens, targets, 0.25)}
     model.eval()
