@@ -135,7 +135,8 @@ def write_table(args, results: list[dict], meta: dict) -> str:
              f"{meta.get('torchtitan')}",
              f"- **Model:** {model.format(layers=results[0]['layers'] if results else '?', config=args.config)}, "
              f"bf16 compute, fp32 gradient reduction, the config's activation checkpointing "
-             f"({'as configured' if args.ac == 'selective' else 'full'}), chunked loss, fused AdamW, "
+             f"({'as configured' if args.ac == 'selective' else 'full'}), "
+             f"{'chunked loss' if meta['torch'] >= '2.12' else 'plain cross-entropy loss (torch < 2.12)'}, fused AdamW, "
              "clipping; SDPA attention; 2000-token local tokenizer and corpus (examples/frameworks/titan_assets.py)"
              + (f"; torchtitan options `{' '.join(args.titan_args)}`" if args.titan_args else ""),
              "- **Variants:** fsdp2 = torchtitan as shipped; ours = the same run after `mfsdp_ext.use_as_fsdp2()`; "

@@ -27,6 +27,8 @@ Changes for every config:
     torch 2.13 (and ours, with the same cause: plain tensors given with dp_mesh_dims); "full_dtensor" works for
     both (--parallelism.spmd_backend full_dtensor)
   * no validator, no CUDA graphs, fixed seed, log every step, no tensorboard
+  * torch < 2.12 (the GPU image's 2.11): the plain cross-entropy loss in place of torchtitan's ChunkedLossWrapper
+    (FSDP2 itself fails there in backward, "data is not allocated yet": torchtitan 0.3.0 targets torch >= 2.12)
   * TITAN_DUMP names the dump folder (checkpoints: TITAN_DUMP/checkpoint/step-N)
 """
 
@@ -34,9 +36,11 @@ from __future__ import annotations
 
 import os
 
+import torch
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+_TORCH = tuple(int(x) for x in torch.__version__.split(".")[:2])
 
 
 def _use_sdpa(model_cfg) -> None:
@@ -58,6 +62,8 @@ def _common(config, *, seq_len: int, local_batch_size: int, steps: int):
     config.training.local_batch_size = local_batch_size
     config.training.steps = steps
     config.training.disable_cuda_graphs = True
+    if _TORCH < (2, 12):  # FSDP2 of torch 2.11 fails in backward under torchtitan 0.3.0's chunked loss: plain CE
+        config.loss = config.loss.loss_fn
     config.parallelism.spmd_backend = "partial_dtensor"
     config.validator.enable = False
     config.debug.seed = 42
