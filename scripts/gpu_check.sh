@@ -184,7 +184,7 @@ EOF
     graphs)  # CUDA graphs: capture/replay tests (unless the tests stage ran them), and the captured step rows, bf16
              # and FP8, on every GPU here (GRAPH_PROBE=1: also the per-feature probe, 2 GPUs)
         [[ " $stages " == *" tests "* ]] ||
-            run graph_tests timeout -k 10 200 python3 -m pytest -m gpu -q tests/test_gpu.py -k "captured or graphed"
+            run graph_tests timeout -k 10 200 python3 -m pytest -m gpu -q tests/test_gpu.py -k "captured or graphed or cuda_graph"
         [ -n "${GRAPH_PROBE:-}" ] &&
             run graph_probe timeout -k 10 300 torchrun --standalone --nproc-per-node 2 scripts/graph_probe.py --main .
         run graph_step timeout -k 10 420 torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \

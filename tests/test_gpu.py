@@ -642,9 +642,11 @@ def test_graphed_whole_step(gpu_pool, fp8, microbatches, optimizer):
 
 def test_main_job_cuda_graph(tmp_path):
     """The main job on 2 GPUs with --cuda-graph (the whole step, clipping included, through mfsdp_ext.graphed)
-    against the same job without it: every step's loss equal, bit for bit (--deterministic: SDPA's math backend)."""
+    against the same job without it: every step's loss equal, bit for bit (--deterministic: SDPA's math backend).
+    The graphed run checkpoints at step 6; resumed from there, graphed again, steps 7-12 equal too."""
     import json
     import os
+    import shutil
     import subprocess
     import sys
 
@@ -652,7 +654,11 @@ def test_main_job_cuda_graph(tmp_path):
         pytest.skip("needs 2 GPUs")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     losses = {}
-    for name, extra in (("eager", []), ("graph", ["--cuda-graph"])):
+    ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "6"]
+    for name, extra in (("eager", []), ("graph", ["--cuda-graph", *ckpt]),
+                        ("resumed", ["--cuda-graph", *ckpt, "--resume"])):
+        if name == "resumed":
+            shutil.rmtree(tmp_path / "ckpt" / "step-00000012")
         metrics = tmp_path / f"{name}.jsonl"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                os.path.join(root, "examples", "train_gpt.py"), "--steps", "12", "--optimizer", "fused",
@@ -661,5 +667,7 @@ def test_main_job_cuda_graph(tmp_path):
                              env={**os.environ, "PYTHONPATH": root})
         assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
         with open(metrics) as f:
-            losses[name] = [json.loads(line)["loss"] for line in f]
+            losses[name] = {row["step"]: row["loss"] for row in map(json.loads, f)}
     assert losses["graph"] == losses["eager"], losses
+    assert sorted(losses["resumed"]) == list(range(7, 13)), sorted(losses["resumed"])
+    assert all(losses["resumed"][k] == losses["eager"][k] for k in losses["resumed"]), losses
