@@ -98,14 +98,20 @@ def qwen3_moe_debug_cpu():
     return config
 
 
+def _gpu(config, *, seq_len: int, default_layers: int):
+    """A benchmark run on GPU: TITAN_LAYERS of the model's layers, 10 steps, no profiler, no checkpoints."""
+    config = _common(config, seq_len=seq_len, local_batch_size=1, steps=10)
+    model = config.model_spec.model
+    model.layers = model.layers[: int(os.environ.get("TITAN_LAYERS", str(default_layers)))]
+    config.profiler.enable_profiling = False
+    config.checkpoint.enable = False
+    return config
+
+
 def llama3_8b_gpu():
     from torchtitan.models.llama3.config_registry import llama3_8b
 
-    config = _common(llama3_8b(), seq_len=8192, local_batch_size=1, steps=10)
-    model = config.model_spec.model
-    model.layers = model.layers[: int(os.environ.get("TITAN_LAYERS", "8"))]
-    config.profiler.enable_profiling = False
-    config.checkpoint.enable = False
+    config = _gpu(llama3_8b(), seq_len=8192, default_layers=8)
     if os.environ.get("TITAN_AC", "selective") == "full":
         from torchtitan.distributed.activation_checkpoint import FullAC
 
@@ -116,9 +122,4 @@ def llama3_8b_gpu():
 def qwen3_moe_gpu():
     from torchtitan.models.qwen3.config_registry import qwen3_30b_a3b
 
-    config = _common(qwen3_30b_a3b(), seq_len=4096, local_batch_size=1, steps=10)
-    model = config.model_spec.model
-    model.layers = model.layers[: int(os.environ.get("TITAN_LAYERS", "4"))]
-    config.profiler.enable_profiling = False
-    config.checkpoint.enable = False
-    return config
+    return _gpu(qwen3_30b_a3b(), seq_len=4096, default_layers=4)
