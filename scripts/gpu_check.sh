@@ -5,7 +5,8 @@
 #   run twice per mode with --deterministic, bit-identical; gpt200: 200 training steps, bf16 vs FP8; fp8step, fp8cache: FP8 step rows on any GPU
 #   count; fp8host: the FP8 layer's host time; step6ac: config 6 with less recomputation; ctas: NCCL_MAX_CTAS sweep; wire, wirefp8: the default bf16-sent, fp32-summed gradients vs the fp32 reduce-scatter; native: native_collectives
 #   against torch.distributed's collectives; timeline: where the GPU waits in each config's step; graphs: CUDA graph
-#   tests, probe and captured step rows; titan: torchtitan's Trainer at the 8B shape, see scripts/gpu_titan.sh;
+#   tests and captured step rows, bf16 and FP8 (GRAPH_PROBE=1: the per-feature probe too); titan: torchtitan's
+#   Trainer at the 8B shape, see scripts/gpu_titan.sh;
 #   nd: N-D layouts on 4 GPUs: Shard(1) GPU tests, dp2 x tp2 step rows at configs 1 and 6)
 #   scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
 #   scripts/gpu_check.sh build fp8train FP8 weights in fully_shard: GPU tests + step.py's FP8 variants (2 GPUs)
