@@ -9,9 +9,11 @@
 # call's carry [".whl"]). torchtitan 0.3.0 targets torch >= 2.12; examples/frameworks/torchtitan_train.py covers the
 # one name it imports that torch 2.11 lacks.
 #   bash scripts/gpu_titan.sh --setup   install the wheels, build mfsdp_ext if needed, check that torchtitan imports
-#   bash scripts/gpu_titan.sh           the same, then the benchmark (about 5 minutes; 9.5 at most)
+#   bash scripts/gpu_titan.sh           the same, then the benchmark (about 5 minutes; 9.5 at most); FSDP2 runs first
+#                                       and again last (fsdp2_rerun): a first run on a fresh machine can be slower
 #   bash scripts/gpu_titan.sh nd        the same, then torchtitan's 2-D layouts on 4 GPUs (about 6 minutes): Llama 3 8B
-#                                       shape (8 layers) with tensor parallel 2 x FSDP 2 (FSDP2 twice: its spread), and
+#                                       shape (8 layers) with tensor parallel 2 x FSDP 2 (each implementation twice,
+#                                       alternating: their spread), and
 #                                       Qwen3 30B-A3B's MoE shape (4 layers) with expert parallel 2 where torch has
 #                                       FSDP2's ShardPlacementResult (torch >= 2.12; else EP 1, the experts over FSDP)
 #   TITAN_LAYERS (default 16; an out-of-memory run is retried with 4 fewer), TITAN_STEPS (10), TITAN_IMPLS,
@@ -54,11 +56,11 @@ if [ "${1:-}" = "nd" ]; then
           tar czf "$OUT/titan_nd_logs.tgz" -C "$WORK" --exclude "dump_*" --exclude titan_assets . ' EXIT
     ep=$(python3 -c "import torch.distributed.fsdp._fully_shard._fsdp_common as c; print(2 if hasattr(c, 'ShardPlacementResult') else 1)")
     timeout -k 10 330 python3 benchmarks/titan_step.py --out "$WORK" --nproc 4 --config llama3_8b_gpu --tag tp2 \
-        --layers 8 --steps 8 --warmup 3 --impls fsdp2,fsdp2_rerun,ours --deadline 320 --run-timeout 150 \
+        --layers 8 --steps 8 --warmup 3 --impls fsdp2,ours,fsdp2_rerun,ours_rerun --deadline 320 --run-timeout 150 \
         -- --parallelism.tensor_parallel_degree 2
     rc=$?
     timeout -k 10 230 python3 benchmarks/titan_step.py --out "$WORK" --nproc 4 --config qwen3_moe_gpu --tag "moe_ep$ep" \
-        --layers 4 --steps 8 --warmup 3 --impls fsdp2,ours --deadline 220 --run-timeout 150 \
+        --layers 4 --steps 8 --warmup 3 --impls fsdp2,ours,fsdp2_rerun --deadline 220 --run-timeout 150 \
         -- --parallelism.expert_parallel_degree "$ep"
     exit $(( rc || $? ))
 fi
@@ -68,5 +70,5 @@ FINAL_OUT=$OUT; WORK=$(mktemp -d /tmp/gpu_titan.XXXX)
 trap 'cp "$WORK"/titan_step_*.md "$WORK"/titan_step_*.json "$FINAL_OUT"/ 2>/dev/null;
       tar czf "$FINAL_OUT/titan_step_logs.tgz" -C "$WORK" --exclude "dump_*" --exclude titan_assets . ' EXIT
 timeout -k 10 570 python3 benchmarks/titan_step.py --out "$WORK" --nproc "$N" --layers "${TITAN_LAYERS:-16}" \
-    --steps "${TITAN_STEPS:-10}" --warmup 3 --impls "${TITAN_IMPLS:-fsdp2,ours,ours_fp8}" --ac "${TITAN_AC:-selective}" \
+    --steps "${TITAN_STEPS:-10}" --warmup 3 --impls "${TITAN_IMPLS:-fsdp2,ours,ours_fp8,fsdp2_rerun}" --ac "${TITAN_AC:-selective}" \
     --deadline 540
