@@ -29,6 +29,16 @@ RTOL = 1e-5
 _IMPORTABLE: dict = {}
 
 
+@pytest.fixture(autouse=True)
+def _drop_checkpoints(tmp_path):
+    """After each test, its runs' folders (checkpoints and dumps: GBs for torchtitan's MoE) go; the logs and
+    metrics stay. The suite then needs the disk of one test's checkpoints, not of all of them."""
+    yield
+    for entry in os.scandir(tmp_path):
+        if entry.is_dir():
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
 def _needs(module: str, install: str) -> None:
     """Skip the test, saying why, when ``module`` does not import in a fresh process like the runs' (torchtitan
     0.3.0 is installed but fails to import on torch < 2.12, for one)."""
