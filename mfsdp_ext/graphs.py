@@ -100,7 +100,7 @@ class GraphedStep:
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        iterations = weakref.WeakKeyDictionary({ctx: ctx.iterations for ctx in FsdpContext.live()})
+        iterations = {ctx: ctx.iterations for ctx in FsdpContext.live()}  # held only while capturing
         with self._recording_optimizers(), torch.cuda.graph(graph, pool=self.pool):
             out = self.train_step(*args, **kwargs)
         del old_graph
