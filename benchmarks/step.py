@@ -158,6 +158,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "native_collectives=True")
     p.add_argument("--extra-fp8-fused", action="append", default=[], metavar="KEY=VAL[,KEY=VAL]",
                    help="the same for an additional 'ours_fp8_fused' column")
+    p.add_argument("--extra-captured", action="append", default=[], metavar="KEY=VAL[,KEY=VAL]",
+                   help="the same for an additional 'ours_captured' column, e.g. use_symm_mem=True")
+    p.add_argument("--extra-graphed", action="append", default=[], metavar="KEY=VAL[,KEY=VAL]",
+                   help="the same for an additional 'ours_graphed' column")
     p.add_argument("--layers", type=int, default=None,
                    help="override the configs' layer count (e.g. config 6's 8B shape at 8 layers fits one GPU); "
                         "the report names the count it ran")
@@ -213,14 +217,16 @@ def make_variants(args) -> List[Variant]:
         if impl not in gpt.IMPLS:
             raise SystemExit(f"unknown impl {impl!r} (choose from {list(gpt.IMPLS) + list(FP8_IMPLS) + list(FUSED_IMPLS) + list(GRAPH_IMPLS)})")
         variants.append(Variant(impl, impl, {}))
-    for base_name, fp8, fused, texts in (("ours", "", False, args.extra_ours),
-                                         ("ours_fp8", "ours", False, args.extra_ours_fp8),
-                                         ("ours_fused", "", True, args.extra_fused),
-                                         ("ours_fp8_fused", "ours", True, args.extra_fp8_fused)):
+    for base_name, fp8, fused, graph, texts in (("ours", "", False, "", args.extra_ours),
+                                                ("ours_fp8", "ours", False, "", args.extra_ours_fp8),
+                                                ("ours_fused", "", True, "", args.extra_fused),
+                                                ("ours_fp8_fused", "ours", True, "", args.extra_fp8_fused),
+                                                ("ours_captured", "", True, "fwdbwd", args.extra_captured),
+                                                ("ours_graphed", "", True, "step", args.extra_graphed)):
         for text in texts:
             extra = gpt.parse_kv(text)
             name = base_name + "(" + ",".join(f"{k}={v}" for k, v in extra.items()) + ")"
-            variants.append(Variant(name, "ours", extra, fp8, fused_optimizer=fused))
+            variants.append(Variant(name, "ours", extra, fp8, fused_optimizer=fused, graph=graph))
     return variants
 
 

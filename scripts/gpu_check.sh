@@ -5,7 +5,8 @@
 #   run twice per mode with --deterministic, bit-identical; gpt200: 200 training steps, bf16 vs FP8; fp8step, fp8cache: FP8 step rows on any GPU
 #   count; fp8host: the FP8 layer's host time; step6ac: config 6 with less recomputation; ctas: NCCL_MAX_CTAS sweep; wire, wirefp8: the default bf16-sent, fp32-summed gradients vs the fp32 reduce-scatter; native: native_collectives
 #   against torch.distributed's collectives; timeline: where the GPU waits in each config's step; graphs: CUDA graph
-#   tests and captured step rows, bf16 and FP8 (GRAPH_PROBE=1: the per-feature probe too); titan: torchtitan's
+#   tests and captured step rows, bf16 and FP8 (GRAPH_PROBE=1: the per-feature probe too; GRAPH_GPUS=2: on 2 of the GPUs);
+#   graphs6: config 6 with graphs; graphsx: configs 3 and 1 captured/graphed over symmetric memory and native collectives; titan: torchtitan's
 #   Trainer at the 8B shape, see scripts/gpu_titan.sh;
 #   nd: N-D layouts on 4 GPUs: Shard(1) GPU tests, dp2 x tp2 step rows at configs 1 and 6)
 #   scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
@@ -34,7 +35,7 @@ for stage in $stages; do
         nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
         # always: the machine keeps an older _C between calls, and the build is incremental
         run build env MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e . ;;
-    tests) run tests timeout -k 10 330 python3 -m pytest -m gpu -q -s tests/test_gpu.py tests/test_kernels.py tests/test_symm_mem.py tests/test_device.py \
+    tests) run tests timeout -k 10 420 python3 -m pytest -m gpu -q -s tests/test_gpu.py tests/test_kernels.py tests/test_symm_mem.py tests/test_device.py \
                tests/test_optim.py tests/test_fp8_training.py ;;
     optim)  # the fused AdamW step over configs 1 and 3's shards vs torch's foreach and fused AdamW, vs the bandwidth bound (1 GPU)
         run optim timeout -k 10 200 python3 benchmarks/optim.py --configs 1,3 --out "$OUT" ;;
@@ -188,9 +189,21 @@ EOF
             run graph_tests timeout -k 10 200 python3 -m pytest -m gpu -q tests/test_gpu.py -k "captured or graphed or cuda_graph"
         [ -n "${GRAPH_PROBE:-}" ] &&
             run graph_probe timeout -k 10 300 torchrun --standalone --nproc-per-node 2 scripts/graph_probe.py --main .
-        run graph_step timeout -k 10 420 torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \
+        run graph_step timeout -k 10 420 torchrun --standalone --nproc-per-node "${GRAPH_GPUS:-$(nvidia-smi -L | wc -l)}" \
             benchmarks/step.py --configs 3,2,4,1,5 --impls fsdp2_fused,fsdp2_captured,ours_fused,ours_captured,\
 ours_graphed,ours_fp8_fused,ours_fp8_captured,ours_fp8_graphed --steps 10 --warmup 3 --out "$OUT/graph_step" ;;
+    graphs6)  # config 6 (the 8B shape, seq 8192, activation checkpointing) with CUDA graphs, bf16 (GRAPH_GPUS or all)
+        run graph_step6 timeout -k 10 300 torchrun --standalone --nproc-per-node "${GRAPH_GPUS:-$(nvidia-smi -L | wc -l)}" \
+            benchmarks/step.py --configs 6 --impls fsdp2_fused,fsdp2_captured,ours_fused,ours_captured,ours_graphed \
+            --steps 5 --warmup 2 --init meta --no-floor --out "$OUT/graph_step6" ;;
+    graphsx)  # the captured and whole-step rows of configs 3 and 1 with our other transports: use_symm_mem=True
+              # (NCCL symmetric kernels), native_collectives=True (our own communicator); GPU timelines of the graphed
+              # steps in $OUT/graph_timeline (GRAPH_GPUS or all)
+        run graph_transports timeout -k 10 360 torchrun --standalone --nproc-per-node "${GRAPH_GPUS:-$(nvidia-smi -L | wc -l)}" \
+            benchmarks/step.py --configs 3,1 --impls fsdp2_captured,ours_captured,ours_graphed \
+            --extra-captured use_symm_mem=True --extra-captured native_collectives=True \
+            --extra-graphed use_symm_mem=True --extra-graphed native_collectives=True --no-floor --steps 10 --warmup 3 \
+            --profile-dir "$OUT/graph_timeline" --out "$OUT/graph_transports" ;;
     titan) run titan bash scripts/gpu_titan.sh ;;   # torchtitan at the 8B shape, FSDP2 vs ours vs ours FP8 (after gpu_titan.sh --setup; carry .whl)
     jit) run jit bash scripts/gpu_jit.sh ;;          # fresh venv, no ahead-of-time build: import compiles CUDA + NCCL
     hf) run hf bash scripts/gpu_hf.sh ;;             # train_hf.py: ours vs FSDP2 (fp32 1e-5), bf16, AC + compile

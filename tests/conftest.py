@@ -31,3 +31,11 @@ def gpu_pool(request):
     if not torch.cuda.is_available():
         pytest.skip("CUDA not available")
     return get_pool(request.param, "nccl")
+
+
+@pytest.fixture(params=[1, 2, 4], ids=lambda w: f"{w}gpus")
+def gpu_pool_from_one(request):
+    """gpu_pool, with one GPU too (a one-rank NCCL group): for what must hold on 1, 2 and 4 GPUs."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA not available")
+    return get_pool(request.param, "nccl")

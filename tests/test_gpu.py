@@ -588,8 +588,8 @@ def _case_captured_forward_backward(fp8: bool, microbatches: int):
 
 
 @pytest.mark.parametrize("fp8,microbatches", [(False, 1), (False, 2), (True, 2)], ids=["bf16", "bf16-mb2", "fp8-mb2"])
-def test_captured_forward_backward(gpu_pool, fp8, microbatches):
-    print(gpu_pool.run(_case_captured_forward_backward, fp8, microbatches)[0])
+def test_captured_forward_backward(gpu_pool_from_one, fp8, microbatches):
+    print(gpu_pool_from_one.run(_case_captured_forward_backward, fp8, microbatches)[0])
 
 
 def _case_graphed_whole_step(fp8: bool, microbatches: int, optimizer: str):
@@ -636,8 +636,8 @@ def _case_graphed_whole_step(fp8: bool, microbatches: int, optimizer: str):
 
 @pytest.mark.parametrize("fp8,microbatches,optimizer", [(False, 1, "adamw"), (False, 2, "sgd"), (True, 2, "adamw")],
                          ids=["bf16-adamw", "bf16-mb2-sgd", "fp8-mb2-adamw"])
-def test_graphed_whole_step(gpu_pool, fp8, microbatches, optimizer):
-    print(gpu_pool.run(_case_graphed_whole_step, fp8, microbatches, optimizer)[0])
+def test_graphed_whole_step(gpu_pool_from_one, fp8, microbatches, optimizer):
+    print(gpu_pool_from_one.run(_case_graphed_whole_step, fp8, microbatches, optimizer)[0])
 
 
 def test_main_job_cuda_graph(tmp_path):
