@@ -111,8 +111,8 @@ def titan_assets(tmp_path_factory):
     return assets.make_assets(str(tmp_path_factory.mktemp("titan_assets")))
 
 
-def _titan(tmp, assets, name, impl, config, *extra, dump=None, counts=False, ranks=2):
-    env = {"TITAN_ASSETS": assets, "TITAN_DUMP": dump or os.path.join(tmp, f"dump_{name}")}
+def _titan(tmp, assets, name, impl, config, *extra, dump=None, counts=False, ranks=2, env=None):
+    env = {"TITAN_ASSETS": assets, "TITAN_DUMP": dump or os.path.join(tmp, f"dump_{name}"), **(env or {})}
     return _run(tmp, name, "torchtitan_train.py", "--impl", impl, "--module", "titan_configs", "--config", config,
                 *extra, counts=counts, env=env, ranks=ranks)
 
@@ -187,6 +187,25 @@ def test_torchtitan_2d(tmp_path, titan_assets, layout):
         return run
 
     _check_interop(tmp, resumed, full)
+
+
+def test_torchtitan_expert_parallel_experts_unit(tmp_path, titan_assets):
+    """Expert parallel 2 on torch < 2.12 (no per-parameter meshes): torchtitan_train.py's "experts as their own
+    unit" turns torchtitan's shard_placement_fn -> ShardPlacementResult into the earlier layout (the experts a
+    fully_shard unit of their own on the "efsdp" mesh, the block one on "fsdp"). Forced here with
+    TITAN_EXPERTS_UNIT=1: FSDP2 and ours in that layout equal FSDP2 in torchtitan's per-parameter one."""
+    tmp = str(tmp_path)
+    args = ("qwen3_moe_debug_cpu", "--parallelism.expert_parallel_degree", "2", "--parallelism.spmd_backend",
+            "partial_dtensor")
+    ref = _titan(tmp, titan_assets, "ep_per_param_fsdp2", "fsdp2", *args, ranks=4, env={"TITAN_EXPERTS_UNIT": "0"})
+    assert "experts as their own unit" not in ref["log"]
+    runs = {impl: _titan(tmp, titan_assets, f"ep_unit_{impl}", impl, *args, ranks=4, counts=True,
+                         env={"TITAN_EXPERTS_UNIT": "1"}) for impl in ("fsdp2", "ours")}
+    for impl, run in runs.items():
+        assert "[torchtitan_train] experts as their own unit: 2 blocks" in run["log"], run["log"][-3000:]
+        _assert_same(ref, run, f"torchtitan EP 2, experts as their own unit ({impl}) vs FSDP2 per-parameter meshes")
+    assert len(ref["steps"]) == len(runs["ours"]["steps"]) == 2
+    assert runs["ours"]["counts"] == runs["fsdp2"]["counts"], (runs["ours"]["counts"], runs["fsdp2"]["counts"])
 
 
 # ----------------------------------------------------------------------------------------------- accelerate

@@ -27,6 +27,9 @@ Only on a CPU-only machine (2 gloo ranks; FSDP2 needs them as much as ours), mar
 And for a torch older than torchtitan 0.3.0 expects (any device): torch.distributed.set_timeout is skipped when this
 torch lacks it (2.13 does), and torch < 2.12 gets a placeholder for torch.distributed.fsdp.DataParallelMeshDims, a
 name torchtitan imports but uses only with its spmd_types / full_dtensor backends (full_dtensor needs torch >= 2.12).
+Expert parallel > 1 where torch lacks FSDP2's per-parameter meshes (ShardPlacementResult, torch >= 2.12), or with
+TITAN_EXPERTS_UNIT=1: "experts as their own unit" below shards each block's experts as a fully_shard unit of its own
+on the expert-data-parallel mesh and the block on the dp mesh (FSDP2 and ours alike; rank 0 prints how many).
 """
 
 from __future__ import annotations
@@ -133,6 +136,110 @@ if args.impl == "ours_fp8":  # torchtitan's MixedPrecisionPolicy plus mfsdp_ext'
         return _fully_shard(module, mp_policy=mp_policy, **kwargs)
 
     tt_fsdp.fully_shard = _fully_shard_fp8
+
+# ---- experts as their own unit ------------------------------------------------------------------------------------
+# torchtitan's expert parallel (EP > 1) gives the experts the expert-data-parallel mesh through FSDP2's per-parameter
+# meshes (shard_placement_fn -> ShardPlacementResult, torch >= 2.12). Where torch lacks them (the GPU image's 2.11),
+# or with TITAN_EXPERTS_UNIT=1 (to test it where both forms work), the layout FSDP2 users had before them, for FSDP2
+# and ours alike: the experts module is a fully_shard unit of its own on that mesh, the block one on the dp mesh.
+import torch.distributed.fsdp._fully_shard._fsdp_common as _fsdp_common  # noqa: E402
+import torch.distributed.fsdp._fully_shard._fsdp_init as _fsdp_init  # noqa: E402
+
+EXPERTS_UNIT = os.environ.get("TITAN_EXPERTS_UNIT") == "1" or not hasattr(_fsdp_common, "ShardPlacementResult")
+if EXPERTS_UNIT:
+    import dataclasses
+    import inspect
+
+    from torch.distributed.tensor import Shard
+
+    if not hasattr(_fsdp_common, "ShardPlacementResult"):  # only what torchtitan builds: read back by the wrapper
+        @dataclasses.dataclass
+        class ShardPlacementResult:
+            placement: object
+            mesh_info: object
+
+        _fsdp_common.ShardPlacementResult = ShardPlacementResult
+
+    def _takes_mesh_dims(fn) -> bool:
+        try:
+            return "dp_mesh_dims" in inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            return False
+
+    _torch_mesh_info = getattr(_fsdp_init, "_get_mesh_info", None)
+    if not _takes_mesh_dims(_torch_mesh_info):  # absent, or an older signature: torchtitan calls (mesh, dp_mesh_dims)
+        def _get_mesh_info(mesh, *rest, **kwargs):
+            if _torch_mesh_info is not None and not rest and not kwargs:
+                return _torch_mesh_info(mesh)  # torch's own one-argument calls stay torch's
+            dims = rest[0] if rest else kwargs.get("dp_mesh_dims")
+            if dims is not None or mesh.ndim != 1:
+                raise NotImplementedError(
+                    f"experts as their own unit (torch {torch.__version__}) takes a 1-D expert-data-parallel mesh "
+                    f"without dp_mesh_dims (spmd_backend partial_dtensor, no dp_replicate); got a {mesh.ndim}-D mesh"
+                    f", dp_mesh_dims {dims!r}")
+            return _fsdp_common.FSDPMeshInfo(mesh, shard_mesh_dim=0)
+
+        _fsdp_init._get_mesh_info = _get_mesh_info
+
+    _fully_shard_inner = tt_fsdp.fully_shard  # FSDP2's, ours or ours_fp8's wrapper: the nested calls go through it
+    _expert_units: list = []
+
+    def _fully_shard_experts_unit(module, *, shard_placement_fn=None, **kwargs):
+        if shard_placement_fn is None or not isinstance(module, torch.nn.Module):
+            return _fully_shard_inner(module, shard_placement_fn=shard_placement_fn, **kwargs)
+        answers = {p: shard_placement_fn(p) for p in module.parameters()}
+        if not any(isinstance(a, _fsdp_common.ShardPlacementResult) for a in answers.values()):
+            return _fully_shard_inner(module, shard_placement_fn=shard_placement_fn, **kwargs)
+        dp_mesh = kwargs.get("mesh")
+        if dp_mesh is None or kwargs.get("dp_mesh_dims") is not None:
+            raise NotImplementedError("experts as their own unit: needs fully_shard(mesh=dp_mesh) without "
+                                      "dp_mesh_dims (torchtitan's spmd_backend partial_dtensor)")
+
+        def placement(a):
+            return a.placement if isinstance(a, _fsdp_common.ShardPlacementResult) else a
+
+        def on_dp_mesh(a):
+            return not isinstance(a, _fsdp_common.ShardPlacementResult) or a.mesh_info.mesh is dp_mesh or \
+                a.mesh_info.mesh == dp_mesh
+
+        experts = {p: a for p, a in answers.items() if not on_dp_mesh(a)}
+        rest = {p: placement(a) for p, a in answers.items() if on_dp_mesh(a)}
+
+        def plain_fn(placements):  # None where every placement is FSDP2's default Shard(0)
+            if all(s is None or s == Shard(0) for s in placements.values()):
+                return None
+            return lambda p: placements.get(p)
+
+        if experts:
+            meshes = {id(a.mesh_info.mesh): a.mesh_info.mesh for a in experts.values()}
+            if len(meshes) != 1:
+                raise NotImplementedError(f"experts as their own unit: {len(meshes)} meshes besides the dp mesh in "
+                                          f"{type(module).__name__}; one is supported")
+            # the smallest submodule holding exactly these parameters (torchtitan's moe.routed_experts.inner_experts)
+            owners = [m for m in module.modules() if set(m.parameters()) == set(experts)]
+            if not owners:
+                raise NotImplementedError(
+                    f"experts as their own unit: no submodule of {type(module).__name__} holds exactly the "
+                    f"{len(experts)} parameters that shard_placement_fn puts on the expert mesh")
+            owner = min(owners, key=lambda m: sum(1 for _ in m.modules()))
+            _fully_shard_inner(owner, **{**kwargs, "mesh": next(iter(meshes.values()))},
+                               shard_placement_fn=plain_fn({p: placement(a) for p, a in experts.items()}))
+            _expert_units.append(owner)
+        return _fully_shard_inner(module, shard_placement_fn=plain_fn(rest), **kwargs)
+
+    tt_fsdp.fully_shard = _fully_shard_experts_unit
+
+    _disable_division_before_experts = tt_fsdp.disable_fsdp_gradient_division
+
+    def _disable_division_and_report(model):
+        _disable_division_before_experts(model)
+        # torchtitan turns the division off on every FSDPModule of the model: the expert units are among them
+        ours = [m for m in _expert_units if any(m is x for x in model.modules())]
+        assert all(isinstance(m, tt_fsdp.FSDPModule) for m in ours), "an expert unit is not an FSDPModule"
+        if ours and RANK == 0:
+            print(f"[torchtitan_train] experts as their own unit: {len(ours)} blocks", flush=True)
+
+    tt_fsdp.disable_fsdp_gradient_division = _disable_division_and_report
 
 if args.metrics:  # one JSON line per step and rank, from torchtitan's own metrics
     from torchtitan.components.metrics import MetricsProcessor
