@@ -108,6 +108,9 @@ import torchtitan.distributed.utils as tt_dist_utils  # noqa: E402
 if not hasattr(torch.distributed, "set_timeout"):  # torch.distributed.set_timeout is newer than this torch
     tt_dist_utils.set_pg_timeouts = lambda *a, **k: None
 
+if not hasattr(torch.compiler, "_is_non_strict_tracing"):  # torch < 2.12: asked by the MoE token dispatcher (EP > 1);
+    torch.compiler._is_non_strict_tracing = lambda: False   # there is no non-strict tracing in this torch to detect
+
 if CPU_ONLY and args.impl == "fsdp2":  # CPU ONLY 2: FSDP2 on gloo, SUM reductions after divide factor 1.0
     _disable_division = tt_fsdp.disable_fsdp_gradient_division
 
