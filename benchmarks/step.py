@@ -510,9 +510,11 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
         mem += float(symmetric.comm.native.capacity)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
     loss_first, loss_last = float(losses[0]), float(losses[-1])
+    del step  # its CUDA graph first: NCCL keeps the symmetric windows a live graph captured
+    gc.collect()
     if hasattr(model, "release_symmetric_memory"):  # ours: free use_symm_mem's NCCL pool (collective)
         model.release_symmetric_memory()
-    del step, model, optimizer, batches, losses
+    del model, optimizer, batches, losses
     free_memory(device)
     return dict(median_ms=statistics.median(times), min_ms=min(times), max_ms=max(times), times_ms=times,
                 peak_gib=mem[0].item() / 2**30, resting_gib=mem[1].item() / 2**30, build_s=build_s,

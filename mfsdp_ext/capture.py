@@ -46,6 +46,7 @@ def enter(ctx: FsdpContext) -> None:
             unit.reshard()
     ctx.weights_epoch += 1  # every cast and gather is captured
     ctx.capturing = ctx.graphed = True
+    ctx.user_captured |= not ctx.in_graphed_capture
     forget_last_input()
 
 

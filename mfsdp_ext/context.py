@@ -57,6 +57,9 @@ class FsdpContext:
         self.iterations = 0  # root forwards so far (mfsdp_ext.graphed: which models a step uses)
         self.capturing = False  # inside a CUDA graph capture of the root's forward and backward (capture.py)
         self.graphed = False  # some capture happened: replays, not our hooks, run those steps
+        self.graph_steps: "weakref.WeakSet" = weakref.WeakSet()  # the mfsdp_ext.graphed steps whose graph runs it
+        self.in_graphed_capture = False  # being captured by mfsdp_ext.graphed (not by the user's torch.cuda.graph)
+        self.user_captured = False  # captured by torch.cuda.graph outside mfsdp_ext.graphed
         self.grads_kept = False  # a deferred reduction kept unsharded grads (reduced on the last microbatch)
         # During the root's final callback: the unsharded grads its reductions consumed, dropped only after the
         # compute stream has waited for them (so the optimizer step can reuse that memory at once); None otherwise

@@ -101,18 +101,32 @@ class GraphedStep:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         iterations = {ctx: ctx.iterations for ctx in FsdpContext.live()}  # held only while capturing
-        with self._recording_optimizers(), torch.cuda.graph(graph, pool=self.pool):
-            out = self.train_step(*args, **kwargs)
+        for ctx in iterations:
+            ctx.in_graphed_capture = True
+        try:
+            with self._recording_optimizers(), torch.cuda.graph(graph, pool=self.pool):
+                out = self.train_step(*args, **kwargs)
+        finally:
+            for ctx in iterations:
+                ctx.in_graphed_capture = False
         del old_graph
         for opt in flat_optimizers:
             opt.graph_upload()
         self.contexts = [weakref.ref(ctx) for ctx in FsdpContext.live() if ctx.iterations != iterations.get(ctx)]
+        for ctx in self.contexts:
+            ctx().graph_steps.add(self)  # release_symmetric_memory() lets the graph go first
         self.graph, self.static_out = graph, out
         self.key = self._key(leaves, spec)  # with the models and optimizers the step was seen to use
         self.captures += 1
         graph.replay()  # the capture ran nothing: this call's step
         self._after_replay()
         return self._output()
+
+    def drop_graph(self) -> None:
+        """Let the graph (and its pool) go; the next call captures again. For release_symmetric_memory(): NCCL
+        keeps the symmetric windows that a live graph captured, and freeing them would wait for it."""
+        self.graph = self.static_out = self.pool = None
+        self.key = None
 
     def _after_replay(self) -> None:
         """Eager code after a replay sees new weights: a new weights epoch makes it cast and gather them."""

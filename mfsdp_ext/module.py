@@ -9,6 +9,7 @@ answers only what torch's ``register_fsdp_forward_method`` needs.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -235,6 +236,14 @@ class FsdpModule(_TorchFSDPModule):
         ctx = unit.context
         if ctx.symmetric is None:
             return
+        # NCCL keeps the windows that a live CUDA graph captured, and freeing them waits for that graph: ours go
+        # first (a later call captures again); a graph of the user's own torch.cuda.graph must be deleted by them
+        for step in list(ctx.graph_steps):
+            step.drop_graph()
+        if ctx.user_captured:
+            warnings.warn("mfsdp_ext: release_symmetric_memory() on a model captured by torch.cuda.graph: delete "
+                          "that graph first (NCCL keeps the symmetric memory a live graph uses, and this release "
+                          "would wait for it forever)", RuntimeWarning, stacklevel=2)
         for u in ctx.units:
             for g in u.groups:
                 g.use_transport(g.transport)  # back to its plain collectives
