@@ -19,6 +19,10 @@
 #                                       >= 2.12; 2.11 here), torchtitan_train.py's "experts as their own unit" gives
 #                                       FSDP2 and ours alike the experts as a fully_shard unit on the "efsdp" mesh
 #   TITAN_LAYERS (default 16; an out-of-memory run is retried with 4 fewer), TITAN_STEPS (10), TITAN_IMPLS,
+#   bash scripts/gpu_titan.sh resume    the same, then torchtitan's checkpoint resume on 4 GPUs (about 8 minutes):
+#                                       its debug models in bf16, tensor parallel 2 and expert parallel 2, FSDP2 and
+#                                       ours resumed from their own and each other's checkpoints
+#                                       (scripts/titan_resume_check.py; bound: FSDP2 resumed from itself)
 #   TITAN_ND=moe (nd: the MoE table only), TITAN_AC=full (full activation checkpointing instead of torchtitan's selective one; tables get _fullac).
 set -uo pipefail
 WHEELS=(torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
@@ -65,6 +69,18 @@ if [ "${1:-}" = "nd" ]; then
     timeout -k 10 230 python3 benchmarks/titan_step.py --out "$WORK" --nproc 4 --config qwen3_moe_gpu --tag moe_ep2 \
         --layers 4 --steps 8 --warmup 3 --impls fsdp2,ours,fsdp2_rerun --deadline 220 --run-timeout 150 \
         -- --parallelism.expert_parallel_degree 2
+    exit $(( rc || $? ))
+fi
+if [ "${1:-}" = "resume" ]; then
+    [ "$(nvidia-smi -L | wc -l)" -ge 4 ] || { echo "gpu_titan.sh resume needs 4 GPUs"; exit 2; }
+    WORK=$(mktemp -d /tmp/gpu_titan_resume.XXXX)
+    trap 'cp "$WORK"/titan_resume_*.md "$WORK"/titan_resume_*.json "$OUT"/ 2>/dev/null;
+          tar czf "$OUT/titan_resume_logs.tgz" -C "$WORK" --exclude resume_dumps --exclude titan_assets . ' EXIT
+    timeout -k 10 270 python3 scripts/titan_resume_check.py --out "$WORK" --nproc 4 --config llama3_debug_gpu \
+        --tag tp2 --run-timeout 80 -- --parallelism.tensor_parallel_degree 2
+    rc=$?
+    timeout -k 10 270 python3 scripts/titan_resume_check.py --out "$WORK" --nproc 4 --config qwen3_moe_debug_gpu \
+        --tag moe_ep2 --run-timeout 80 -- --parallelism.expert_parallel_degree 2
     exit $(( rc || $? ))
 fi
 N=$(nvidia-smi -L | wc -l); N=$(( N > 2 ? 2 : N ))

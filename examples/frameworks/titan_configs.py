@@ -8,6 +8,9 @@ Each starts from torchtitan's own config and changes only what is listed; the mo
                        accumulate 2 microbatches), 4 steps, checkpoint interval 2
   qwen3_moe_debug_cpu  torchtitan's qwen3_moe_debug (64 experts, top 8, no expert parallel), the same settings with
                        2 of its 8 layers (its 300 M parameters make a CPU step slow) and seq 128, 2 steps
+  llama3_debug_gpu     torchtitan's llama3_debugmodel in bf16 (its default policy), seq 2048, local batch 2, 4 steps,
+                       checkpoint interval 2: the GPU checkpoint-resume check (scripts/titan_resume_check.py)
+  qwen3_moe_debug_gpu  the same with torchtitan's qwen3_moe_debug (all 8 layers)
   llama3_8b_gpu        torchtitan's llama3_8b: the 8B shape, seq 8192, bf16 compute (torchtitan's default policy),
                        selective activation checkpointing, with TITAN_LAYERS layers (default 8) so that it fits
                        2 GPUs' memory with room for both implementations' peaks; no checkpoints, 10 steps;
@@ -96,6 +99,27 @@ def qwen3_moe_debug_cpu():
     config.model_spec.model.layers = config.model_spec.model.layers[:2]
     config.training.seq_len = 128
     return config
+
+
+def _debug_gpu(config):
+    """A debug model on GPU for checkpoint resume (scripts/titan_resume_check.py): bf16 compute (torchtitan's
+    default policy), seq 2048, 4 steps, checkpoint interval 2 with the optimizer state."""
+    config = _common(config, seq_len=2048, local_batch_size=2, steps=4)
+    config.checkpoint.interval = 2
+    config.checkpoint.last_save_model_only = False
+    return config
+
+
+def llama3_debug_gpu():
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    return _debug_gpu(llama3_debugmodel())
+
+
+def qwen3_moe_debug_gpu():
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    return _debug_gpu(qwen3_moe_debug())
 
 
 def _gpu(config, *, seq_len: int, default_layers: int):
