@@ -38,6 +38,16 @@ SCRIPT = os.path.join(ROOT, "examples", "frameworks", "torchtitan_train.py")
 GIB = 1024 ** 3
 
 
+def run_logged(cmd: list, env: dict, log_path: str, timeout: float) -> tuple:
+    """Run ``cmd`` with its output in ``log_path``: (exit code, or "timeout"; the log's text)."""
+    with open(log_path, "w") as log:
+        try:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    return rc, open(log_path, errors="replace").read()
+
+
 def run_one(args, impl: str, layers: int, out_dir: str, timeout: float) -> dict:
     metrics = os.path.join(out_dir, f"titan_{impl}_L{layers}.jsonl")
     for r in range(args.nproc):
@@ -51,12 +61,7 @@ def run_one(args, impl: str, layers: int, out_dir: str, timeout: float) -> dict:
            "--config", args.config, "--training.steps", str(args.steps)] + args.titan_args
     t0 = time.time()
     print(f"== {impl}, {layers} layers: {' '.join(cmd[3:])}", flush=True)
-    with open(log_path, "w") as log:
-        try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    text = open(log_path, errors="replace").read()
+    rc, text = run_logged(cmd, env, log_path, timeout)
     oom = "out of memory" in text.lower() or "OutOfMemoryError" in text
     rows = {}
     for r in range(args.nproc):

@@ -22,14 +22,13 @@ import datetime
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "frameworks", "torchtitan_train.py")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from titan_step import max_rel_diff, versions  # noqa: E402
+from titan_step import max_rel_diff, run_logged, versions  # noqa: E402
 
 FLOOR = 1e-5  # an fp32 CPU run resumes to this (tests/test_frameworks.py's RTOL)
 
@@ -48,12 +47,7 @@ def run(args, name: str, impl: str, dump: str, timeout: float) -> dict:
            *args.titan_args]
     print(f"== {name}: {' '.join(cmd[3:])}", flush=True)
     t0, log_path = time.time(), os.path.join(args.out, f"resume_{name}.log")
-    with open(log_path, "w") as log:
-        try:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    text = open(log_path, errors="replace").read()
+    rc, text = run_logged(cmd, env, log_path, timeout)
     rows = [json.loads(line) for line in open(f"{metrics}.rank0")] if os.path.exists(f"{metrics}.rank0") else []
     result = {"name": name, "impl": impl, "rc": rc, "seconds": round(time.time() - t0, 1),
               "loaded": "Loading the checkpoint" in text, "log": os.path.basename(log_path),

@@ -68,6 +68,17 @@ def batch(step: int, batch_size: int, seq: int = 6, vocab: int = 11, device=None
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
+def lm_train_step(model: nn.Module, opt):
+    """One whole training step of ``model`` (the callable mfsdp_ext.graphed takes): loss, backward, step, zero_grad."""
+    def train_step(tokens, targets):
+        loss = lm_loss(model, tokens, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return train_step
+
+
 def shard_tiny_lm(model: TinyLM, fully_shard, **kwargs) -> TinyLM:
     for b in model.blocks:
         fully_shard(b, **kwargs)

@@ -21,7 +21,8 @@ from . import test_robustness as rb
 from . import test_fully_shard as fs
 from . import test_strategies as st
 from .conftest import get_pool
-from .models import Block, TinyLM, batch, lm_loss, rank_device, rel_err, run_profiled, shard_tiny_lm, train
+from .models import (Block, TinyLM, batch, lm_loss, lm_train_step, rank_device, rel_err, run_profiled, shard_tiny_lm,
+                     train)
 
 pytestmark = pytest.mark.gpu
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
@@ -657,16 +658,7 @@ def _case_release_symmetric_memory_graphed():
     opts = [mfsdp_ext.optim.AdamW(m.parameters(), lr=1e-3) for m in (graphed_model, twin)]
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
 
-    def make_step(model, opt):
-        def train_step(tokens, targets):
-            loss = lm_loss(model, tokens, targets)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-        return train_step
-
-    step, eager = mfsdp_ext.graphed(make_step(graphed_model, opts[0]), warmup=2), make_step(twin, opts[1])
+    step, eager = mfsdp_ext.graphed(lm_train_step(graphed_model, opts[0]), warmup=2), lm_train_step(twin, opts[1])
     ours, theirs = [], []
     for i in range(6):
         if i == 4:

@@ -16,7 +16,7 @@ import mfsdp_ext
 from mfsdp_ext import fully_shard
 from mfsdp_ext.graphs import GraphedStep
 
-from .models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
+from .models import TinyLM, batch, lm_loss, lm_train_step, rank_device, shard_tiny_lm
 
 
 def _case_cpu_runs_eagerly():
@@ -26,17 +26,8 @@ def _case_cpu_runs_eagerly():
     opts = [mfsdp_ext.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    def make_step(model, opt):
-        def train_step(tokens, targets):
-            loss = lm_loss(model, tokens, targets)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-        return train_step
-
-    step = mfsdp_ext.graphed(make_step(models[0], opts[0]), warmup=1)
-    eager = make_step(models[1], opts[1])
+    step = mfsdp_ext.graphed(lm_train_step(models[0], opts[0]), warmup=1)
+    eager = lm_train_step(models[1], opts[1])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for s in range(4):
