@@ -18,11 +18,13 @@
 #                                       where torch lacks FSDP2's per-parameter meshes (ShardPlacementResult, torch
 #                                       >= 2.12; 2.11 here), torchtitan_train.py's "experts as their own unit" gives
 #                                       FSDP2 and ours alike the experts as a fully_shard unit on the "efsdp" mesh
-#   TITAN_LAYERS (default 16; an out-of-memory run is retried with 4 fewer), TITAN_STEPS (10), TITAN_IMPLS,
 #   bash scripts/gpu_titan.sh resume    the same, then torchtitan's checkpoint resume on 4 GPUs (about 8 minutes):
 #                                       its debug models in bf16, tensor parallel 2 and expert parallel 2, FSDP2 and
 #                                       ours resumed from their own and each other's checkpoints
-#                                       (scripts/titan_resume_check.py; bound: FSDP2 resumed from itself)
+#                                       (scripts/titan_resume_check.py; bound: FSDP2 resumed from itself); each of the
+#                                       two checks runs 6 torchtitan starts within 270 s (80 s a run), so the mode
+#                                       stays under 9.5 minutes after setup; tables and logs to $OUT as nd's
+#   TITAN_LAYERS (default 16; an out-of-memory run is retried with 4 fewer), TITAN_STEPS (10), TITAN_IMPLS,
 #   TITAN_ND=moe (nd: the MoE table only), TITAN_AC=full (full activation checkpointing instead of torchtitan's selective one; tables get _fullac).
 set -uo pipefail
 WHEELS=(torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
