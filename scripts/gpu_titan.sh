@@ -25,7 +25,7 @@
 #                                       two checks runs 6 torchtitan starts within 270 s (80 s a run), so the mode
 #                                       stays under 9.5 minutes after setup; tables and logs to $OUT as nd's
 #   TITAN_LAYERS (default 16; an out-of-memory run is retried with 4 fewer), TITAN_STEPS (10), TITAN_IMPLS,
-#   TITAN_ND=moe (nd: the MoE table only), TITAN_AC=full (full activation checkpointing instead of torchtitan's selective one; tables get _fullac).
+#   TITAN_ND=moe (nd: the MoE table only), TITAN_RESUME=tp2 or moe (resume: that check only), TITAN_AC=full (full activation checkpointing instead of torchtitan's selective one; tables get _fullac).
 set -uo pipefail
 WHEELS=(torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
         torchdata==0.11.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19)
@@ -78,9 +78,12 @@ if [ "${1:-}" = "resume" ]; then
     WORK=$(mktemp -d /tmp/gpu_titan_resume.XXXX)
     trap 'cp "$WORK"/titan_resume_*.md "$WORK"/titan_resume_*.json "$OUT"/ 2>/dev/null;
           tar czf "$OUT/titan_resume_logs.tgz" -C "$WORK" --exclude resume_dumps --exclude titan_assets . ' EXIT
+    rc=0
+    [ "${TITAN_RESUME:-}" = moe ] || {  # TITAN_RESUME=tp2 / moe: that check only (one device call each)
     timeout -k 10 270 python3 scripts/titan_resume_check.py --out "$WORK" --nproc 4 --config llama3_debug_gpu \
         --tag tp2 --run-timeout 80 -- --parallelism.tensor_parallel_degree 2
-    rc=$?
+    rc=$?; }
+    [ "${TITAN_RESUME:-}" = tp2 ] && exit $rc
     timeout -k 10 270 python3 scripts/titan_resume_check.py --out "$WORK" --nproc 4 --config qwen3_moe_debug_gpu \
         --tag moe_ep2 --run-timeout 80 -- --parallelism.expert_parallel_degree 2
     exit $(( rc || $? ))
