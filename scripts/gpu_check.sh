@@ -204,6 +204,11 @@ ours_graphed,ours_fp8_fused,ours_fp8_captured,ours_fp8_graphed --steps 10 --warm
             --extra-captured use_symm_mem=True --extra-captured native_collectives=True \
             --extra-graphed use_symm_mem=True --extra-graphed native_collectives=True --no-floor --steps 10 --warmup 3 \
             --profile-dir "$OUT/graph_timeline" --out "$OUT/graph_transports" ;;
+    graphsfp8)  # why FP8 graphed gains little over bf16 graphed at config 4: FP8 eager, FP8 graphed and bf16 graphed,
+                # with their GPU timelines in $OUT/fp8_timeline (GRAPH_GPUS or all)
+        run graph_fp8 timeout -k 10 240 torchrun --standalone --nproc-per-node "${GRAPH_GPUS:-$(nvidia-smi -L | wc -l)}" \
+            benchmarks/step.py --configs 4 --impls ours_fused,ours_graphed,ours_fp8_fused,ours_fp8_graphed --no-floor \
+            --steps 10 --warmup 3 --profile-dir "$OUT/fp8_timeline" --out "$OUT/graph_fp8" ;;
     titan) run titan bash scripts/gpu_titan.sh ;;   # torchtitan at the 8B shape, FSDP2 vs ours vs ours FP8 (after gpu_titan.sh --setup; carry .whl)
     jit) run jit bash scripts/gpu_jit.sh ;;          # fresh venv, no ahead-of-time build: import compiles CUDA + NCCL
     hf) run hf bash scripts/gpu_hf.sh ;;             # train_hf.py: ours vs FSDP2 (fp32 1e-5), bf16, AC + compile

@@ -21,7 +21,9 @@
 #   bash scripts/gpu_titan.sh resume    the same, then torchtitan's checkpoint resume on 4 GPUs (about 8 minutes):
 #                                       its debug models in bf16, tensor parallel 2 and expert parallel 2, FSDP2 and
 #                                       ours resumed from their own and each other's checkpoints
-#                                       (scripts/titan_resume_check.py; bound: FSDP2 resumed from itself); each of the
+#                                       (scripts/titan_resume_check.py; bound: FSDP2 resumed from itself; the MoE runs
+#                                       with torchtitan's --debug.deterministic: its token routing is otherwise not
+#                                       bit-reproducible on GPU); each of the
 #                                       two checks runs 6 torchtitan starts within 270 s (80 s a run), so the mode
 #                                       stays under 9.5 minutes after setup; tables and logs to $OUT as nd's
 #   TITAN_LAYERS (default 16; an out-of-memory run is retried with 4 fewer), TITAN_STEPS (10), TITAN_IMPLS,
@@ -85,7 +87,7 @@ if [ "${1:-}" = "resume" ]; then
     rc=$?; }
     [ "${TITAN_RESUME:-}" = tp2 ] && exit $rc
     timeout -k 10 270 python3 scripts/titan_resume_check.py --out "$WORK" --nproc 4 --config qwen3_moe_debug_gpu \
-        --tag moe_ep2 --run-timeout 80 -- --parallelism.expert_parallel_degree 2
+        --tag moe_ep2 --run-timeout 80 -- --parallelism.expert_parallel_degree 2 --debug.deterministic
     exit $(( rc || $? ))
 fi
 N=$(nvidia-smi -L | wc -l); N=$(( N > 2 ? 2 : N ))
