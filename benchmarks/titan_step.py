@@ -104,12 +104,23 @@ def versions() -> dict:
             v[name] = version(name)
         except Exception:  # noqa: BLE001
             v[name] = None
-    try:
-        v["commit"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                     text=True).stdout.strip() or None
-    except Exception:  # noqa: BLE001
-        v["commit"] = None
+    v["commit"] = source_commit()
     return v
+
+
+def source_commit() -> str | None:
+    """The commit the code ran at: MFSDP_COMMIT when set (a device copy's git metadata can name an older commit than
+    its files), else git's HEAD, marked "+changes" when the tree differs from it."""
+    if os.environ.get("MFSDP_COMMIT"):
+        return os.environ["MFSDP_COMMIT"]
+    try:
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+        changed = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return None
+    return (head + ("+changes" if changed else "")) or None
 
 
 MODELS = {  # --config -> (title, what the model is)
