@@ -5,7 +5,9 @@ A captured region is replayed without running any of our Python, so everything t
 at capture as it must be at every replay:
   * the capture starts from rest: no gather issued outside it is waited for inside it (an event recorded outside
     a capture invalidates it), and every unit casts and gathers its current weights (a new weights epoch: a
-    replay follows an optimizer step, so no cast of the last eager step may be reused);
+    replay follows an optimizer step, so no cast of the last eager step may be reused); only under
+    mfsdp_ext.graphed, whose graph ends with the optimizer step, the forward's first units are held instead: the
+    graph reads them gathered and its optimizer step gathers them for the next replay (graphs.py);
   * the gradient shards the graph writes (made in the capture, or kept from before it) are kept alive by their
     groups, and their ``.grad`` views must stay in place between replays (group_grads.py);
   * work that waits on the host (the finite-gradients check, the unused-parameter mask) is refused by name;
@@ -34,6 +36,7 @@ def enter(ctx: FsdpContext) -> None:
         raise CaptureError("mfsdp_ext: check_finite_grads=True cannot be captured in a CUDA graph (it waits on the "
                            "host for the reduced gradients); check torch.isfinite of the grad norm after a replay "
                            "instead, or turn it off")
+    held = _held_with_current_weights(ctx)
     for unit in ctx.units:
         if not unit.reduction.reduce_scatter_unused_params:
             raise CaptureError(f"mfsdp_ext: unit '{unit.name}' has set_reduce_scatter_unused_params(False), whose "
@@ -44,10 +47,33 @@ def enter(ctx: FsdpContext) -> None:
         unit.unshard_event = None
         if unit.sharded_state is ShardedState.UNSHARDED and not unit.strategy.keeps_weights_gathered:
             unit.reshard()
-    ctx.weights_epoch += 1  # every cast and gather is captured
+    ctx.weights_epoch += 1  # every cast and gather is captured ...
+    for unit, versions in held.items():  # ... but the held units': they hold this epoch's weights already
+        now = unit.current_versions()
+        for g, before, after in zip(unit.groups, versions, now):
+            if g._synced_version == before:
+                g._synced_version = after
+        unit.gathered_versions = now
     ctx.capturing = ctx.graphed = True
     ctx.user_captured |= not ctx.in_graphed_capture
     forget_last_input()
+
+
+def _held_with_current_weights(ctx: FsdpContext) -> dict:
+    """The units held for mfsdp_ext.graphed's capture (GraphedStep gathered them just before it) -> their
+    versions: the graph reads them as they are, and its optimizer step gathers them for the next replay. Any
+    other capture holds none (nothing in it would gather them again)."""
+    held = {}
+    for unit in ctx.units:
+        if not unit.held_for_graph:
+            continue
+        versions = unit.current_versions()
+        if ctx.in_graphed_capture and unit.sharded_state is ShardedState.UNSHARDED \
+                and unit.gathered_versions == versions:
+            held[unit] = versions
+        else:
+            unit.held_for_graph = False
+    return held
 
 
 def leave(ctx: FsdpContext) -> None:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
-from . import param_group
+from . import param_group, step_prefetch
 from .context import FsdpContext
 from .optim.base import FlatOptimizerMixin
 
@@ -57,6 +57,7 @@ class GraphedStep:
         self.optimizers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> optimizer stepped
         self.contexts: list[weakref.ref] = []  # the fully_shard roots whose forward the captured step runs
         self.captures = 0
+        self.hold_first_units = True  # the first units' gathers at the end of the graph (_hold_first_units)
         self._cpu_group = None
         self._warned = False
 
@@ -89,6 +90,10 @@ class GraphedStep:
         # The last graph (if any) lives until the new one is captured into its pool: torch refuses a pool that no
         # graph holds. Its output is let go first, so the new capture reuses that memory; it is never replayed again.
         old_graph, self.graph, self.static_out = self.graph, None, None
+        for ctx in FsdpContext.live():
+            _release_held(ctx)
+        if self.hold_first_units:
+            self._hold_first_units()
         torch.cuda.synchronize()
         # made before the capture (as every buffer a replay's host side writes): inside it they could share memory
         # with the graph's temporaries
@@ -106,6 +111,7 @@ class GraphedStep:
         try:
             with self._recording_optimizers(), torch.cuda.graph(graph, pool=self.pool):
                 out = self.train_step(*args, **kwargs)
+                self._gather_held_units(iterations)
         finally:
             for ctx in iterations:
                 ctx.in_graphed_capture = False
@@ -113,6 +119,9 @@ class GraphedStep:
         for opt in flat_optimizers:
             opt.graph_upload()
         self.contexts = [weakref.ref(ctx) for ctx in FsdpContext.live() if ctx.iterations != iterations.get(ctx)]
+        for ctx in iterations:
+            if ctx.iterations == iterations[ctx]:  # the step did not run this model: its units need no holding
+                _release_held(ctx, reshard=True)
         for ctx in self.contexts:
             ctx().graph_steps.add(self)  # release_symmetric_memory() lets the graph go first
         self.graph, self.static_out = graph, out
@@ -126,7 +135,37 @@ class GraphedStep:
         """Let the graph (and its pool) go; the next call captures again. For release_symmetric_memory(): NCCL
         keeps the symmetric windows that a live graph captured, and freeing them would wait for it."""
         self.graph = self.static_out = self.pool = None
-        self.key = None
+        for ctx in (ref() for ref in self.contexts):
+            if ctx is not None:
+                _release_held(ctx)
+
+    # ------------------------------------------------------------------ the first units across replays
+    def _hold_first_units(self) -> None:
+        """Before a capture: gather each idle model's first forward units (eagerly; usually the last warm-up
+        step's optimizer gathered them already) and hold them. The graph's forward reads them as they are and its
+        optimizer step gathers them for the next replay, under its other groups' kernels (step_prefetch.py), as an
+        eager step does: a replay does not start by waiting for their all-gathers."""
+        for ctx in FsdpContext.live():
+            order = ctx.forward_order or ctx.prev_forward_order
+            if ctx.in_backward or ctx.iteration_open or not order:
+                continue
+            for unit in order[:step_prefetch.FIRST_UNITS]:
+                unit.unshard()
+                unit.held_for_graph = True
+
+    @staticmethod
+    def _gather_held_units(iterations: dict) -> None:
+        """The end of the captured step: the held units gathered with the weights the step leaves (nothing when its
+        optimizer did it), and the all-gather stream joined back into the capture."""
+        for ctx in iterations:
+            if ctx.iterations == iterations[ctx]:
+                continue
+            for unit in ctx.units:
+                if unit.held_for_graph:
+                    unit.unshard()
+                    if unit.unshard_event is not None:
+                        ctx.device.wait_event(unit.unshard_event)
+                        unit.unshard_event = None
 
     def _after_replay(self) -> None:
         """Eager code after a replay sees new weights: a new weights epoch makes it cast and gather them."""
@@ -145,25 +184,33 @@ class GraphedStep:
                       for ctx in (ref() for ref in self.contexts))
         optimizers = tuple((id(opt), tuple(tuple(id(p) for p in g["params"]) for g in opt.param_groups))
                            for opt in self.optimizers.values())
-        return (str(spec), arguments, modes, optimizers, param_group.buffers_generation())
+        # the held units' weights: a write outside the graph (its replays bump no version) must reach them
+        held = tuple(tuple(g.weights_version() for g in unit.groups)
+                     for ctx in (ref() for ref in self.contexts) if ctx is not None
+                     for unit in ctx.units if unit.held_for_graph)
+        return (str(spec), arguments, modes, optimizers, param_group.buffers_generation(), held)
 
     def _same_on_every_rank(self, key: tuple) -> bool:
         """Whether the graph still fits this call, decided together: a rank that replays while another captures
-        would wait for it forever. One small all-reduce over a CPU group (no device synchronisation)."""
-        changed = int(key != self.key)
-        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-            return not changed
-        if self._cpu_group is None:
-            self._cpu_group = dist.new_group(backend="gloo")
-        spec, arguments = key[0], [a[:2] if isinstance(a, tuple) else a for a in key[1]]  # not the rank's device
-        flag = torch.tensor([changed, zlib.crc32(repr((spec, arguments)).encode())], dtype=torch.int64)
-        low = flag.clone()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group)
-        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self._cpu_group)
-        if flag[1] != low[1]:
-            raise RuntimeError("mfsdp_ext.graphed: the ranks called the step with different argument shapes or "
-                               "values; every rank must run the same step (a replay is a collective)")
-        return not bool(flag[0])
+        would wait for it forever. One small all-reduce over a CPU group (no device synchronisation). Also
+        together: whether the held units' weights were written outside the graph on some rank (then the next
+        captures hold none: ``hold_first_units``)."""
+        changed, written = int(key != self.key), int(self.key is not None and key[5:] != self.key[5:])
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            if self._cpu_group is None:
+                self._cpu_group = dist.new_group(backend="gloo")
+            spec, arguments = key[0], [a[:2] if isinstance(a, tuple) else a for a in key[1]]  # not the rank's device
+            flag = torch.tensor([changed, zlib.crc32(repr((spec, arguments)).encode()), written], dtype=torch.int64)
+            low = flag.clone()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group)
+            dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self._cpu_group)
+            if flag[1] != low[1]:
+                raise RuntimeError("mfsdp_ext.graphed: the ranks called the step with different argument shapes or "
+                                   "values; every rank must run the same step (a replay is a collective)")
+            changed, written = int(flag[0]), int(flag[2])
+        if written:  # weights written between steps: gathering the first units in the graph is not worth it
+            self.hold_first_units = False
+        return not changed
 
     # ------------------------------------------------------------------ optimizers
     def _recording_optimizers(self):
@@ -181,6 +228,15 @@ class GraphedStep:
             warnings.warn(f"mfsdp_ext.graphed: {why}; every call runs the step eagerly (same numbers, no graph)",
                           stacklevel=3)
             self._warned = True
+
+
+def _release_held(ctx: FsdpContext, reshard: bool = False) -> None:
+    """No unit of ``ctx`` is held for a graph any more: their next reshard frees them (``reshard``: now)."""
+    for unit in ctx.units:
+        if unit.held_for_graph:
+            unit.held_for_graph = False
+            if reshard and not unit.strategy.keeps_weights_gathered:
+                unit.reshard()
 
 
 class _Hook:

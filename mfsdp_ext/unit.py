@@ -105,6 +105,9 @@ class FsdpUnit:
         self.output_hooked = False  # some module's output of this pass got the pre-backward hook
         self.unshard_event = None  # the all-gather stream's event after this unit's gather
         self.gathered_versions: list[Optional[tuple]] = [None] * len(groups)  # weights_version() gathered
+        # mfsdp_ext.graphed: a first unit of the forward whose gathered weights a whole-step graph keeps across
+        # replays (the graph's optimizer step gathers them for its next replay): never freed while it is set
+        self.held_for_graph = False
         self._warned_no_grad_output = False
         for g in groups:
             g.unit = weakref.ref(self)
@@ -214,13 +217,22 @@ class FsdpUnit:
 
     def reshard(self) -> None:
         """Back to sharded parameters and free the gathered storage. Freed in stream order: the next all-gather,
-        which may reuse it, first waits for the compute stream (DeviceHandle.use_stream)."""
+        which may reuse it, first waits for the compute stream (DeviceHandle.use_stream). A unit held for a graph
+        keeps its storage: the graph reads and writes it at every replay."""
+        if self.held_for_graph:
+            for g in self.groups:
+                g.use_sharded_params()
+            return
         with self.context.device.label(f"mfsdp.reshard {self.name}"):
             for g in self.groups:
                 g.use_sharded_params()
                 g.free_unsharded()
         self.sharded_state = ShardedState.SHARDED
         self.unshard_event = None
+
+    def current_versions(self) -> list[tuple]:
+        """The weights version each group's gather would have now (unshard's key)."""
+        return [g.weights_version() + (self.context.weights_epoch,) for g in self.groups]
 
     def show_sharded_params(self) -> None:
         """The user sees the sharded parameters; the gathered storage is kept only where the strategy keeps it,

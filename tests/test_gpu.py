@@ -596,7 +596,9 @@ def test_captured_forward_backward(gpu_pool_from_one, fp8, microbatches):
 def _case_graphed_whole_step(fp8: bool, microbatches: int, optimizer: str):
     """mfsdp_ext.graphed over the whole step (forward, backward with microbatches, clipping-free AdamW/SGD step with
     a scheduler changing the lr every step, zero_grad): 20 graphed steps equal 20 eager steps of a twin bit for
-    bit (losses and fp32 shards), with one capture."""
+    bit (losses and fp32 shards). The graph holds the forward's first two units gathered across replays; an
+    evaluation between graphed steps runs eagerly and leaves the graph valid; a write to a held unit's weights
+    outside the graph is seen: the next call captures again (2 captures in all), holding none from then on."""
     import mfsdp_ext
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
@@ -620,14 +622,28 @@ def _case_graphed_whole_step(fp8: bool, microbatches: int, optimizer: str):
 
     graphed = mfsdp_ext.graphed(make_step(models[0], opts[0]), warmup=2)
     eager = make_step(models[1], opts[1])
-    ours, theirs = [], []
+    ours, theirs, evaluated, held = [], [], [], []
     for step in range(20):
         tokens, targets = (t.chunk(world)[rank] for t in batch(step, 32 * world, seq=16, vocab=64))
+        if step == 8:  # evaluation between graphed steps
+            for m in models:
+                m.eval()
+                with torch.no_grad():
+                    evaluated.append(lm_loss(m, tokens, targets).item())
+                m.train()
+        if step == 12:  # a hand-written update of the root's (a held unit's) weights, outside the graph
+            with torch.no_grad():
+                for m in models:
+                    m.emb.weight.mul_(0.5)
         ours.append(graphed(tokens, targets).item())
         theirs.append(eager(tokens, targets).item())
         for s in scheds:
             s.step()
-    assert graphed.captures == 1, graphed.captures
+        if step == 5:
+            held = [u.name for u in models[0]._mfsdp_unit.context.units if u.held_for_graph]
+    assert len(held) == 2, held
+    assert graphed.captures == 2 and not graphed.hold_first_units, (graphed.captures, graphed.hold_first_units)
+    assert evaluated[0] == evaluated[1], evaluated
     assert ours == theirs, (ours, theirs)
     for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
         assert torch.equal(p.to_local(), q.to_local()), name
