@@ -58,6 +58,7 @@ class GraphedStep:
         self.contexts: list[weakref.ref] = []  # the fully_shard roots whose forward the captured step runs
         self.captures = 0
         self.hold_first_units = True  # the first units' gathers at the end of the graph (_hold_first_units)
+        self.steps_at_capture = 0  # optimizer steps counted when the graph was captured
         self._cpu_group = None
         self._warned = False
 
@@ -125,6 +126,7 @@ class GraphedStep:
         for ctx in self.contexts:
             ctx().graph_steps.add(self)  # release_symmetric_memory() lets the graph go first
         self.graph, self.static_out = graph, out
+        self.steps_at_capture = param_group.optimizer_steps()
         self.key = self._key(leaves, spec)  # with the models and optimizers the step was seen to use
         self.captures += 1
         graph.replay()  # the capture ran nothing: this call's step
@@ -184,11 +186,20 @@ class GraphedStep:
                       for ctx in (ref() for ref in self.contexts))
         optimizers = tuple((id(opt), tuple(tuple(id(p) for p in g["params"]) for g in opt.param_groups))
                            for opt in self.optimizers.values())
-        # the held units' weights: a write outside the graph (its replays bump no version) must reach them
-        held = tuple(tuple(g.weights_version() for g in unit.groups)
-                     for ctx in (ref() for ref in self.contexts) if ctx is not None
-                     for unit in ctx.units if unit.held_for_graph)
-        return (str(spec), arguments, modes, optimizers, param_group.buffers_generation(), held)
+        return (str(spec), arguments, modes, optimizers, param_group.buffers_generation(), self._held_writes())
+
+    def _held_writes(self) -> tuple:
+        """What wrote the held units' weights (their gathered copies must follow): the writes version counters see,
+        and the optimizers stepped outside the graph over their parameters (its replays count no step, and an
+        optimizer of another model steps none of these)."""
+        held = [unit for ctx in (ref() for ref in self.contexts) if ctx is not None
+                for unit in ctx.units if unit.held_for_graph]
+        if not held:
+            return ()
+        params = {id(info.sharded) for unit in held for g in unit.groups for info in g.infos}
+        stepped = tuple(sorted(id(opt) for opt in param_group.optimizers_stepped_since(self.steps_at_capture)
+                               if any(id(p) in params for group in opt.param_groups for p in group["params"])))
+        return tuple(tuple(g.weights_version()[1:] for g in unit.groups) for unit in held), stepped
 
     def _same_on_every_rank(self, key: tuple) -> bool:
         """Whether the graph still fits this call, decided together: a rank that replays while another captures
