@@ -212,7 +212,7 @@ ours_graphed,ours_fp8_fused,ours_fp8_captured,ours_fp8_graphed --steps 10 --warm
     graphhold)  # the whole-step graph with its first units held across replays vs gathered at each replay's start
                 # (hold_first_units=False), bf16 and FP8, config 4 (GRAPH_GPUS or all); its tests unless tests ran
         [[ " $stages " == *" tests "* ]] ||
-            run graph_tests timeout -k 10 150 python3 -m pytest -m gpu -q tests/test_gpu.py -k "graphed_whole_step or release_symmetric_memory_graphed"
+            run graph_tests timeout -k 10 150 python3 -m pytest -m gpu -q tests/test_gpu.py -k "graphed_whole_step or graphed_two_optimizers or release_symmetric_memory_graphed"
         run graph_hold timeout -k 10 150 torchrun --standalone --nproc-per-node "${GRAPH_GPUS:-$(nvidia-smi -L | wc -l)}" \
             benchmarks/step.py --configs "${GRAPH_CONFIGS:-4}" --impls fsdp2_captured,ours_graphed_unheld,ours_graphed,\
 ours_fp8_graphed_unheld,ours_fp8_graphed --no-floor --steps 10 --warmup 3 --out "$OUT/graph_hold" ;;
