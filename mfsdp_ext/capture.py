@@ -55,24 +55,24 @@ def enter(ctx: FsdpContext) -> None:
                 g._synced_version = after
         unit.gathered_versions = now
     ctx.capturing = ctx.graphed = True
-    ctx.user_captured |= not ctx.in_graphed_capture
+    ctx.user_captured |= ctx.in_graphed_capture is None
     forget_last_input()
 
 
 def _held_with_current_weights(ctx: FsdpContext) -> dict:
-    """The units held for mfsdp_ext.graphed's capture (GraphedStep gathered them just before it) -> their
-    versions: the graph reads them as they are, and its optimizer step gathers them for the next replay. Any
-    other capture holds none (nothing in it would gather them again)."""
+    """The units held by the mfsdp_ext.graphed step capturing (it gathered them just before) -> their versions:
+    its graph reads them as they are, and its optimizer step gathers them for the next replay. A unit another
+    graphed step holds is gathered in this capture like any other (into the storage it keeps), and so is every
+    unit in a capture of the user's: nothing in it would gather them for the next replay."""
     held = {}
     for unit in ctx.units:
-        if not unit.held_for_graph:
+        if not unit.held_for_graph or unit.held_by() is not ctx.in_graphed_capture:
             continue
         versions = unit.current_versions()
-        if ctx.in_graphed_capture and unit.sharded_state is ShardedState.UNSHARDED \
-                and unit.gathered_versions == versions:
+        if unit.sharded_state is ShardedState.UNSHARDED and unit.gathered_versions == versions:
             held[unit] = versions
         else:
-            unit.held_for_graph = False
+            unit.held_by = None
     return held
 
 

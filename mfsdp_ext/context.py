@@ -58,7 +58,7 @@ class FsdpContext:
         self.capturing = False  # inside a CUDA graph capture of the root's forward and backward (capture.py)
         self.graphed = False  # some capture happened: replays, not our hooks, run those steps
         self.graph_steps: "weakref.WeakSet" = weakref.WeakSet()  # the mfsdp_ext.graphed steps whose graph runs it
-        self.in_graphed_capture = False  # being captured by mfsdp_ext.graphed (not by the user's torch.cuda.graph)
+        self.in_graphed_capture = None  # the mfsdp_ext.graphed step capturing it (None: none, or the user's graph)
         self.user_captured = False  # captured by torch.cuda.graph outside mfsdp_ext.graphed
         self.grads_kept = False  # a deferred reduction kept unsharded grads (reduced on the last microbatch)
         # During the root's final callback: the unsharded grads its reductions consumed, dropped only after the

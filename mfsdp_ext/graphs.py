@@ -91,10 +91,8 @@ class GraphedStep:
         # The last graph (if any) lives until the new one is captured into its pool: torch refuses a pool that no
         # graph holds. Its output is let go first, so the new capture reuses that memory; it is never replayed again.
         old_graph, self.graph, self.static_out = self.graph, None, None
-        for ctx in FsdpContext.live():
-            _release_held(ctx)
-        if self.hold_first_units:
-            self._hold_first_units()
+        self._release_held()
+        held = self._hold_first_units() if self.hold_first_units else []
         torch.cuda.synchronize()
         # made before the capture (as every buffer a replay's host side writes): inside it they could share memory
         # with the graph's temporaries
@@ -108,21 +106,23 @@ class GraphedStep:
             self.pool = torch.cuda.graph_pool_handle()
         iterations = {ctx: ctx.iterations for ctx in FsdpContext.live()}  # held only while capturing
         for ctx in iterations:
-            ctx.in_graphed_capture = True
+            ctx.in_graphed_capture = self
         try:
             with self._recording_optimizers(), torch.cuda.graph(graph, pool=self.pool):
                 out = self.train_step(*args, **kwargs)
                 self._gather_held_units(iterations)
         finally:
             for ctx in iterations:
-                ctx.in_graphed_capture = False
+                ctx.in_graphed_capture = None
         del old_graph
         for opt in flat_optimizers:
             opt.graph_upload()
         self.contexts = [weakref.ref(ctx) for ctx in FsdpContext.live() if ctx.iterations != iterations.get(ctx)]
-        for ctx in iterations:
-            if ctx.iterations == iterations[ctx]:  # the step did not run this model: its units need no holding
-                _release_held(ctx, reshard=True)
+        for unit in held:
+            if unit.context.iterations == iterations[unit.context]:  # the step did not run this model
+                unit.held_by = None
+                if not unit.strategy.keeps_weights_gathered:
+                    unit.reshard()
         for ctx in self.contexts:
             ctx().graph_steps.add(self)  # release_symmetric_memory() lets the graph go first
         self.graph, self.static_out = graph, out
@@ -137,23 +137,32 @@ class GraphedStep:
         """Let the graph (and its pool) go; the next call captures again. For release_symmetric_memory(): NCCL
         keeps the symmetric windows that a live graph captured, and freeing them would wait for it."""
         self.graph = self.static_out = self.pool = None
-        for ctx in (ref() for ref in self.contexts):
-            if ctx is not None:
-                _release_held(ctx)
+        self._release_held()
 
     # ------------------------------------------------------------------ the first units across replays
-    def _hold_first_units(self) -> None:
+    def _hold_first_units(self) -> list:
         """Before a capture: gather each idle model's first forward units (eagerly; usually the last warm-up
         step's optimizer gathered them already) and hold them. The graph's forward reads them as they are and its
         optimizer step gathers them for the next replay, under its other groups' kernels (step_prefetch.py), as an
-        eager step does: a replay does not start by waiting for their all-gathers."""
+        eager step does: a replay does not start by waiting for their all-gathers. A model whose units another
+        graphed step holds is left to it."""
+        held = []
         for ctx in FsdpContext.live():
             order = ctx.forward_order or ctx.prev_forward_order
-            if ctx.in_backward or ctx.iteration_open or not order:
+            if ctx.in_backward or ctx.iteration_open or not order or any(u.held_for_graph for u in ctx.units):
                 continue
             for unit in order[:step_prefetch.FIRST_UNITS]:
                 unit.unshard()
-                unit.held_for_graph = True
+                unit.held_by = weakref.ref(self)
+                held.append(unit)
+        return held
+
+    def _release_held(self) -> None:
+        """The units this step's graph held are free again: their next reshard frees them."""
+        for ctx in (ref() for ref in self.contexts):
+            for unit in ctx.units if ctx is not None else ():
+                if unit.held_by is not None and unit.held_by() is self:
+                    unit.held_by = None
 
     @staticmethod
     def _gather_held_units(iterations: dict) -> None:
@@ -163,7 +172,7 @@ class GraphedStep:
             if ctx.iterations == iterations[ctx]:
                 continue
             for unit in ctx.units:
-                if unit.held_for_graph:
+                if unit.held_for_graph and unit.held_by() is ctx.in_graphed_capture:
                     unit.unshard()
                     if unit.unshard_event is not None:
                         ctx.device.wait_event(unit.unshard_event)
@@ -193,7 +202,7 @@ class GraphedStep:
         and the optimizers stepped outside the graph over their parameters (its replays count no step, and an
         optimizer of another model steps none of these)."""
         held = [unit for ctx in (ref() for ref in self.contexts) if ctx is not None
-                for unit in ctx.units if unit.held_for_graph]
+                for unit in ctx.units if unit.held_by is not None and unit.held_by() is self]
         if not held:
             return ()
         params = {id(info.sharded) for unit in held for g in unit.groups for info in g.infos}
@@ -239,15 +248,6 @@ class GraphedStep:
             warnings.warn(f"mfsdp_ext.graphed: {why}; every call runs the step eagerly (same numbers, no graph)",
                           stacklevel=3)
             self._warned = True
-
-
-def _release_held(ctx: FsdpContext, reshard: bool = False) -> None:
-    """No unit of ``ctx`` is held for a graph any more: their next reshard frees them (``reshard``: now)."""
-    for unit in ctx.units:
-        if unit.held_for_graph:
-            unit.held_for_graph = False
-            if reshard and not unit.strategy.keeps_weights_gathered:
-                unit.reshard()
 
 
 class _Hook:

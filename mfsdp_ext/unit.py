@@ -105,9 +105,9 @@ class FsdpUnit:
         self.output_hooked = False  # some module's output of this pass got the pre-backward hook
         self.unshard_event = None  # the all-gather stream's event after this unit's gather
         self.gathered_versions: list[Optional[tuple]] = [None] * len(groups)  # weights_version() gathered
-        # mfsdp_ext.graphed: a first unit of the forward whose gathered weights a whole-step graph keeps across
-        # replays (the graph's optimizer step gathers them for its next replay): never freed while it is set
-        self.held_for_graph = False
+        # mfsdp_ext.graphed: the step whose whole-step graph keeps this unit (a first unit of the forward) gathered
+        # across replays (its optimizer step gathers it for the next replay): never freed while that step lives
+        self.held_by: Optional[weakref.ref] = None
         self._warned_no_grad_output = False
         for g in groups:
             g.unit = weakref.ref(self)
@@ -229,6 +229,10 @@ class FsdpUnit:
                 g.free_unsharded()
         self.sharded_state = ShardedState.SHARDED
         self.unshard_event = None
+
+    @property
+    def held_for_graph(self) -> bool:
+        return self.held_by is not None and self.held_by() is not None
 
     def current_versions(self) -> list[tuple]:
         """The weights version each group's gather would have now (unshard's key)."""

@@ -92,7 +92,7 @@ def _case_key_sees_writes_to_held_units():
     step.contexts = [weakref.ref(ctx)]
     assert step._held_writes() == ()  # nothing held: nothing to watch
     for unit in ctx.forward_order[:2]:  # as a capture holds the forward's first units
-        unit.held_for_graph = True
+        unit.held_by = weakref.ref(step)
     step.steps_at_capture = mfsdp_ext.param_group.optimizer_steps()
     first = step._held_writes()
     unchanged, changed = {}, {}
