@@ -7,6 +7,7 @@ stages. It holds data only: the root unit drives the iteration (see FsdpUnit).
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import TYPE_CHECKING, Optional, Protocol
 
@@ -26,13 +27,16 @@ class FsdpUnit(Protocol):
 
 class FsdpContext:
     _LIVE: "weakref.WeakSet[FsdpContext]" = weakref.WeakSet()
+    _SERIALS = itertools.count()
 
     @classmethod
     def live(cls) -> list["FsdpContext"]:
-        """The contexts of the roots alive in this process (mfsdp_ext.graphed watches their modes)."""
-        return list(cls._LIVE)
+        """The contexts of the roots alive in this process, oldest first (mfsdp_ext.graphed watches their modes and
+        gathers their first units: in the same order on every rank, as a set's order is not)."""
+        return sorted(cls._LIVE, key=lambda ctx: ctx.serial)
 
     def __init__(self, root: "FsdpUnit", units: list["FsdpUnit"], device: torch.device):
+        self.serial = next(FsdpContext._SERIALS)
         FsdpContext._LIVE.add(self)
         self.root = root
         self.units = units

@@ -71,8 +71,7 @@ class GraphedStep:
             return self.train_step(*args, **kwargs)
         self.calls += 1
         if self.calls <= self.warmup:
-            with self._recording_optimizers():
-                return self.train_step(*args, **kwargs)
+            return self._warm_up(args, kwargs)
         key = self._key(leaves, spec)
         if self.graph is None or not self._same_on_every_rank(key):
             return self._capture(leaves, spec)
@@ -84,6 +83,14 @@ class GraphedStep:
         self.graph.replay()
         self._after_replay()
         return self._output()
+
+    def _warm_up(self, args, kwargs):
+        """An eager call before the capture; it notes the optimizers it steps and the models it runs."""
+        iterations = {ctx: ctx.iterations for ctx in FsdpContext.live()}
+        with self._recording_optimizers():
+            out = self.train_step(*args, **kwargs)
+        self.contexts = _ran(iterations)
+        return out
 
     # ------------------------------------------------------------------ capture
     def _capture(self, leaves: list, spec):
@@ -117,7 +124,7 @@ class GraphedStep:
         del old_graph
         for opt in flat_optimizers:
             opt.graph_upload()
-        self.contexts = [weakref.ref(ctx) for ctx in FsdpContext.live() if ctx.iterations != iterations.get(ctx)]
+        self.contexts = _ran(iterations)
         for unit in held:
             if unit.context.iterations == iterations[unit.context]:  # the step did not run this model
                 unit.held_by = None
@@ -141,13 +148,17 @@ class GraphedStep:
 
     # ------------------------------------------------------------------ the first units across replays
     def _hold_first_units(self) -> list:
-        """Before a capture: gather each idle model's first forward units (eagerly; usually the last warm-up
-        step's optimizer gathered them already) and hold them. The graph's forward reads them as they are and its
-        optimizer step gathers them for the next replay, under its other groups' kernels (step_prefetch.py), as an
-        eager step does: a replay does not start by waiting for their all-gathers. A model whose units another
-        graphed step holds is left to it."""
+        """Before a capture: gather the first forward units of each model the last call ran (eagerly; usually
+        that step's optimizer gathered them already) and hold them. The graph's forward reads them as they are and
+        its optimizer step gathers them for the next replay, under its other groups' kernels (step_prefetch.py),
+        as an eager step does: a replay does not start by waiting for their all-gathers. Only models the step
+        runs: every rank runs those, in one order (another model, still alive on one rank only until its garbage
+        is collected, would make a gather the other ranks never join). A model whose units another graphed step
+        holds is left to it."""
         held = []
-        for ctx in FsdpContext.live():
+        for ctx in (ref() for ref in self.contexts):
+            if ctx is None:
+                continue
             order = ctx.forward_order or ctx.prev_forward_order
             if ctx.in_backward or ctx.iteration_open or not order or any(u.held_for_graph for u in ctx.units):
                 continue
@@ -261,3 +272,8 @@ class _Hook:
 
     def __exit__(self, *exc) -> None:
         self.handle.remove()
+
+
+def _ran(iterations: dict) -> list[weakref.ref]:
+    """The fully_shard roots whose forward ran since ``iterations`` was taken (made since, too), oldest first."""
+    return [weakref.ref(ctx) for ctx in FsdpContext.live() if ctx.iterations != iterations.get(ctx)]
