@@ -25,9 +25,9 @@ class CaptureError(RuntimeError):
     """What a CUDA graph capture of a fully_shard model may not contain, named."""
 
 
-def enter(ctx: FsdpContext) -> None:
-    """The root's forward starts under capture (once per captured region): bring the tree to the state every
-    replay starts from. The capture's ``torch.cuda.graph`` synchronized the device, so dropping the events of
+def enter(ctx: FsdpContext, capture_id: int) -> None:
+    """The root's forward starts under the capture ``capture_id`` (once per captured region): bring the tree to
+    the state every replay starts from. The capture's ``torch.cuda.graph`` synchronized the device, so dropping the events of
     earlier gathers and freeing their buffers waits for nothing."""
     if ctx.explicit_microbatch and not ctx.is_first_microbatch:
         raise CaptureError("mfsdp_ext: a capture starts at microbatch(is_first=False); capture the whole "
@@ -54,7 +54,7 @@ def enter(ctx: FsdpContext) -> None:
             if g._synced_version == before:
                 g._synced_version = after
         unit.gathered_versions = now
-    ctx.capturing = ctx.graphed = True
+    ctx.capture_id, ctx.graphed = capture_id, True
     ctx.user_captured |= ctx.in_graphed_capture is None
     forget_last_input()
 
@@ -78,5 +78,5 @@ def _held_with_current_weights(ctx: FsdpContext) -> dict:
 
 def leave(ctx: FsdpContext) -> None:
     """The root's first forward outside the capture."""
-    ctx.capturing = False
+    ctx.capture_id = 0
     forget_last_input()

@@ -59,7 +59,7 @@ class FsdpContext:
         self.in_backward = False  # from the first pre-backward hook to the final callback
         self.iteration_open = False  # from the root's forward to the end of a backward (or an abandoned iteration)
         self.iterations = 0  # root forwards so far (mfsdp_ext.graphed: which models a step uses)
-        self.capturing = False  # inside a CUDA graph capture of the root's forward and backward (capture.py)
+        self.capture_id = 0  # the CUDA graph capture the root's forward last ran in; 0: none (capture.py)
         self.graphed = False  # some capture happened: replays, not our hooks, run those steps
         self.graph_steps: "weakref.WeakSet" = weakref.WeakSet()  # the mfsdp_ext.graphed steps whose graph runs it
         self.in_graphed_capture = None  # the mfsdp_ext.graphed step capturing it (None: none, or the user's graph)
@@ -72,6 +72,11 @@ class FsdpContext:
         self.weights_epoch = 0  # part of every gather's weights version: see note_forward_mode
         self.last_forward_training = True
         self.trained = False  # a training forward ran (the root's, with grad mode on)
+
+    @property
+    def capturing(self) -> bool:
+        """Inside a CUDA graph capture of the root's forward and backward."""
+        return self.capture_id != 0
 
     def begin_iteration(self, training: bool) -> None:
         """The root's forward starts an iteration: the last iteration's order becomes the one to prefetch by."""

@@ -254,8 +254,10 @@ class FsdpUnit:
         if self.forward_method_depth:  # forward called by a registered method: the method's call holds the gather
             return args, kwargs
         ctx = self.lazy_init()
-        if self.is_root and ctx.device.capturing() != ctx.capturing:
-            (capture.enter if not ctx.capturing else capture.leave)(ctx)
+        if self.is_root:  # a new capture starts from rest, even one right after another (replays between)
+            capture_id = ctx.device.capture_id()
+            if capture_id != ctx.capture_id:
+                capture.enter(ctx, capture_id) if capture_id else capture.leave(ctx)
         if self.is_root and ctx.in_backward and not _autograd_is_running():
             self.abandon_iteration()  # the last backward raised: its final callback never ran
         if ctx.in_backward:  # activation-checkpoint recompute: gather if needed, no prefetch, no reshard

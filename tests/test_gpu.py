@@ -538,7 +538,8 @@ def _accumulate(model, tokens, targets, microbatches: int) -> torch.Tensor:
 
 def _case_captured_forward_backward(fp8: bool, microbatches: int):
     """torchtitan's recipe: torch.cuda.graph around forward, loss and backward (microbatches inside), the optimizer
-    eager; 5 replays equal 5 eager steps of a twin bit for bit (losses and fp32 shards). bf16 or FP8 weights."""
+    eager; 5 replays, then a second capture with no eager step before it and 3 replays of it, equal 8 eager steps
+    of a twin bit for bit (losses and fp32 shards). bf16 or FP8 weights."""
     import mfsdp_ext
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
@@ -568,20 +569,21 @@ def _case_captured_forward_backward(fp8: bool, microbatches: int):
                 opt.zero_grad(set_to_none=False)
     torch.cuda.current_stream().wait_stream(stream)
     static_tokens, static_targets = (t.clone() for t in data(2))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss = fwd_bwd(graphed, static_tokens, static_targets)
     ours, theirs = [], []
-    for step in range(2, 7):
-        tokens, targets = data(step)
-        static_tokens.copy_(tokens)
-        static_targets.copy_(targets)
-        graph.replay()
-        ours.append(static_loss.item())
-        theirs.append(fwd_bwd(twin, tokens, targets).item())
-        for opt in opts:
-            opt.step()
-            opt.zero_grad(set_to_none=False)
+    for first, last in ((2, 7), (7, 10)):  # the second capture right after the first one's replays
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_loss = fwd_bwd(graphed, static_tokens, static_targets)
+        for step in range(first, last):
+            tokens, targets = data(step)
+            static_tokens.copy_(tokens)
+            static_targets.copy_(targets)
+            graph.replay()
+            ours.append(static_loss.item())
+            theirs.append(fwd_bwd(twin, tokens, targets).item())
+            for opt in opts:
+                opt.step()
+                opt.zero_grad(set_to_none=False)
     assert ours == theirs, (ours, theirs)
     for (name, p), q in zip(graphed.named_parameters(), twin.parameters()):
         assert torch.equal(p.to_local(), q.to_local()), name
