@@ -129,7 +129,8 @@ class Variant:
     fused_optimizer: bool = False  # ours: mfsdp_ext.optim.AdamW (one native kernel per flat group); fsdp2: torch's
     # AdamW(fused=True) instead of its foreach default
     graph: str = ""  # "" eager | "fwdbwd": torch.cuda.graph around forward+backward, the optimizer eager (torchtitan's
-    # recipe) | "step": the whole step as one graph (mfsdp_ext.graphed)
+    # recipe) | "step": the whole step as one graph (mfsdp_ext.graphed) | "step_unheld": the same, its first units
+    # gathered at the start of each replay (hold_first_units=False: what holding them across replays saves)
 
 
 FUSED_IMPLS = {"ours_fused": "ours", "ours_fp8_fused": "ours_fp8"}  # name -> the variant it is, with our AdamW
@@ -137,7 +138,9 @@ FUSED_IMPLS = {"ours_fused": "ours", "ours_fp8_fused": "ours_fp8"}  # name -> th
 # name -> (impl, graph, fp8)
 GRAPH_IMPLS = {"fsdp2_fused": ("fsdp2", "", ""), "fsdp2_captured": ("fsdp2", "fwdbwd", ""),
                "ours_captured": ("ours", "fwdbwd", ""), "ours_graphed": ("ours", "step", ""),
-               "ours_fp8_captured": ("ours", "fwdbwd", "ours"), "ours_fp8_graphed": ("ours", "step", "ours")}
+               "ours_fp8_captured": ("ours", "fwdbwd", "ours"), "ours_fp8_graphed": ("ours", "step", "ours"),
+               "ours_graphed_unheld": ("ours", "step_unheld", ""),
+               "ours_fp8_graphed_unheld": ("ours", "step_unheld", "ours")}
 
 
 FP8_IMPLS = {"ours_fp8": ("ours", "ours"), "fsdp2_float8": ("fsdp2", "torchao")}  # name -> (impl, fp8)
@@ -406,7 +409,7 @@ def make_step(v: Variant, model, optimizer, batches, losses: list, after_step, w
     eager = functools.partial(train_step, model, optimizer, batches, v.impl, losses, after_step)
     if not v.graph or not torch.cuda.is_available():
         return eager
-    if v.graph == "step":
+    if v.graph in ("step", "step_unheld"):
         import mfsdp_ext
 
         def whole(batch_list):
@@ -416,6 +419,7 @@ def make_step(v: Variant, model, optimizer, batches, losses: list, after_step, w
             return loss
 
         graphed = mfsdp_ext.graphed(whole, warmup=max(1, warmup - 1))
+        graphed.hold_first_units = v.graph == "step"
         return lambda: losses.append(graphed(batches))
     state = {"graph": None, "calls": 0}
 

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include "build_info.h"
+#include "capture_info.h"
 #include "cast.h"
 #include "float_formats.h"  // E4M3T / E5M2T::max_value
 #include "fp8_gemm.h"
@@ -190,6 +191,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Version code of the NCCL library loaded at run time (e.g. 22809 for 2.28.9); 0 when built without NCCL.");
   m.def("symm_comm_build_info", &mfsdp::symm_comm_build_info,
         "Whether the symmetric-memory communicator (SymmComm) was compiled in, and why not.");
+  m.def("current_capture_id", &mfsdp::current_capture_id, py::arg("device"),
+        "The id of the CUDA graph capture under way on the device's current stream; 0 when none.");
   register_offset_allocator(m);
 #if defined(MFSDP_SYMM_COMM_ENABLED)
   register_symm_comm(m);

@@ -5,7 +5,9 @@ A captured region is replayed without running any of our Python, so everything t
 at capture as it must be at every replay:
   * the capture starts from rest: no gather issued outside it is waited for inside it (an event recorded outside
     a capture invalidates it), and every unit casts and gathers its current weights (a new weights epoch: a
-    replay follows an optimizer step, so no cast of the last eager step may be reused);
+    replay follows an optimizer step, so no cast of the last eager step may be reused); only under
+    mfsdp_ext.graphed, whose graph ends with the optimizer step, the forward's first units are held instead: the
+    graph reads them gathered and its optimizer step gathers them for the next replay (graphs.py);
   * the gradient shards the graph writes (made in the capture, or kept from before it) are kept alive by their
     groups, and their ``.grad`` views must stay in place between replays (group_grads.py);
   * work that waits on the host (the finite-gradients check, the unused-parameter mask) is refused by name;
@@ -23,9 +25,9 @@ class CaptureError(RuntimeError):
     """What a CUDA graph capture of a fully_shard model may not contain, named."""
 
 
-def enter(ctx: FsdpContext) -> None:
-    """The root's forward starts under capture (once per captured region): bring the tree to the state every
-    replay starts from. The capture's ``torch.cuda.graph`` synchronized the device, so dropping the events of
+def enter(ctx: FsdpContext, capture_id: int) -> None:
+    """The root's forward starts under the capture ``capture_id`` (once per captured region): bring the tree to
+    the state every replay starts from. The capture's ``torch.cuda.graph`` synchronized the device, so dropping the events of
     earlier gathers and freeing their buffers waits for nothing."""
     if ctx.explicit_microbatch and not ctx.is_first_microbatch:
         raise CaptureError("mfsdp_ext: a capture starts at microbatch(is_first=False); capture the whole "
@@ -34,6 +36,7 @@ def enter(ctx: FsdpContext) -> None:
         raise CaptureError("mfsdp_ext: check_finite_grads=True cannot be captured in a CUDA graph (it waits on the "
                            "host for the reduced gradients); check torch.isfinite of the grad norm after a replay "
                            "instead, or turn it off")
+    held = _held_with_current_weights(ctx)
     for unit in ctx.units:
         if not unit.reduction.reduce_scatter_unused_params:
             raise CaptureError(f"mfsdp_ext: unit '{unit.name}' has set_reduce_scatter_unused_params(False), whose "
@@ -44,13 +47,36 @@ def enter(ctx: FsdpContext) -> None:
         unit.unshard_event = None
         if unit.sharded_state is ShardedState.UNSHARDED and not unit.strategy.keeps_weights_gathered:
             unit.reshard()
-    ctx.weights_epoch += 1  # every cast and gather is captured
-    ctx.capturing = ctx.graphed = True
-    ctx.user_captured |= not ctx.in_graphed_capture
+    ctx.weights_epoch += 1  # every cast and gather is captured ...
+    for unit, versions in held.items():  # ... but the held units': they hold this epoch's weights already
+        now = unit.current_versions()
+        for g, before, after in zip(unit.groups, versions, now):
+            if g._synced_version == before:
+                g._synced_version = after
+        unit.gathered_versions = now
+    ctx.capture_id, ctx.graphed = capture_id, True
+    ctx.user_captured |= ctx.in_graphed_capture is None
     forget_last_input()
+
+
+def _held_with_current_weights(ctx: FsdpContext) -> dict:
+    """The units held by the mfsdp_ext.graphed step capturing (it gathered them just before) -> their versions:
+    its graph reads them as they are, and its optimizer step gathers them for the next replay. A unit another
+    graphed step holds is gathered in this capture like any other (into the storage it keeps), and so is every
+    unit in a capture of the user's: nothing in it would gather them for the next replay."""
+    held = {}
+    for unit in ctx.units:
+        if not unit.held_for_graph or unit.held_by() is not ctx.in_graphed_capture:
+            continue
+        versions = unit.current_versions()
+        if unit.sharded_state is ShardedState.UNSHARDED and unit.gathered_versions == versions:
+            held[unit] = versions
+        else:
+            unit.held_by = None
+    return held
 
 
 def leave(ctx: FsdpContext) -> None:
     """The root's first forward outside the capture."""
-    ctx.capturing = False
+    ctx.capture_id = 0
     forget_last_input()

@@ -7,6 +7,7 @@ stages. It holds data only: the root unit drives the iteration (see FsdpUnit).
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import TYPE_CHECKING, Optional, Protocol
 
@@ -26,13 +27,16 @@ class FsdpUnit(Protocol):
 
 class FsdpContext:
     _LIVE: "weakref.WeakSet[FsdpContext]" = weakref.WeakSet()
+    _SERIALS = itertools.count()
 
     @classmethod
     def live(cls) -> list["FsdpContext"]:
-        """The contexts of the roots alive in this process (mfsdp_ext.graphed watches their modes)."""
-        return list(cls._LIVE)
+        """The contexts of the roots alive in this process, oldest first (mfsdp_ext.graphed watches their modes and
+        gathers their first units: in the same order on every rank, as a set's order is not)."""
+        return sorted(cls._LIVE, key=lambda ctx: ctx.serial)
 
     def __init__(self, root: "FsdpUnit", units: list["FsdpUnit"], device: torch.device):
+        self.serial = next(FsdpContext._SERIALS)
         FsdpContext._LIVE.add(self)
         self.root = root
         self.units = units
@@ -55,10 +59,10 @@ class FsdpContext:
         self.in_backward = False  # from the first pre-backward hook to the final callback
         self.iteration_open = False  # from the root's forward to the end of a backward (or an abandoned iteration)
         self.iterations = 0  # root forwards so far (mfsdp_ext.graphed: which models a step uses)
-        self.capturing = False  # inside a CUDA graph capture of the root's forward and backward (capture.py)
+        self.capture_id = 0  # the CUDA graph capture the root's forward last ran in; 0: none (capture.py)
         self.graphed = False  # some capture happened: replays, not our hooks, run those steps
         self.graph_steps: "weakref.WeakSet" = weakref.WeakSet()  # the mfsdp_ext.graphed steps whose graph runs it
-        self.in_graphed_capture = False  # being captured by mfsdp_ext.graphed (not by the user's torch.cuda.graph)
+        self.in_graphed_capture = None  # the mfsdp_ext.graphed step capturing it (None: none, or the user's graph)
         self.user_captured = False  # captured by torch.cuda.graph outside mfsdp_ext.graphed
         self.grads_kept = False  # a deferred reduction kept unsharded grads (reduced on the last microbatch)
         # During the root's final callback: the unsharded grads its reductions consumed, dropped only after the
@@ -68,6 +72,11 @@ class FsdpContext:
         self.weights_epoch = 0  # part of every gather's weights version: see note_forward_mode
         self.last_forward_training = True
         self.trained = False  # a training forward ran (the root's, with grad mode on)
+
+    @property
+    def capturing(self) -> bool:
+        """Inside a CUDA graph capture of the root's forward and backward."""
+        return self.capture_id != 0
 
     def begin_iteration(self, training: bool) -> None:
         """The root's forward starts an iteration: the last iteration's order becomes the one to prefetch by."""

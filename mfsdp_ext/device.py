@@ -15,6 +15,8 @@ import torch
 from torch.profiler import record_function
 from torch.distributed.tensor import DTensor
 
+from ._native import current_capture_id
+
 _profiler_enabled = torch._C._autograd._profiler_enabled  # also true under emit_nvtx (Nsight)
 
 
@@ -68,6 +70,13 @@ class DeviceHandle:
     def capturing(self) -> bool:
         """Whether the current stream is being captured into a CUDA graph."""
         return self.has_streams and torch.cuda.is_current_stream_capturing()
+
+    def capture_id(self) -> int:
+        """Which CUDA graph capture the current stream belongs to: 0 outside one; two captures differ even with
+        only replays between them (a build without CUDA kernels cannot tell them apart: -1 for every one)."""
+        if not self.capturing():
+            return 0
+        return current_capture_id(self.index) or -1
 
     def record_stream(self, tensor: torch.Tensor, stream: Optional[torch.cuda.Stream]) -> None:
         """``tensor`` (allocated on the current stream) is used on ``stream``: keep its memory until that use ends."""

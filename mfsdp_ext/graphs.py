@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
-from . import param_group
+from . import param_group, step_prefetch
 from .context import FsdpContext
 from .optim.base import FlatOptimizerMixin
 
@@ -57,6 +57,8 @@ class GraphedStep:
         self.optimizers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> optimizer stepped
         self.contexts: list[weakref.ref] = []  # the fully_shard roots whose forward the captured step runs
         self.captures = 0
+        self.hold_first_units = True  # the first units' gathers at the end of the graph (_hold_first_units)
+        self.steps_at_capture = 0  # optimizer steps counted when the graph was captured
         self._cpu_group = None
         self._warned = False
 
@@ -69,8 +71,7 @@ class GraphedStep:
             return self.train_step(*args, **kwargs)
         self.calls += 1
         if self.calls <= self.warmup:
-            with self._recording_optimizers():
-                return self.train_step(*args, **kwargs)
+            return self._warm_up(args, kwargs)
         key = self._key(leaves, spec)
         if self.graph is None or not self._same_on_every_rank(key):
             return self._capture(leaves, spec)
@@ -83,12 +84,22 @@ class GraphedStep:
         self._after_replay()
         return self._output()
 
+    def _warm_up(self, args, kwargs):
+        """An eager call before the capture; it notes the optimizers it steps and the models it runs."""
+        iterations = {ctx: ctx.iterations for ctx in FsdpContext.live()}
+        with self._recording_optimizers():
+            out = self.train_step(*args, **kwargs)
+        self.contexts = _ran(iterations)
+        return out
+
     # ------------------------------------------------------------------ capture
     def _capture(self, leaves: list, spec):
         """Capture the step on static copies of this call's arguments, then replay it once for this call."""
         # The last graph (if any) lives until the new one is captured into its pool: torch refuses a pool that no
         # graph holds. Its output is let go first, so the new capture reuses that memory; it is never replayed again.
         old_graph, self.graph, self.static_out = self.graph, None, None
+        self._release_held()
+        held = self._hold_first_units() if self.hold_first_units else []
         torch.cuda.synchronize()
         # made before the capture (as every buffer a replay's host side writes): inside it they could share memory
         # with the graph's temporaries
@@ -102,20 +113,27 @@ class GraphedStep:
             self.pool = torch.cuda.graph_pool_handle()
         iterations = {ctx: ctx.iterations for ctx in FsdpContext.live()}  # held only while capturing
         for ctx in iterations:
-            ctx.in_graphed_capture = True
+            ctx.in_graphed_capture = self
         try:
             with self._recording_optimizers(), torch.cuda.graph(graph, pool=self.pool):
                 out = self.train_step(*args, **kwargs)
+                self._gather_held_units(iterations)
         finally:
             for ctx in iterations:
-                ctx.in_graphed_capture = False
+                ctx.in_graphed_capture = None
         del old_graph
         for opt in flat_optimizers:
             opt.graph_upload()
-        self.contexts = [weakref.ref(ctx) for ctx in FsdpContext.live() if ctx.iterations != iterations.get(ctx)]
+        self.contexts = _ran(iterations)
+        for unit in held:
+            if unit.context.iterations == iterations[unit.context]:  # the step did not run this model
+                unit.held_by = None
+                if not unit.strategy.keeps_weights_gathered:
+                    unit.reshard()
         for ctx in self.contexts:
             ctx().graph_steps.add(self)  # release_symmetric_memory() lets the graph go first
         self.graph, self.static_out = graph, out
+        self.steps_at_capture = param_group.optimizer_steps()
         self.key = self._key(leaves, spec)  # with the models and optimizers the step was seen to use
         self.captures += 1
         graph.replay()  # the capture ran nothing: this call's step
@@ -126,7 +144,50 @@ class GraphedStep:
         """Let the graph (and its pool) go; the next call captures again. For release_symmetric_memory(): NCCL
         keeps the symmetric windows that a live graph captured, and freeing them would wait for it."""
         self.graph = self.static_out = self.pool = None
-        self.key = None
+        self._release_held()
+
+    # ------------------------------------------------------------------ the first units across replays
+    def _hold_first_units(self) -> list:
+        """Before a capture: gather the first forward units of each model the last call ran (eagerly; usually
+        that step's optimizer gathered them already) and hold them. The graph's forward reads them as they are and
+        its optimizer step gathers them for the next replay, under its other groups' kernels (step_prefetch.py),
+        as an eager step does: a replay does not start by waiting for their all-gathers. Only models the step
+        runs: every rank runs those, in one order (another model, still alive on one rank only until its garbage
+        is collected, would make a gather the other ranks never join). A model whose units another graphed step
+        holds is left to it."""
+        held = []
+        for ctx in (ref() for ref in self.contexts):
+            if ctx is None:
+                continue
+            order = ctx.forward_order or ctx.prev_forward_order
+            if ctx.in_backward or ctx.iteration_open or not order or any(u.held_for_graph for u in ctx.units):
+                continue
+            for unit in order[:step_prefetch.FIRST_UNITS]:
+                unit.unshard()
+                unit.held_by = weakref.ref(self)
+                held.append(unit)
+        return held
+
+    def _release_held(self) -> None:
+        """The units this step's graph held are free again: their next reshard frees them."""
+        for ctx in (ref() for ref in self.contexts):
+            for unit in ctx.units if ctx is not None else ():
+                if unit.held_by is not None and unit.held_by() is self:
+                    unit.held_by = None
+
+    @staticmethod
+    def _gather_held_units(iterations: dict) -> None:
+        """The end of the captured step: the held units gathered with the weights the step leaves (nothing when its
+        optimizer did it), and the all-gather stream joined back into the capture."""
+        for ctx in iterations:
+            if ctx.iterations == iterations[ctx]:
+                continue
+            for unit in ctx.units:
+                if unit.held_for_graph and unit.held_by() is ctx.in_graphed_capture:
+                    unit.unshard()
+                    if unit.unshard_event is not None:
+                        ctx.device.wait_event(unit.unshard_event)
+                        unit.unshard_event = None
 
     def _after_replay(self) -> None:
         """Eager code after a replay sees new weights: a new weights epoch makes it cast and gather them."""
@@ -145,25 +206,42 @@ class GraphedStep:
                       for ctx in (ref() for ref in self.contexts))
         optimizers = tuple((id(opt), tuple(tuple(id(p) for p in g["params"]) for g in opt.param_groups))
                            for opt in self.optimizers.values())
-        return (str(spec), arguments, modes, optimizers, param_group.buffers_generation())
+        return (str(spec), arguments, modes, optimizers, param_group.buffers_generation(), self._held_writes())
+
+    def _held_writes(self) -> tuple:
+        """What wrote the held units' weights (their gathered copies must follow): the writes version counters see,
+        and the optimizers stepped outside the graph over their parameters (its replays count no step, and an
+        optimizer of another model steps none of these)."""
+        held = [unit for ctx in (ref() for ref in self.contexts) if ctx is not None
+                for unit in ctx.units if unit.held_by is not None and unit.held_by() is self]
+        if not held:
+            return ()
+        params = {id(info.sharded) for unit in held for g in unit.groups for info in g.infos}
+        stepped = tuple(sorted(id(opt) for opt in param_group.optimizers_stepped_since(self.steps_at_capture)
+                               if any(id(p) in params for group in opt.param_groups for p in group["params"])))
+        return tuple(tuple(g.weights_version()[1:] for g in unit.groups) for unit in held), stepped
 
     def _same_on_every_rank(self, key: tuple) -> bool:
         """Whether the graph still fits this call, decided together: a rank that replays while another captures
-        would wait for it forever. One small all-reduce over a CPU group (no device synchronisation)."""
-        changed = int(key != self.key)
-        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-            return not changed
-        if self._cpu_group is None:
-            self._cpu_group = dist.new_group(backend="gloo")
-        spec, arguments = key[0], [a[:2] if isinstance(a, tuple) else a for a in key[1]]  # not the rank's device
-        flag = torch.tensor([changed, zlib.crc32(repr((spec, arguments)).encode())], dtype=torch.int64)
-        low = flag.clone()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group)
-        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self._cpu_group)
-        if flag[1] != low[1]:
-            raise RuntimeError("mfsdp_ext.graphed: the ranks called the step with different argument shapes or "
-                               "values; every rank must run the same step (a replay is a collective)")
-        return not bool(flag[0])
+        would wait for it forever. One small all-reduce over a CPU group (no device synchronisation). Also
+        together: whether the held units' weights were written outside the graph on some rank (then the next
+        captures hold none: ``hold_first_units``)."""
+        changed, written = int(key != self.key), int(self.key is not None and key[5:] != self.key[5:])
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            if self._cpu_group is None:
+                self._cpu_group = dist.new_group(backend="gloo")
+            spec, arguments = key[0], [a[:2] if isinstance(a, tuple) else a for a in key[1]]  # not the rank's device
+            flag = torch.tensor([changed, zlib.crc32(repr((spec, arguments)).encode()), written], dtype=torch.int64)
+            low = flag.clone()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group)
+            dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self._cpu_group)
+            if flag[1] != low[1]:
+                raise RuntimeError("mfsdp_ext.graphed: the ranks called the step with different argument shapes or "
+                                   "values; every rank must run the same step (a replay is a collective)")
+            changed, written = int(flag[0]), int(flag[2])
+        if written:  # weights written between steps: gathering the first units in the graph is not worth it
+            self.hold_first_units = False
+        return not changed
 
     # ------------------------------------------------------------------ optimizers
     def _recording_optimizers(self):
@@ -194,3 +272,8 @@ class _Hook:
 
     def __exit__(self, *exc) -> None:
         self.handle.remove()
+
+
+def _ran(iterations: dict) -> list[weakref.ref]:
+    """The fully_shard roots whose forward ran since ``iterations`` was taken (made since, too), oldest first."""
+    return [weakref.ref(ctx) for ctx in FsdpContext.live() if ctx.iterations != iterations.get(ctx)]

@@ -38,6 +38,7 @@ class _OptimizerSteps:
     identified by both."""
 
     count = 0
+    last_step: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> count after its last step
     _handle = None
 
     @classmethod
@@ -48,6 +49,12 @@ class _OptimizerSteps:
     @classmethod
     def _count(cls, optimizer, args, kwargs) -> None:
         cls.count += 1
+        cls.last_step[optimizer] = cls.count
+
+    @classmethod
+    def stepped_since(cls, count: int) -> list:
+        """The optimizers that stepped after the step count was ``count``."""
+        return [opt for opt, last in list(cls.last_step.items()) if last > count]
 
 
 # sharded parameter (info.sharded) -> (weak reference to its ParamGroup, its index): how mfsdp_ext.optim finds
@@ -56,6 +63,16 @@ _OWNERS = WeakIdKeyDictionary()
 
 
 _GENERATION = [0]  # bumped whenever some group's buffers or collectives are replaced
+
+
+def optimizer_steps() -> int:
+    """torch.optim steps counted so far (every optimizer's)."""
+    return _OptimizerSteps.count
+
+
+def optimizers_stepped_since(count: int) -> list:
+    """The optimizers that stepped after optimizer_steps() was ``count``."""
+    return _OptimizerSteps.stepped_since(count)
 
 
 def buffers_generation() -> int:

@@ -11,6 +11,9 @@ another optimizer would change the weights version and the forward would gather 
 Anything that changes the weights after the step (a load, an in-place write, an evaluation forward's new
 epoch) changes the version too, and the forward gathers again. Cost: the two units' gathered weights are held
 from the step on instead of from the forward's start.
+
+In mfsdp_ext.graphed's whole-step graph the same gathers are captured: its first units are held (never freed),
+each replay's forward reads them and its optimizer step gathers them for the next replay (graphs.py).
 """
 
 from __future__ import annotations
@@ -56,8 +59,13 @@ def plan(stepped: list["ParamGroup"]) -> NextForwardGather | None:
             continue
         seen.add(ctx)
         order = ctx.forward_order or ctx.prev_forward_order  # the last iteration's
-        # a captured forward gathers by itself at every replay: a gather ahead of it would be lost work
-        if ctx.in_backward or ctx.iteration_open or not order or ctx.graphed:
+        if ctx.graphed:
+            # in mfsdp_ext.graphed's capture: the units its graph holds (their next replay reads them gathered);
+            # any other captured forward gathers by itself at every replay: a gather ahead would be lost work
+            if ctx.in_graphed_capture is not None:
+                units += [u for u in ctx.units if u.held_for_graph and u.held_by() is ctx.in_graphed_capture]
+            continue
+        if ctx.in_backward or ctx.iteration_open or not order:
             continue
         if any(u.training_state is not TrainingState.IDLE for u in ctx.units):
             continue

@@ -105,6 +105,9 @@ class FsdpUnit:
         self.output_hooked = False  # some module's output of this pass got the pre-backward hook
         self.unshard_event = None  # the all-gather stream's event after this unit's gather
         self.gathered_versions: list[Optional[tuple]] = [None] * len(groups)  # weights_version() gathered
+        # mfsdp_ext.graphed: the step whose whole-step graph keeps this unit (a first unit of the forward) gathered
+        # across replays (its optimizer step gathers it for the next replay): never freed while that step lives
+        self.held_by: Optional[weakref.ref] = None
         self._warned_no_grad_output = False
         for g in groups:
             g.unit = weakref.ref(self)
@@ -214,13 +217,26 @@ class FsdpUnit:
 
     def reshard(self) -> None:
         """Back to sharded parameters and free the gathered storage. Freed in stream order: the next all-gather,
-        which may reuse it, first waits for the compute stream (DeviceHandle.use_stream)."""
+        which may reuse it, first waits for the compute stream (DeviceHandle.use_stream). A unit held for a graph
+        keeps its storage: the graph reads and writes it at every replay."""
+        if self.held_for_graph:
+            for g in self.groups:
+                g.use_sharded_params()
+            return
         with self.context.device.label(f"mfsdp.reshard {self.name}"):
             for g in self.groups:
                 g.use_sharded_params()
                 g.free_unsharded()
         self.sharded_state = ShardedState.SHARDED
         self.unshard_event = None
+
+    @property
+    def held_for_graph(self) -> bool:
+        return self.held_by is not None and self.held_by() is not None
+
+    def current_versions(self) -> list[tuple]:
+        """The weights version each group's gather would have now (unshard's key)."""
+        return [g.weights_version() + (self.context.weights_epoch,) for g in self.groups]
 
     def show_sharded_params(self) -> None:
         """The user sees the sharded parameters; the gathered storage is kept only where the strategy keeps it,
@@ -238,8 +254,10 @@ class FsdpUnit:
         if self.forward_method_depth:  # forward called by a registered method: the method's call holds the gather
             return args, kwargs
         ctx = self.lazy_init()
-        if self.is_root and ctx.device.capturing() != ctx.capturing:
-            (capture.enter if not ctx.capturing else capture.leave)(ctx)
+        if self.is_root:  # a new capture starts from rest, even one right after another (replays between)
+            capture_id = ctx.device.capture_id()
+            if capture_id != ctx.capture_id:
+                capture.enter(ctx, capture_id) if capture_id else capture.leave(ctx)
         if self.is_root and ctx.in_backward and not _autograd_is_running():
             self.abandon_iteration()  # the last backward raised: its final callback never ran
         if ctx.in_backward:  # activation-checkpoint recompute: gather if needed, no prefetch, no reshard

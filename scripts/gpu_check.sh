@@ -209,6 +209,13 @@ ours_graphed,ours_fp8_fused,ours_fp8_captured,ours_fp8_graphed --steps 10 --warm
         run graph_fp8 timeout -k 10 240 torchrun --standalone --nproc-per-node "${GRAPH_GPUS:-$(nvidia-smi -L | wc -l)}" \
             benchmarks/step.py --configs 4 --impls ours_fused,ours_graphed,ours_fp8_fused,ours_fp8_graphed --no-floor \
             --steps 10 --warmup 3 --profile-dir "$OUT/fp8_timeline" --out "$OUT/graph_fp8" ;;
+    graphhold)  # the whole-step graph with its first units held across replays vs gathered at each replay's start
+                # (hold_first_units=False), bf16 and FP8, config 4 (GRAPH_GPUS or all); its tests unless tests ran
+        [[ " $stages " == *" tests "* ]] ||
+            run graph_tests timeout -k 10 150 python3 -m pytest -m gpu -q tests/test_gpu.py -k "graphed_whole_step or graphed_two_optimizers or release_symmetric_memory_graphed"
+        run graph_hold timeout -k 10 150 torchrun --standalone --nproc-per-node "${GRAPH_GPUS:-$(nvidia-smi -L | wc -l)}" \
+            benchmarks/step.py --configs "${GRAPH_CONFIGS:-4}" --impls fsdp2_captured,ours_graphed_unheld,ours_graphed,\
+ours_fp8_graphed_unheld,ours_fp8_graphed --no-floor --steps 10 --warmup 3 --out "$OUT/graph_hold" ;;
     titan) run titan bash scripts/gpu_titan.sh ;;   # torchtitan at the 8B shape, FSDP2 vs ours vs ours FP8 (after gpu_titan.sh --setup; carry .whl)
     jit) run jit bash scripts/gpu_jit.sh ;;          # fresh venv, no ahead-of-time build: import compiles CUDA + NCCL
     hf) run hf bash scripts/gpu_hf.sh ;;             # train_hf.py: ours vs FSDP2 (fp32 1e-5), bf16, AC + compile

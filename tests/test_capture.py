@@ -1,7 +1,7 @@
 """CUDA graph capture of forward and backward (mfsdp_ext/capture.py): what the CPU can show.
 
-A CPU cannot capture, so these cases make the root see a capture (DeviceHandle.capturing answers True for one
-forward) and check the decisions taken there: the refusals of what waits on the host, the state every replay
+A CPU cannot capture, so these cases make the root see a capture (DeviceHandle.capturing answers True and
+DeviceHandle.capture_id names the capture) and check the decisions taken there: the refusals of what waits on the host, the state every replay
 starts from, and the guard on the gradients a graph writes. Capture and replay themselves, bit for bit against
 eager steps, are GPU tests (tests/test_gpu.py::test_captured_forward_backward, scripts/graph_probe.py).
 """
@@ -22,13 +22,14 @@ from .models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
 
 
 @contextlib.contextmanager
-def _seen_as_capturing():
-    original = DeviceHandle.capturing
+def _seen_as_capturing(capture_id: int = 1):
+    original = DeviceHandle.capturing, DeviceHandle.capture_id
     DeviceHandle.capturing = lambda self: True
+    DeviceHandle.capture_id = lambda self: capture_id
     try:
         yield
     finally:
-        DeviceHandle.capturing = original
+        DeviceHandle.capturing, DeviceHandle.capture_id = original
 
 
 def _model(**kwargs) -> TinyLM:
@@ -86,6 +87,30 @@ def _case_capture_starts_from_rest():
     model(tokens)  # the first forward outside the capture leaves it
     assert not ctx.capturing and ctx.graphed
     return {"gathered_ahead_before": gathered_ahead}
+
+
+def _case_capture_after_capture():
+    """A second capture right after the first, with only replays (and eager optimizer steps) between them, also
+    starts from rest: the root tells captures apart by their CUDA ids, not by whether one is under way."""
+    model = _model()
+    opt = __import__("mfsdp_ext").optim.AdamW(model.parameters(), lr=1e-3)
+    _step(model, opt)
+    ctx = model._mfsdp_unit.context
+    tokens, targets = batch(1, 2)
+    with _seen_as_capturing(capture_id=7):
+        lm_loss(model, tokens, targets).backward()
+        epoch = ctx.weights_epoch
+        lm_loss(model, tokens, targets).backward()  # the same capture: one more microbatch in it, nothing reset
+    assert ctx.weights_epoch == epoch and ctx.capture_id == 7
+    opt.step()  # as after a replay
+    with _seen_as_capturing(capture_id=8):
+        model(tokens)
+        assert ctx.capture_id == 8 and ctx.weights_epoch == epoch + 1  # every cast and gather captured again
+    return {"epochs": [epoch, ctx.weights_epoch]}
+
+
+def test_capture_after_capture(cpu_pool):
+    print(cpu_pool.run(_case_capture_after_capture)[0])
 
 
 def _case_graph_gradients_guarded():

@@ -538,7 +538,8 @@ def _accumulate(model, tokens, targets, microbatches: int) -> torch.Tensor:
 
 def _case_captured_forward_backward(fp8: bool, microbatches: int):
     """torchtitan's recipe: torch.cuda.graph around forward, loss and backward (microbatches inside), the optimizer
-    eager; 5 replays equal 5 eager steps of a twin bit for bit (losses and fp32 shards). bf16 or FP8 weights."""
+    eager; 5 replays, then a second capture with no eager step before it and 3 replays of it, equal 8 eager steps
+    of a twin bit for bit (losses and fp32 shards). bf16 or FP8 weights."""
     import mfsdp_ext
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
@@ -568,20 +569,21 @@ def _case_captured_forward_backward(fp8: bool, microbatches: int):
                 opt.zero_grad(set_to_none=False)
     torch.cuda.current_stream().wait_stream(stream)
     static_tokens, static_targets = (t.clone() for t in data(2))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss = fwd_bwd(graphed, static_tokens, static_targets)
     ours, theirs = [], []
-    for step in range(2, 7):
-        tokens, targets = data(step)
-        static_tokens.copy_(tokens)
-        static_targets.copy_(targets)
-        graph.replay()
-        ours.append(static_loss.item())
-        theirs.append(fwd_bwd(twin, tokens, targets).item())
-        for opt in opts:
-            opt.step()
-            opt.zero_grad(set_to_none=False)
+    for first, last in ((2, 7), (7, 10)):  # the second capture right after the first one's replays
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_loss = fwd_bwd(graphed, static_tokens, static_targets)
+        for step in range(first, last):
+            tokens, targets = data(step)
+            static_tokens.copy_(tokens)
+            static_targets.copy_(targets)
+            graph.replay()
+            ours.append(static_loss.item())
+            theirs.append(fwd_bwd(twin, tokens, targets).item())
+            for opt in opts:
+                opt.step()
+                opt.zero_grad(set_to_none=False)
     assert ours == theirs, (ours, theirs)
     for (name, p), q in zip(graphed.named_parameters(), twin.parameters()):
         assert torch.equal(p.to_local(), q.to_local()), name
@@ -596,7 +598,9 @@ def test_captured_forward_backward(gpu_pool_from_one, fp8, microbatches):
 def _case_graphed_whole_step(fp8: bool, microbatches: int, optimizer: str):
     """mfsdp_ext.graphed over the whole step (forward, backward with microbatches, clipping-free AdamW/SGD step with
     a scheduler changing the lr every step, zero_grad): 20 graphed steps equal 20 eager steps of a twin bit for
-    bit (losses and fp32 shards), with one capture."""
+    bit (losses and fp32 shards). The graph holds the forward's first two units gathered across replays; an
+    evaluation between graphed steps runs eagerly and leaves the graph valid; a write to a held unit's weights
+    outside the graph is seen: the next call captures again (2 captures in all), holding none from then on."""
     import mfsdp_ext
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
@@ -620,14 +624,28 @@ def _case_graphed_whole_step(fp8: bool, microbatches: int, optimizer: str):
 
     graphed = mfsdp_ext.graphed(make_step(models[0], opts[0]), warmup=2)
     eager = make_step(models[1], opts[1])
-    ours, theirs = [], []
+    ours, theirs, evaluated, held = [], [], [], []
     for step in range(20):
         tokens, targets = (t.chunk(world)[rank] for t in batch(step, 32 * world, seq=16, vocab=64))
+        if step == 8:  # evaluation between graphed steps
+            for m in models:
+                m.eval()
+                with torch.no_grad():
+                    evaluated.append(lm_loss(m, tokens, targets).item())
+                m.train()
+        if step == 12:  # a hand-written update of the root's (a held unit's) weights, outside the graph
+            with torch.no_grad():
+                for m in models:
+                    m.emb.weight.mul_(0.5)
         ours.append(graphed(tokens, targets).item())
         theirs.append(eager(tokens, targets).item())
         for s in scheds:
             s.step()
-    assert graphed.captures == 1, graphed.captures
+        if step == 5:
+            held = [u.name for u in models[0]._mfsdp_unit.context.units if u.held_for_graph]
+    assert len(held) == 2, held
+    assert graphed.captures == 2 and not graphed.hold_first_units, (graphed.captures, graphed.hold_first_units)
+    assert evaluated[0] == evaluated[1], evaluated
     assert ours == theirs, (ours, theirs)
     for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
         assert torch.equal(p.to_local(), q.to_local()), name
@@ -639,6 +657,50 @@ def _case_graphed_whole_step(fp8: bool, microbatches: int, optimizer: str):
                          ids=["bf16-adamw", "bf16-mb2-sgd", "fp8-mb2-adamw"])
 def test_graphed_whole_step(gpu_pool_from_one, fp8, microbatches, optimizer):
     print(gpu_pool_from_one.run(_case_graphed_whole_step, fp8, microbatches, optimizer)[0])
+
+
+def _case_graphed_two_optimizers():
+    """A graphed step with two optimizers, the blocks' stepped first and the root's after it: the first one's step
+    gathers the held units before the second has updated the root, and the graph's end gathers the root again.
+    10 graphed steps equal an eager twin's bit for bit, with one capture and two units held."""
+    import mfsdp_ext
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(19)
+    base = TinyLM(vocab=64, dim=64, ffn=128, n_layers=3, tie=False).to(rank_device())
+    models = [shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=policy) for _ in range(2)]
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+    def make_step(model):
+        blocks = [p for n, p in model.named_parameters() if n.startswith("blocks.")]
+        root = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
+        first, second = mfsdp_ext.optim.AdamW(blocks, lr=1e-3), mfsdp_ext.optim.AdamW(root, lr=2e-3)
+
+        def train_step(tokens, targets):
+            loss = lm_loss(model, tokens, targets)
+            loss.backward()
+            for opt in (first, second):
+                opt.step()
+                opt.zero_grad()
+            return loss.detach()
+        return train_step
+
+    graphed, eager = mfsdp_ext.graphed(make_step(models[0]), warmup=2), make_step(models[1])
+    ours, theirs = [], []
+    for step in range(10):
+        tokens, targets = (t.chunk(world)[rank] for t in batch(step, 32 * world, seq=16, vocab=64))
+        ours.append(graphed(tokens, targets).item())
+        theirs.append(eager(tokens, targets).item())
+    held = [u.name for u in models[0]._mfsdp_unit.context.units if u.held_for_graph]
+    assert graphed.captures == 1 and len(held) == 2, (graphed.captures, held)
+    assert ours == theirs, (ours, theirs)
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(p.to_local(), q.to_local()), name
+    return {"losses": ours[-3:], "held": held}
+
+
+def test_graphed_two_optimizers(gpu_pool_from_one):
+    print(gpu_pool_from_one.run(_case_graphed_two_optimizers)[0])
 
 
 def _case_release_symmetric_memory_graphed():

@@ -77,6 +77,98 @@ def _case_key_sees_what_a_graph_depends_on():
     return sorted(changed)
 
 
+def _case_key_sees_writes_to_held_units():
+    """The held units' gathered copies live across replays: the key changes when their weights are written outside
+    the graph (a hand-written update, their own optimizer stepped eagerly) and not for what leaves them alone (an
+    evaluation forward, another model's optimizer step). A changed key on some rank stops holding on every rank."""
+    torch.manual_seed(7)
+    model, other = (shard_tiny_lm(TinyLM(tie=False).to(rank_device()), fully_shard) for _ in range(2))
+    opt, other_opt = (mfsdp_ext.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, other))
+    tokens, targets = batch(0, 4)
+    for m, o in ((model, opt), (other, other_opt)):
+        lm_train_step(m, o)(tokens, targets)
+    step = GraphedStep(lambda *a: None, warmup=1)
+    ctx = model._mfsdp_unit.context
+    step.contexts = [weakref.ref(ctx)]
+    assert step._held_writes() == ()  # nothing held: nothing to watch
+    for unit in ctx.forward_order[:2]:  # as a capture holds the forward's first units
+        unit.held_by = weakref.ref(step)
+    step.steps_at_capture = mfsdp_ext.param_group.optimizer_steps()
+    first = step._held_writes()
+    unchanged, changed = {}, {}
+    lm_train_step(other, other_opt)(tokens, targets)
+    unchanged["other model's step"] = step._held_writes()
+    model.eval()
+    with torch.no_grad():
+        lm_loss(model, tokens, targets)
+    model.train()
+    unchanged["evaluation"] = step._held_writes()
+    with torch.no_grad():
+        model.emb.weight.mul_(0.5)
+    changed["hand-written update"] = step._held_writes()
+    first_after_write = changed["hand-written update"]
+    lm_train_step(model, opt)(tokens, targets)
+    changed["own optimizer, eager"] = step._held_writes()
+    assert all(k == first for k in unchanged.values()), [n for n, k in unchanged.items() if k != first]
+    assert changed["hand-written update"] != first and changed["own optimizer, eager"] != first_after_write
+    step.key = ("spec", (), (), (), 0, first)
+    same = step._same_on_every_rank(("spec", (), (), (), 0, first if dist.get_rank() else changed["own optimizer, eager"]))
+    assert not same and not step.hold_first_units  # rank 0 alone saw the write: every rank captures, holding none
+    return {"unchanged": sorted(unchanged), "changed": sorted(changed)}
+
+
+def test_key_sees_writes_to_held_units(cpu_pool):
+    print(cpu_pool.run(_case_key_sees_writes_to_held_units)[0])
+
+
+def _case_holds_only_models_the_step_runs():
+    """Before a capture, mfsdp_ext.graphed gathers and holds the first units of the models its step runs (seen in
+    the warm-up calls), never those of another live model: that one may be garbage still alive on one rank only,
+    and its gathers would wait for the other ranks forever."""
+    torch.manual_seed(3)
+    model, other = (shard_tiny_lm(TinyLM(tie=False).to(rank_device()), fully_shard) for _ in range(2))
+    opt = mfsdp_ext.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens, targets = batch(0, 4)
+    lm_loss(other, tokens, targets).backward()  # alive, initialised, idle
+    step = GraphedStep(lm_train_step(model, opt), warmup=1)
+    step._warm_up((tokens, targets), {})
+    held = step._hold_first_units()
+    ctx = model._mfsdp_unit.context
+    assert [u.name for u in held] == [u.name for u in ctx.forward_order[:2]], [u.name for u in held]
+    assert all(u.context is ctx for u in held)
+    assert not any(u.held_for_graph for u in other._mfsdp_unit.context.units)
+    step._release_held()
+    assert not any(u.held_for_graph for u in ctx.units)
+    return {"held": [u.name for u in held]}
+
+
+def test_holds_only_models_the_step_runs(cpu_pool):
+    print(cpu_pool.run(_case_holds_only_models_the_step_runs)[0])
+
+
+def _case_live_contexts_in_creation_order():
+    """mfsdp_ext.graphed gathers the idle models' first units before a capture, model by model: every rank must
+    take the models in one order (their collectives share a communicator), so live() lists them in the order
+    their first forwards made them, whatever the order of the set that holds them."""
+    from mfsdp_ext.context import FsdpContext
+
+    models = [shard_tiny_lm(TinyLM(vocab=16, dim=8, ffn=16, n_layers=1, tie=False), fully_shard) for _ in range(12)]
+    tokens, targets = batch(0, 2, seq=4, vocab=16)
+    for model in reversed(models):  # the first forward makes a model's context
+        lm_loss(model, tokens, targets)
+    made = [weakref.ref(m._mfsdp_unit.context) for m in reversed(models)]
+    del models[3]
+    gc.collect()
+    kept = [ref() for ref in made if ref() is not None]
+    listed = [ctx for ctx in FsdpContext.live() if any(ctx is k for k in kept)]
+    assert len(kept) == 11 and [id(c) for c in listed] == [id(c) for c in kept]
+    return {"models": len(listed)}
+
+
+def test_live_contexts_in_creation_order(cpu_pool):
+    print(cpu_pool.run(_case_live_contexts_in_creation_order)[0])
+
+
 def _case_decided_on_every_rank():
     """Whether the graph fits is one decision for all ranks (a replay is a collective): each rank's own device is
     not a difference, a shape that differs between ranks is an error, a change on one rank recaptures on all."""

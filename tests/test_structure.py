@@ -15,9 +15,9 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mfsdp_ext"
 LAYERS = [
     ["_C", "_native.build_config"],
     ["_native.jit"],
-    ["_native", "layout", "mixed_precision", "device", "states", "marks", "dtensor_norms", "replaced_params",
+    ["_native", "layout", "mixed_precision", "states", "marks", "dtensor_norms", "replaced_params",
      "tensor_tree", "comm.hosts"],
-    ["placements"],
+    ["placements", "device"],
     ["flat_buffer", "comm.dist_ops", "comm.symmetric.comm", "fp8.tensor", "spmd_mesh"],
     ["comm.collectives", "fp8.linear"],
     ["comm.symmetric.collectives", "comm.native"],

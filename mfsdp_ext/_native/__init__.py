@@ -182,6 +182,12 @@ FP8_MAX = {torch.float8_e4m3fn: FP8_E4M3_MAX, torch.float8_e5m2: FP8_E5M2_MAX}
 _BUILD_INFO: dict | None = None
 
 
+def current_capture_id(device_index: int) -> int:
+    """The id of the CUDA graph capture under way on the device's current stream (unique in the process); 0 when
+    there is none. torch tells only whether a stream captures, not which capture it is."""
+    return _C.current_capture_id(device_index)
+
+
 def build_info() -> dict:
     """What ``_C`` was built with: {"native", "cpu", "cuda", "cuda_arch", "nccl", "nccl_version", ...}, and which
     build is loaded: "build" ("ahead-of-time" or "just-in-time") and "path" (its shared library)."""
