@@ -27,8 +27,8 @@ class CaptureError(RuntimeError):
 
 def enter(ctx: FsdpContext, capture_id: int) -> None:
     """The root's forward starts under the capture ``capture_id`` (once per captured region): bring the tree to
-    the state every replay starts from. The capture's ``torch.cuda.graph`` synchronized the device, so dropping the events of
-    earlier gathers and freeing their buffers waits for nothing."""
+    the state every replay starts from. The capture's ``torch.cuda.graph`` synchronized the device, so dropping the
+    events of earlier gathers and freeing their buffers waits for nothing."""
     if ctx.explicit_microbatch and not ctx.is_first_microbatch:
         raise CaptureError("mfsdp_ext: a capture starts at microbatch(is_first=False); capture the whole "
                            "accumulation, from its first microbatch")

@@ -1,9 +1,10 @@
 """CUDA graph capture of forward and backward (mfsdp_ext/capture.py): what the CPU can show.
 
 A CPU cannot capture, so these cases make the root see a capture (DeviceHandle.capturing answers True and
-DeviceHandle.capture_id names the capture) and check the decisions taken there: the refusals of what waits on the host, the state every replay
-starts from, and the guard on the gradients a graph writes. Capture and replay themselves, bit for bit against
-eager steps, are GPU tests (tests/test_gpu.py::test_captured_forward_backward, scripts/graph_probe.py).
+DeviceHandle.capture_id names the capture) and check the decisions taken there: the refusals of what waits on the
+host, the state every replay starts from, and the guard on the gradients a graph writes. Capture and replay
+themselves, bit for bit against eager steps, are GPU tests (tests/test_gpu.py::test_captured_forward_backward,
+scripts/graph_probe.py).
 """
 
 from __future__ import annotations

@@ -112,7 +112,8 @@ def _case_key_sees_writes_to_held_units():
     assert all(k == first for k in unchanged.values()), [n for n, k in unchanged.items() if k != first]
     assert changed["hand-written update"] != first and changed["own optimizer, eager"] != first_after_write
     step.key = ("spec", (), (), (), 0, first)
-    same = step._same_on_every_rank(("spec", (), (), (), 0, first if dist.get_rank() else changed["own optimizer, eager"]))
+    seen = first if dist.get_rank() else changed["own optimizer, eager"]
+    same = step._same_on_every_rank(("spec", (), (), (), 0, seen))
     assert not same and not step.hold_first_units  # rank 0 alone saw the write: every rank captures, holding none
     return {"unchanged": sorted(unchanged), "changed": sorted(changed)}
 

@@ -34,9 +34,9 @@ import torch
 from torch.utils.cpp_extension import CUDA_HOME
 
 # csrc/README.md: which file holds what
-SOURCES = ("bindings.cpp", "build_info.cpp", "capture_info.cpp", "pack.cpp", "pack_cpu.cpp", "cast.cpp", "cast_cpu.cpp", "quantize.cpp",
-           "quantize_cpu.cpp", "fp8_gemm.cpp", "fp8_linear.cpp", "optim.cpp", "optim_cpu.cpp",
-           "symm_offset_allocator.cpp", "symm_comm.cpp")
+SOURCES = ("bindings.cpp", "build_info.cpp", "capture_info.cpp", "pack.cpp", "pack_cpu.cpp", "cast.cpp",
+           "cast_cpu.cpp", "quantize.cpp", "quantize_cpu.cpp", "fp8_gemm.cpp", "fp8_linear.cpp", "optim.cpp",
+           "optim_cpu.cpp", "symm_offset_allocator.cpp", "symm_comm.cpp")
 # Not pack.cu / cast.cu: torch names object files by stem, so they would clash with pack.o / cast.o.
 CUDA_SOURCES = ("pack_cuda.cu", "cast_cuda.cu", "quantize_cuda.cu", "optim_cuda.cu")
 SOURCE_SUFFIXES = (".cpp", ".h", ".cu", ".cuh")  # what csrc/ holds; all of it ships in the wheel and the sdist
