@@ -6,6 +6,7 @@
 #   count; fp8host: the FP8 layer's host time; step6ac: config 6 with less recomputation; ctas: NCCL_MAX_CTAS sweep; wire, wirefp8: the default bf16-sent, fp32-summed gradients vs the fp32 reduce-scatter; native: native_collectives
 #   against torch.distributed's collectives; timeline: where the GPU waits in each config's step; graphs: CUDA graph
 #   tests and captured step rows, bf16 and FP8 (GRAPH_PROBE=1: the per-feature probe too; GRAPH_GPUS=2: on 2 of the GPUs);
+#   graphhold: the whole-step graph with its first units held vs gathered per replay (GRAPH_CONFIGS, default 4);
 #   graphs6: config 6 with graphs; graphsx: configs 3 and 1 captured/graphed over symmetric memory and native collectives; titan: torchtitan's
 #   Trainer at the 8B shape, see scripts/gpu_titan.sh;
 #   nd: N-D layouts on 4 GPUs: Shard(1) GPU tests, dp2 x tp2 step rows at configs 1 and 6)
