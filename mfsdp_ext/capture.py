@@ -66,7 +66,7 @@ def _held_with_current_weights(ctx: FsdpContext) -> dict:
     unit in a capture of the user's: nothing in it would gather them for the next replay."""
     held = {}
     for unit in ctx.units:
-        if not unit.held_for_graph or unit.held_by() is not ctx.in_graphed_capture:
+        if not unit.is_held_by(ctx.in_graphed_capture):
             continue
         versions = unit.current_versions()
         if unit.sharded_state is ShardedState.UNSHARDED and unit.gathered_versions == versions:

@@ -172,18 +172,17 @@ class GraphedStep:
         """The units this step's graph held are free again: their next reshard frees them."""
         for ctx in (ref() for ref in self.contexts):
             for unit in ctx.units if ctx is not None else ():
-                if unit.held_by is not None and unit.held_by() is self:
+                if unit.is_held_by(self):
                     unit.held_by = None
 
-    @staticmethod
-    def _gather_held_units(iterations: dict) -> None:
+    def _gather_held_units(self, iterations: dict) -> None:
         """The end of the captured step: the held units gathered with the weights the step leaves (nothing when its
         optimizer did it), and the all-gather stream joined back into the capture."""
         for ctx in iterations:
             if ctx.iterations == iterations[ctx]:
                 continue
             for unit in ctx.units:
-                if unit.held_for_graph and unit.held_by() is ctx.in_graphed_capture:
+                if unit.is_held_by(self):
                     unit.unshard()
                     if unit.unshard_event is not None:
                         ctx.device.wait_event(unit.unshard_event)
@@ -213,7 +212,7 @@ class GraphedStep:
         and the optimizers stepped outside the graph over their parameters (its replays count no step, and an
         optimizer of another model steps none of these)."""
         held = [unit for ctx in (ref() for ref in self.contexts) if ctx is not None
-                for unit in ctx.units if unit.held_by is not None and unit.held_by() is self]
+                for unit in ctx.units if unit.is_held_by(self)]
         if not held:
             return ()
         params = {id(info.sharded) for unit in held for g in unit.groups for info in g.infos}

@@ -63,7 +63,7 @@ def plan(stepped: list["ParamGroup"]) -> NextForwardGather | None:
             # in mfsdp_ext.graphed's capture: the units its graph holds (their next replay reads them gathered);
             # any other captured forward gathers by itself at every replay: a gather ahead would be lost work
             if ctx.in_graphed_capture is not None:
-                units += [u for u in ctx.units if u.held_for_graph and u.held_by() is ctx.in_graphed_capture]
+                units += [u for u in ctx.units if u.is_held_by(ctx.in_graphed_capture)]
             continue
         if ctx.in_backward or ctx.iteration_open or not order:
             continue

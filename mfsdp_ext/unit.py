@@ -234,6 +234,10 @@ class FsdpUnit:
     def held_for_graph(self) -> bool:
         return self.held_by is not None and self.held_by() is not None
 
+    def is_held_by(self, step) -> bool:
+        """Whether the mfsdp_ext.graphed step ``step`` holds this unit (never when ``step`` is None)."""
+        return step is not None and self.held_by is not None and self.held_by() is step
+
     def current_versions(self) -> list[tuple]:
         """The weights version each group's gather would have now (unshard's key)."""
         return [g.weights_version() + (self.context.weights_epoch,) for g in self.groups]
