@@ -404,8 +404,9 @@ def make_optimizer(v: Variant, model):
 
 def make_step(v: Variant, model, optimizer, batches, losses: list, after_step, warmup: int):
     """The step to time. Eager; or (v.graph) forward+backward captured after the warm-up steps and replayed, the
-    optimizer eager (zero_grad(set_to_none=False): the graph writes the gradients in place); or the whole step
-    through mfsdp_ext.graphed."""
+    optimizer eager (the warm-up's zero_grad(set_to_none=True) lets the capture make the gradients in its pool, as
+    an eager step makes them during backward; zero_grad(set_to_none=False) between replays: the graph writes them in
+    place); or the whole step through mfsdp_ext.graphed."""
     eager = functools.partial(train_step, model, optimizer, batches, v.impl, losses, after_step)
     if not v.graph or not torch.cuda.is_available():
         return eager
@@ -440,7 +441,7 @@ def make_step(v: Variant, model, optimizer, batches, losses: list, after_step, w
         optimizer.step()
         if after_step is not None:
             after_step(model)
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=state["graph"] is None)
 
     return fwdbwd
 

@@ -536,10 +536,12 @@ def _accumulate(model, tokens, targets, microbatches: int) -> torch.Tensor:
     return total
 
 
-def _case_captured_forward_backward(fp8: bool, microbatches: int):
+def _case_captured_forward_backward(fp8: bool, microbatches: int, grads_made_in_capture: bool):
     """torchtitan's recipe: torch.cuda.graph around forward, loss and backward (microbatches inside), the optimizer
     eager; 5 replays, then a second capture with no eager step before it and 3 replays of it, equal 8 eager steps
-    of a twin bit for bit (losses and fp32 shards). bf16 or FP8 weights."""
+    of a twin bit for bit (losses and fp32 shards). bf16 or FP8 weights. The gradients exist before the first
+    capture (warm-up's zero_grad(set_to_none=False)), or the capture makes them (set_to_none=True: they then live
+    in the graph's pool)."""
     import mfsdp_ext
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
@@ -566,7 +568,7 @@ def _case_captured_forward_backward(fp8: bool, microbatches: int):
             for model, opt in zip((graphed, twin), opts):
                 fwd_bwd(model, *data(step))
                 opt.step()
-                opt.zero_grad(set_to_none=False)
+                opt.zero_grad(set_to_none=grads_made_in_capture)
     torch.cuda.current_stream().wait_stream(stream)
     static_tokens, static_targets = (t.clone() for t in data(2))
     ours, theirs = [], []
@@ -590,9 +592,11 @@ def _case_captured_forward_backward(fp8: bool, microbatches: int):
     return {"losses": ours}
 
 
-@pytest.mark.parametrize("fp8,microbatches", [(False, 1), (False, 2), (True, 2)], ids=["bf16", "bf16-mb2", "fp8-mb2"])
-def test_captured_forward_backward(gpu_pool_from_one, fp8, microbatches):
-    print(gpu_pool_from_one.run(_case_captured_forward_backward, fp8, microbatches)[0])
+@pytest.mark.parametrize("fp8,microbatches,grads_made_in_capture",
+                         [(False, 1, False), (False, 2, True), (True, 2, True)],
+                         ids=["bf16", "bf16-mb2-fresh-grads", "fp8-mb2-fresh-grads"])
+def test_captured_forward_backward(gpu_pool_from_one, fp8, microbatches, grads_made_in_capture):
+    print(gpu_pool_from_one.run(_case_captured_forward_backward, fp8, microbatches, grads_made_in_capture)[0])
 
 
 def _case_graphed_whole_step(fp8: bool, microbatches: int, optimizer: str):
