@@ -573,9 +573,14 @@ def _case_captured_forward_backward(fp8: bool, microbatches: int, grads_made_in_
     static_tokens, static_targets = (t.clone() for t in data(2))
     ours, theirs = [], []
     for first, last in ((2, 7), (7, 10)):  # the second capture right after the first one's replays
+        grads_before = [p.grad for p in graphed.parameters()]
+        assert all((g is None) == (grads_made_in_capture and first == 2) for g in grads_before)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_loss = fwd_bwd(graphed, static_tokens, static_targets)
+        # the capture made the gradients, or wrote into the ones it found
+        assert all(p.grad is not None and (g is None or p.grad is g)
+                   for p, g in zip(graphed.parameters(), grads_before))
         for step in range(first, last):
             tokens, targets = data(step)
             static_tokens.copy_(tokens)
