@@ -218,7 +218,8 @@ def _model(seed: int = 0, layout: str = "full", **shard_kwargs) -> TinyLM:
     return shard_tiny_lm(model, fully_shard, **shard_kwargs)
 
 
-def _train(model, opt, steps: range, sched=None, drop_grad: bool = True, round_grads: bool = False) -> None:
+def _train(model, opt, steps: range, sched=None, drop_grad: bool = True, round_grads: bool = False,
+           set_to_none: bool = True) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in steps:
         tokens, targets = batch(step, GLOBAL_BATCH)
@@ -233,7 +234,7 @@ def _train(model, opt, steps: range, sched=None, drop_grad: bool = True, round_g
             w = model.blocks[0].fc2.weight
             w.grad = w.grad * 1.0  # a grad that is not the main_grad view: stepped by torch's code, state adopted
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         if sched is not None:
             sched.step()
 
@@ -404,6 +405,42 @@ def _case_mixed_owned_unowned(kind: str, tol: float = 1e-6):
     for layout in ("no_shard", "blocks_only"):
         out.append(_case_parity(kind, layout, steps=6, tol=tol))
     return "; ".join(out)
+
+
+def _case_zero_grad_in_place(kind: str, tol: float = 1e-6):
+    """zero_grad(set_to_none=False), as between replays of a captured backward: training with it equals torch's
+    optimizer doing the same; every gradient stays the same tensor, zeroed; with one group's parameters split over
+    two optimizers, each zeroes only its own."""
+    a, b = _model(0), _model(0)
+    oa, ob = _make(kind, True, a), _make(kind, False, b)
+    _train(a, oa, range(6), set_to_none=False)
+    _train(b, ob, range(6), set_to_none=False)
+    err = _max_rel_err(a, b)
+    assert err < tol, err
+
+    fc1 = list(a.blocks[0].fc1.parameters())
+    others = [p for p in a.parameters() if all(p is not q for q in fc1)]
+    assert owner_of(fc1[0])[0] is owner_of(a.blocks[0].fc2.weight)[0]  # one group, two optimizers
+    make = mo.AdamW if kind == "adamw" else mo.SGD
+    first, second = make(fc1, lr=1e-3), make(others, lr=1e-3)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens, targets = batch(7, GLOBAL_BATCH)
+    lm_loss(a, tokens.chunk(world)[rank], targets.chunk(world)[rank]).backward()
+    grads = {p: p.grad for p in a.parameters() if p.grad is not None}  # none: aux.weight, frozen by _groups
+    kept = {p: p.grad.to_local().clone() for p in others if p in grads}
+    assert all(p in grads for p in fc1) and len(kept) > 2 and all(g.to_local().any() for g in grads.values())
+    first.zero_grad(set_to_none=False)
+    assert all(p.grad is grads.get(p) for p in a.parameters())
+    assert not any(p.grad.to_local().any() for p in fc1)
+    assert all(torch.equal(p.grad.to_local(), kept[p]) for p in kept)
+    second.zero_grad(set_to_none=False)
+    assert all(p.grad is g and not g.to_local().any() for p, g in grads.items())
+    return f"{kind}: zero_grad in place, max rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_zero_grad_in_place(kind):
+    print(get_pool(2).run(_case_zero_grad_in_place, kind)[0])
 
 
 def _case_bf16_main_grad():

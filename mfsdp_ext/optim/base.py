@@ -22,7 +22,17 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import _native, step_prefetch
+from ..param_group import owner_of
 from .flat_state import FlatState, build_runs, flat_owner
+
+
+def _grad_view_owner(p: torch.Tensor):
+    """(ParamGroup, index) when ``p.grad`` is p's view of that group's main_grad, else None."""
+    owner = owner_of(p)
+    if owner is None:
+        return None
+    group, i = owner
+    return owner if group.infos[i].sharded is p and group.grad_attached(i) else None
 
 
 class _GraphTables:
@@ -66,6 +76,37 @@ class FlatOptimizerMixin:
         super().add_param_group(param_group)
         if hasattr(self, "_flat_states"):
             self._check_group(self.param_groups[-1])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's zero_grad. With ``set_to_none=False`` (between replays of a captured backward) the gradient
+        shards of fully_shard parameters are zeroed one flat buffer per ParamGroup: one kernel and no DTensor
+        dispatch per parameter. A buffer that also holds gradients of parameters this optimizer does not step is
+        zeroed slice by slice (only this optimizer's)."""
+        if set_to_none:
+            return super().zero_grad(set_to_none=True)
+        with torch.autograd.profiler.record_function(f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"):
+            mine, rest = defaultdict(set), []  # ParamGroup -> indices of the gradient views held here; others
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    owner = _grad_view_owner(p)
+                    if owner is not None:
+                        mine[owner[0]].add(owner[1])
+                    else:
+                        rest.append(p)
+            for group, indices in mine.items():
+                if all(i in indices for i in group.trainable() if group.grad_attached(i)):
+                    group.main_grad.data.zero_()
+                else:
+                    for i in indices:
+                        group.main_grad.param_view(i).zero_()
+            for p in rest:  # what torch's zero_grad does to each gradient
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                p.grad.zero_()
 
     def _flat(self, group) -> FlatState:
         flat = self._flat_states.get(group)
