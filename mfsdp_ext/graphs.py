@@ -168,25 +168,23 @@ class GraphedStep:
                 held.append(unit)
         return held
 
+    def _held_units(self, contexts) -> list:
+        """The units of ``contexts`` (fully_shard roots' contexts; None ones skipped) that this step holds."""
+        return [unit for ctx in contexts if ctx is not None for unit in ctx.units if unit.is_held_by(self)]
+
     def _release_held(self) -> None:
         """The units this step's graph held are free again: their next reshard frees them."""
-        for ctx in (ref() for ref in self.contexts):
-            for unit in ctx.units if ctx is not None else ():
-                if unit.is_held_by(self):
-                    unit.held_by = None
+        for unit in self._held_units(ref() for ref in self.contexts):
+            unit.held_by = None
 
     def _gather_held_units(self, iterations: dict) -> None:
         """The end of the captured step: the held units gathered with the weights the step leaves (nothing when its
         optimizer did it), and the all-gather stream joined back into the capture."""
-        for ctx in iterations:
-            if ctx.iterations == iterations[ctx]:
-                continue
-            for unit in ctx.units:
-                if unit.is_held_by(self):
-                    unit.unshard()
-                    if unit.unshard_event is not None:
-                        ctx.device.wait_event(unit.unshard_event)
-                        unit.unshard_event = None
+        for unit in self._held_units(ctx for ctx in iterations if ctx.iterations != iterations[ctx]):
+            unit.unshard()
+            if unit.unshard_event is not None:
+                unit.context.device.wait_event(unit.unshard_event)
+                unit.unshard_event = None
 
     def _after_replay(self) -> None:
         """Eager code after a replay sees new weights: a new weights epoch makes it cast and gather them."""
@@ -211,8 +209,7 @@ class GraphedStep:
         """What wrote the held units' weights (their gathered copies must follow): the writes version counters see,
         and the optimizers stepped outside the graph over their parameters (its replays count no step, and an
         optimizer of another model steps none of these)."""
-        held = [unit for ctx in (ref() for ref in self.contexts) if ctx is not None
-                for unit in ctx.units if unit.is_held_by(self)]
+        held = self._held_units(ref() for ref in self.contexts)
         if not held:
             return ()
         params = {id(info.sharded) for unit in held for g in unit.groups for info in g.infos}
