@@ -1,11 +1,13 @@
 """The physical floor of a step config: the least time its work can take at the rates a machine was measured at.
 
-    python3 benchmarks/floor.py --configs 3 --machine 4xh200 [--measured 22.4] [--no-regather]
+    python3 benchmarks/floor.py --configs 3 --machine 4xh200 [--measured 22.4] [--compute-ms 13.9] [--no-regather]
 
 One training step of benchmarks/step.py's config (forward + backward of every microbatch, an AdamW step on each
 rank's fp32 shard, bf16 compute) needs, per rank:
   * compute: the model FLOPs of the rank's tokens (6 x matmul parameters + causal attention, gpt.flops_per_token)
-    at the dense bf16 rate of a large matrix product;
+    at the dense bf16 rate of a large matrix product; or (--compute-ms) a measured time of the same work: the
+    unsharded forward + backward captured in a CUDA graph on one GPU (step.py's floor, `fwd+bwd`), which counts
+    the rate its kernels really reach at this shape (small matrices, attention, norms, activations);
   * NVLink: the bytes each rank's all-gathers and reduce-scatters must move, (W-1)/W of the bf16 parameters per
     gather (per microbatch: one in forward, one more in backward as blocks are resharded after forward, the
     default; --no-regather: one gather per step, everything kept gathered) and of the bf16 gradients once per step
@@ -48,7 +50,7 @@ def param_count(cfg) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def floor(config_id: int, machine: str, regather: bool = True) -> dict:
+def floor(config_id: int, machine: str, regather: bool = True, compute_ms: float | None = None) -> dict:
     import gpt
     from step import CONFIGS
 
@@ -57,7 +59,8 @@ def floor(config_id: int, machine: str, regather: bool = True) -> dict:
     cfg = bc.model_config()
     params = param_count(cfg)
     tokens = bc.batch * bc.seq * bc.microbatches
-    compute_ms = gpt.flops_per_token(cfg, bc.seq) * tokens / (tflops * 1e12) * 1e3
+    if compute_ms is None:
+        compute_ms = gpt.flops_per_token(cfg, bc.seq) * tokens / (tflops * 1e12) * 1e3
     full_bf16 = 2 * params
     gathers = 2 * bc.microbatches if regather else 1
     moved = (world - 1) / world * full_bf16
@@ -75,15 +78,20 @@ def main() -> int:
     p.add_argument("--machine", choices=sorted(MACHINES), default="4xh200")
     p.add_argument("--measured", default="", help="step ms to compare, one per config (comma-separated)")
     p.add_argument("--no-regather", action="store_true", help="one gather per step (blocks kept gathered)")
+    p.add_argument("--compute-ms", default="", help="measured compute ms per config (comma-separated): the "
+                   "unsharded forward + backward of all microbatches in a CUDA graph on one GPU")
     args = p.parse_args()
     configs = [int(c) for c in args.configs.split(",")]
     measured = [float(x) for x in args.measured.split(",")] if args.measured else []
+    compute = [float(x) for x in args.compute_ms.split(",")] if args.compute_ms else [None] * len(configs)
     print(f"rates ({args.machine}): {MACHINES[args.machine][5]}")
+    if args.compute_ms:
+        print("compute: measured (--compute-ms), not the matrix-product rate")
     print("| config | params | tokens/rank | compute ms | NVLink ms | HBM ms | floor ms (bound by) | serial ms |"
           + (" measured ms | measured / floor |" if measured else ""))
     print("|---|---|---|---|---|---|---|---|" + ("---|---|" if measured else ""))
     for i, c in enumerate(configs):
-        f = floor(c, args.machine, regather=not args.no_regather)
+        f = floor(c, args.machine, regather=not args.no_regather, compute_ms=compute[i])
         row = (f"| {c} | {f['params'] / 1e6:.0f}M | {f['tokens_per_rank']} | {f['compute']:.2f} | {f['nvlink']:.2f} | "
                f"{f['hbm']:.2f} | {f['floor']:.2f} ({f['bound_by']}) | {f['serial']:.2f} |")
         if measured:

@@ -33,8 +33,9 @@ pool of ``use_symm_mem`` (max over ranks), the peak stats reset before each vari
 has dropped the transient full model).
 
 The floor: forward + backward of the *unsharded* bf16 model on rank 0's GPU (no communication at all; per
-block x layers + embeddings/head if the whole model does not fit), times the microbatches, plus one AdamW
-step over a single rank's fp32 shard (numel / world parameters). efficiency = floor / step time.
+block x layers + embeddings/head if the whole model does not fit; on CUDA the faster of eager and a CUDA graph
+of it), times the microbatches, plus one fused AdamW step over a single rank's fp32 shard (numel / world
+parameters). efficiency = floor / step time.
 
 Rank 0 writes ``step_<N>gpu.{md,json,png}`` (``step_<N>cpu...`` on CPU) into ``--out`` after every config.
 """
@@ -290,13 +291,44 @@ def make_batches(bc: BenchConfig, device: torch.device, seed: int):
 
 
 def _fwd_bwd_ms(model: torch.nn.Module, batches, steps: int, device: torch.device) -> float:
+    """Median ms of the unsharded forward + backward: eager, or on CUDA the faster of eager and a CUDA graph of it
+    (which takes the host's launches out: at few tokens per GPU they, not the GPU, set the eager time)."""
     def step():
         x, y = batches[0]
         model(x, y).backward()
         for p in model.parameters():
             p.grad = None
 
-    return statistics.median(time_fn(step, steps, 2, device))
+    eager = statistics.median(time_fn(step, steps, 2, device))
+    return min(eager, _fwd_bwd_graph_ms(model, batches, steps, device) or eager)
+
+
+def _fwd_bwd_graph_ms(model: torch.nn.Module, batches, steps: int, device: torch.device) -> float | None:
+    """The forward + backward captured in a CUDA graph (gradients made by the capture, written afresh by each
+    replay, as an eager step with freed gradients makes them); median ms of its replays. None off CUDA, or when it
+    does not fit."""
+    if device.type != "cuda":
+        return None
+    x, y = batches[0]
+    graph = torch.cuda.CUDAGraph()
+    try:
+        side = torch.cuda.Stream(device)  # torch's recipe: warm up on a side stream before the capture
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            model(x, y).backward()
+        torch.cuda.current_stream(device).wait_stream(side)
+        for p in model.parameters():
+            p.grad = None
+        with torch.cuda.graph(graph):
+            model(x, y).backward()
+        return statistics.median(time_fn(graph.replay, steps, 2, device))
+    except torch.cuda.OutOfMemoryError:
+        return None
+    finally:
+        for p in model.parameters():
+            p.grad = None
+        del graph
+        free_memory(device)
 
 
 def _unsharded_model(cfg: gpt.GPTConfig, dtype: torch.dtype, device: torch.device) -> gpt.GPT:
@@ -337,13 +369,13 @@ def measure_floor(bc: BenchConfig, world: int, dtype: torch.dtype, device: torch
     shards = [torch.zeros((math.ceil(s[0] / world), *s[1:]), device=device, requires_grad=True) for s in full_shapes]
     for t in shards:
         t.grad = torch.randn_like(t)
-    opt = torch.optim.AdamW(shards, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(shards, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda")
     adam = statistics.median(time_fn(opt.step, steps, 2, device))
     shard_numel = sum(t.numel() for t in shards)
     del shards, opt
     free_memory(device)
     return dict(fwd_bwd_ms=fwd_bwd, microbatches=bc.microbatches, adamw_ms=adam, adamw_numel=shard_numel,
-                floor_ms=fwd_bwd * bc.microbatches + adam, method=method)
+                floor_ms=fwd_bwd * bc.microbatches + adam, method=method, fwd_bwd_graphed=device.type == "cuda")
 
 
 # -------------------------------------------------------------------------------------- the variants
@@ -633,6 +665,7 @@ def write_report(results: List[dict], variants: List[Variant], env: dict, out_di
         head += [f"{n}/fsdp2" for n in others]
     head += [f"{n} peak GiB" for n in names] + ["floor ms"] + [f"{n} eff" for n in names]
     head += [f"{n} MFU" for n in names]
+    graphed_floor = any((r.get("floor") or {}).get("fwd_bwd_graphed") for r in results)
     lines = [
         f"# Training step: mfsdp_ext vs FSDP2, {env['world']} x {env.get('gpu', env['device'])}"
         + (f", tensor parallel {env['tp']} x data parallel {env['world'] // env['tp']}" if env.get("tp", 1) > 1 else ""),
@@ -644,8 +677,10 @@ def write_report(results: List[dict], variants: List[Variant], env: dict, out_di
         "",
         "Step time: median over timed steps (max over ranks). Peak: max_memory_allocated + NCCL symmetric pool (max over ranks)"
         + ("" if env["device"] == "cuda" else "; on CPU the process RSS high-water, cumulative over the run")
-        + ". floor = unsharded bf16 fwd+bwd on one GPU x microbatches + torch's AdamW on one rank's fp32 shard"
-        " (the fused optimizer beats that part: eff > 1 is possible); eff = floor / step time. MFU = model FLOPs per rank (6 x matmul params + causal attention per token,"
+        + (". floor = unsharded bf16 fwd+bwd on one GPU (the faster of eager and a CUDA graph of it) x microbatches"
+           " + torch's fused AdamW on one rank's fp32 shard" if graphed_floor else
+           ". floor = unsharded bf16 fwd+bwd on one GPU x microbatches + torch's AdamW on one rank's fp32 shard")
+        + " (the fused optimizer beats that part: eff > 1 is possible); eff = floor / step time. MFU = model FLOPs per rank (6 x matmul params + causal attention per token,"
         " recompute not counted) / step time / 989 TFLOP/s (H100/H200 dense bf16).",
         "",
         "| " + " | ".join(head) + " |",
