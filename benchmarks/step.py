@@ -166,6 +166,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the same for an additional 'ours_captured' column, e.g. use_symm_mem=True")
     p.add_argument("--extra-graphed", action="append", default=[], metavar="KEY=VAL[,KEY=VAL]",
                    help="the same for an additional 'ours_graphed' column")
+    p.add_argument("--extra-fsdp2-captured", action="append", default=[], metavar="KEY=VAL[,KEY=VAL]",
+                   help="an additional 'fsdp2_captured' column with these keywords for FSDP2's fully_shard, e.g. "
+                        "reshard_after_forward=False")
     p.add_argument("--layers", type=int, default=None,
                    help="override the configs' layer count (e.g. config 6's 8B shape at 8 layers fits one GPU); "
                         "the report names the count it ran")
@@ -226,11 +229,13 @@ def make_variants(args) -> List[Variant]:
                                                 ("ours_fused", "", True, "", args.extra_fused),
                                                 ("ours_fp8_fused", "ours", True, "", args.extra_fp8_fused),
                                                 ("ours_captured", "", True, "fwdbwd", args.extra_captured),
-                                                ("ours_graphed", "", True, "step", args.extra_graphed)):
+                                                ("ours_graphed", "", True, "step", args.extra_graphed),
+                                                ("fsdp2_captured", "", True, "fwdbwd", args.extra_fsdp2_captured)):
         for text in texts:
             extra = gpt.parse_kv(text)
             name = base_name + "(" + ",".join(f"{k}={v}" for k, v in extra.items()) + ")"
-            variants.append(Variant(name, "ours", extra, fp8, fused_optimizer=fused, graph=graph))
+            impl = "fsdp2" if base_name.startswith("fsdp2") else "ours"
+            variants.append(Variant(name, impl, extra, fp8, fused_optimizer=fused, graph=graph))
     return variants
 
 
