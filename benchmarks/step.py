@@ -192,7 +192,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-dir", default=None,
                    help="after timing, profile two more steps of each variant (GPU only: where the GPU waits, "
                         "printed; then CPU + GPU) and write rank 0's breakdown and op tables to "
-                        "DIR/profile_<config>_<variant>.txt")
+                        "DIR/profile_<config>_<variant>.txt, and its GPU kernels (name, start, end in us) to "
+                        "DIR/profile_<config>_<variant>_kernels.json")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--timeout-s", type=int, default=600, help="process-group timeout")
     return p.parse_args(argv)
@@ -599,6 +600,10 @@ def profile_step(step, device: torch.device, path: str) -> None:
         kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                    if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
         gpu_time = timeline.describe(timeline.breakdown(kernels))
+        if dist.get_rank() == 0:  # every kernel's (name, start us, end us): for reading overlaps afterwards
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path.removesuffix(".txt") + "_kernels.json", "w") as f:
+                json.dump(kernels, f)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     gpt.synchronize(device)
     t0 = time.perf_counter()
