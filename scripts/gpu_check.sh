@@ -3,7 +3,7 @@
 #   scripts/gpu_check.sh build tests kernels symm units optim step step6 hostcost memory noshard fp8 fp8train jit hf mainjob
 #   (not in the default list: race: the failed-step race test, also with its fix undone; repeat: the main job
 #   run twice per mode with --deterministic, bit-identical; gpt200: 200 training steps, bf16 vs FP8; fp8step, fp8cache: FP8 step rows on any GPU
-#   count; fp8host: the FP8 layer's host time; step6ac: config 6 with less recomputation; ctas: NCCL_MAX_CTAS sweep; wire, wirefp8: the default bf16-sent, fp32-summed gradients vs the fp32 reduce-scatter; native: native_collectives
+#   count; fp8host: the FP8 layer's host time; step6ac: config 6 with less recomputation; ctas: NCCL_MAX_CTAS sweep; overlap: a matmul beside NCCL's all-gather vs copy engines; wire, wirefp8: the default bf16-sent, fp32-summed gradients vs the fp32 reduce-scatter; native: native_collectives
 #   against torch.distributed's collectives; timeline: where the GPU waits in each config's step; graphs: CUDA graph
 #   tests and captured step rows, bf16 and FP8 (GRAPH_PROBE=1: the per-feature probe too; GRAPH_GPUS=2: on 2 of the GPUs);
 #   graphhold: the whole-step graph with its first units held vs gathered per replay (GRAPH_CONFIGS, default 4);
@@ -150,6 +150,11 @@ for stage in $stages; do
                 "$(nvidia-smi -L | wc -l)" benchmarks/step.py --configs 4,1 --impls ours_fused,fsdp2 \
                 --extra-fused native_collectives=True --no-floor --steps 10 --warmup 3 ${CTAS_PROFILE:+--profile-dir "$OUT/ctas_$n"} \
                 --out "$OUT/ctas_$n"
+        done ;;
+    overlap)  # a matmul beside an all-gather: NCCL's against copy engines (2 GPUs; 4 if present)
+        for n in 2 4; do
+            [ "$(nvidia-smi -L | wc -l)" -ge $n ] && run overlap$n timeout -k 10 120 torchrun --standalone \
+                --nproc-per-node $n benchmarks/overlap.py --out "$OUT"
         done ;;
     gpt200)  # a GPT trained 200 steps in bf16 and in FP8 on every GPU here: the final losses must be within 2%
         for mode in bf16 fp8; do
