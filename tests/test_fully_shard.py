@@ -551,11 +551,18 @@ def _case_errors():
             check_available, "_warned", False)
         msgs["native_gloo"] = _expect(RuntimeError, "it needs CUDA GPUs",
                                       lambda: fully_shard(nn.Linear(4, 4), native_collectives=True))
+        msgs["copy_engine_gloo"] = _expect(RuntimeError, "copy_engine_all_gather=True): it needs CUDA GPUs",
+                                           lambda: fully_shard(nn.Linear(4, 4), copy_engine_all_gather=True))
     msgs["native_not_bool"] = _expect(ValueError, "native_collectives must be True or False",
                                       lambda: fully_shard(nn.Linear(4, 4), native_collectives="auto"))
     msgs["native_no_shard"] = _expect(RuntimeError, "no_shard has no all-gather",
                                       lambda: fully_shard(nn.Linear(4, 4), sharding_strategy="no_shard",
                                                           native_collectives=True))
+    msgs["copy_engine_not_bool"] = _expect(ValueError, "copy_engine_all_gather must be True or False",
+                                           lambda: fully_shard(nn.Linear(4, 4), copy_engine_all_gather="yes"))
+    msgs["copy_engine_and_symm"] = _expect(ValueError, "two all-gathers; pass one",
+                                           lambda: fully_shard(nn.Linear(4, 4), copy_engine_all_gather=True,
+                                                               use_symm_mem="auto"))
     # release_symmetric_memory: on the root only; a no-op where nothing symmetric was allocated
     two = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     fully_shard(two[0])

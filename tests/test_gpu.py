@@ -712,6 +712,55 @@ def test_graphed_two_optimizers(gpu_pool_from_one):
     print(gpu_pool_from_one.run(_case_graphed_two_optimizers)[0])
 
 
+def _case_copy_engine_all_gather():
+    """fully_shard(copy_engine_all_gather=True): every unit's bf16 weights gathered by the copy engines from the
+    peers' symmetric buffers. 3 eager steps, then 6 steps of its whole step graphed (mfsdp_ext.graphed: the held
+    units gathered inside the optimizer step, all of it replayed) equal an eager twin on NCCL's all-gather bit for
+    bit (losses and fp32 shards); the FP8 groups of an FP8 model keep the plain all-gather."""
+    import mfsdp_ext
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(23)
+    base = TinyLM(vocab=64, dim=64, ffn=128, n_layers=3, tie=False).to(rank_device())
+    ours = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=policy, copy_engine_all_gather=True)
+    twin = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=policy)
+    opts = [mfsdp_ext.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, twin)]
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+    def make_step(model, opt):
+        def train_step(tokens, targets):
+            loss = lm_loss(model, tokens, targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        return train_step
+
+    eager_ours, eager_twin = make_step(ours, opts[0]), make_step(twin, opts[1])
+    graphed = mfsdp_ext.graphed(eager_ours, warmup=2)
+    losses, twin_losses = [], []
+    for step in range(9):
+        tokens, targets = (t.chunk(world)[rank] for t in batch(step, 32 * world, seq=16, vocab=64))
+        losses.append((eager_ours if step < 3 else graphed)(tokens, targets).item())
+        twin_losses.append(eager_twin(tokens, targets).item())
+    ops = {g.all_gather_op.name for u in ours._mfsdp_unit.context.units for g in u.groups}
+    assert ops == ({"copy_engine"} if world > 1 else {"plain"}), ops
+    assert graphed.captures == 1, graphed.captures
+    assert losses == twin_losses, (losses, twin_losses)
+    for (name, p), q in zip(ours.named_parameters(), twin.parameters()):
+        assert torch.equal(p.to_local(), q.to_local()), name
+    fp8 = shard_tiny_lm(copy.deepcopy(base), fully_shard, copy_engine_all_gather=True,
+                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, fp8=mfsdp_ext.Fp8Policy()))
+    lm_loss(fp8, tokens, targets).backward()
+    fp8_ops = {(g.fp8, g.all_gather_op.name) for u in fp8._mfsdp_unit.context.units for g in u.groups}
+    assert all(name == ("plain" if is_fp8 or world == 1 else "copy_engine") for is_fp8, name in fp8_ops), fp8_ops
+    return {"losses": losses[-3:], "ops": sorted(ops)}
+
+
+def test_copy_engine_all_gather(gpu_pool_from_one):
+    print(gpu_pool_from_one.run(_case_copy_engine_all_gather)[0])
+
+
 def _case_release_symmetric_memory_graphed():
     """A model on symmetric memory, its whole step graphed: release_symmetric_memory() with the graphed step still
     alive returns (NCCL keeps the windows of a live graph: ours is let go first), and the next call captures again

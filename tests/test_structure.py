@@ -20,7 +20,7 @@ LAYERS = [
     ["placements", "device"],
     ["flat_buffer", "comm.dist_ops", "comm.symmetric.comm", "fp8.tensor", "spmd_mesh"],
     ["comm.collectives", "fp8.linear"],
-    ["comm.symmetric.collectives", "comm.native"],
+    ["comm.symmetric.collectives", "comm.native", "comm.copy_engine"],
     ["comm.symmetric.choose", "group_grads"],
     ["param_group"],
     ["context", "summary", "fp8.group", "finite_grads", "same_model", "step_prefetch"],
