@@ -70,7 +70,6 @@ class CopyEngineStage:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.nbytes = nbytes
         self.buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         try:
             self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
