@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import dist_ops
 from .collectives import ParamGroup
 
 
@@ -31,11 +32,9 @@ def unavailable_reason(group: Optional[dist.ProcessGroup]) -> Optional[str]:
     fully_shard time; whether every peer is reachable shows at the first forward)."""
     if group is None:
         return "no_shard has no all-gather"
-    if torch.version.cuda is None or not torch.cuda.is_available():
-        return "it needs CUDA GPUs and a CUDA build of torch"
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" not in backend:
-        return f"the shard group's backend is {backend!r}; it needs 'nccl'"
+    reason = dist_ops.cuda_nccl_reason(group)
+    if reason is not None:
+        return reason
     try:
         importlib.import_module("torch.distributed._symmetric_memory")
     except ImportError as e:

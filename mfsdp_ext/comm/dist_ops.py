@@ -104,3 +104,13 @@ def on_one_host(group: dist.ProcessGroup) -> bool:
     if local is not None and dist.get_world_size() <= local:
         return True
     return len(set(group_hosts(group))) == 1
+
+
+def cuda_nccl_reason(group: dist.ProcessGroup) -> str | None:
+    """Why a collective of our own cannot run over ``group`` (no CUDA, or not an NCCL group), or None."""
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        return "it needs CUDA GPUs and a CUDA build of torch"
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" not in backend:
+        return f"the shard group's backend is {backend!r}; it needs 'nccl'"
+    return None

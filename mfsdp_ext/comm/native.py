@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _native
+from . import dist_ops
 from .collectives import PlainAllGather, PlainReduceScatter
 from .symmetric.comm import _exchange_unique_id, _native_reason
 
@@ -34,12 +35,7 @@ def unavailable_reason(group: Optional[dist.ProcessGroup]) -> Optional[str]:
     """Why ``native_collectives=True`` cannot run over ``group``, or None when it can."""
     if group is None:
         return "no_shard has no all-gather or reduce-scatter"
-    if torch.version.cuda is None or not torch.cuda.is_available():
-        return "it needs CUDA GPUs and a CUDA build of torch"
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" not in backend:
-        return f"the shard group's backend is {backend!r}; it needs 'nccl'"
-    return _native_reason()  # the extension built with NCCL, and a recent enough NCCL library
+    return dist_ops.cuda_nccl_reason(group) or _native_reason()  # the extension built with NCCL, and a recent enough NCCL library
 
 
 def check_available(native_collectives: bool, group: Optional[dist.ProcessGroup]) -> bool:
