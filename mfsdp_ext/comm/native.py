@@ -35,7 +35,8 @@ def unavailable_reason(group: Optional[dist.ProcessGroup]) -> Optional[str]:
     """Why ``native_collectives=True`` cannot run over ``group``, or None when it can."""
     if group is None:
         return "no_shard has no all-gather or reduce-scatter"
-    return dist_ops.cuda_nccl_reason(group) or _native_reason()  # the extension built with NCCL, and a recent enough NCCL library
+    # then: the extension built with NCCL, and a recent enough NCCL library
+    return dist_ops.cuda_nccl_reason(group) or _native_reason()
 
 
 def check_available(native_collectives: bool, group: Optional[dist.ProcessGroup]) -> bool:
