@@ -51,7 +51,7 @@ def _case_pieces_match_plain_gather():
         plain = [g.unsharded.param_view(i).clone() for i in slots]
         g.unsharded.data.zero_()
         stage = _ExchangedStage(g.layout.shard_numel * g.compute_dtype.itemsize)
-        g.all_gather(CopyEngineAllGather(stage))
+        g.all_gather(CopyEngineAllGather(stage, g))
         assert stage.barriers == 2
         for i in slots:
             assert torch.equal(g.unsharded.param_view(i), plain[i]), (g.unit().name, i)

@@ -88,23 +88,28 @@ class CopyEngineStage:
 
 
 class CopyEngineAllGather:
-    """This rank's shard into its symmetric buffer, a barrier, every rank's pieces copied from the peers' buffers
-    into the parameters, a barrier."""
+    """One group's gather: its shard into this rank's symmetric buffer, a barrier, every rank's pieces copied from
+    the peers' buffers into the parameters, a barrier. The views are made once: the group's pieces and the buffers
+    keep their storage for the model's life."""
 
     name = "copy_engine"
 
-    def __init__(self, stage: CopyEngineStage):
+    def __init__(self, stage: CopyEngineStage, g: ParamGroup):
+        shard, dtype = g.layout.shard_numel, g.compute_dtype
         self.stage = stage
-
-    def __call__(self, g: ParamGroup) -> None:
-        shard, dtype, stage = g.layout.shard_numel, g.compute_dtype, self.stage
-        g.write_shard(stage.view(stage.rank, shard, dtype))
-        stage.barrier()
+        self.own = stage.view(stage.rank, shard, dtype)
         sources = [stage.view(r, shard, dtype) for r in range(stage.world)]
+        self.copies = []  # (piece of the unsharded parameters, where it lies in its rank's buffer)
         for offset, piece in zip(g.rank_major_offsets, g.unsharded_pieces):
             rank, at = divmod(offset, shard)
-            piece.copy_(sources[rank][at : at + piece.numel()])
-        stage.barrier()
+            self.copies.append((piece, sources[rank][at : at + piece.numel()]))
+
+    def __call__(self, g: ParamGroup) -> None:
+        g.write_shard(self.own)
+        self.stage.barrier()
+        for piece, source in self.copies:
+            piece.copy_(source)
+        self.stage.barrier()
 
 
 def use_copy_engine_all_gather(units) -> Optional[CopyEngineStage]:
@@ -118,7 +123,6 @@ def use_copy_engine_all_gather(units) -> Optional[CopyEngineStage]:
         raise ValueError("copy_engine_all_gather: all units under one root must shard over the same group")
     nbytes = max(g.layout.shard_numel * g.compute_dtype.itemsize for g in groups)
     stage = CopyEngineStage(shard_group, nbytes, groups[0].device)
-    op = CopyEngineAllGather(stage)
     for g in groups:
-        g.all_gather_op = op
+        g.all_gather_op = CopyEngineAllGather(stage, g)
     return stage
