@@ -192,7 +192,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-dir", default=None,
                    help="after timing, profile two more steps of each variant (GPU only: where the GPU waits, "
                         "printed; then CPU + GPU) and write rank 0's breakdown and op tables to "
-                        "DIR/profile_<config>_<variant>.txt, and its GPU kernels (name, start, end in us) to "
+                        "DIR/profile_<config>_<variant>.txt, and its GPU kernels (name, start, end in us, stream) to "
                         "DIR/profile_<config>_<variant>_kernels.json")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--timeout-s", type=int, default=600, help="process-group timeout")
@@ -600,13 +600,14 @@ def profile_step(step, device: torch.device, path: str) -> None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
             gpt.synchronize(device)
-        kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+        events = [e for e in prof.events()
+                  if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+        kernels = [(e.name, e.time_range.start, e.time_range.end) for e in events]
         gpu_time = timeline.describe(timeline.breakdown(kernels))
-        if dist.get_rank() == 0:  # every kernel's (name, start us, end us): for reading overlaps afterwards
+        if dist.get_rank() == 0:  # every kernel's (name, start us, end us, stream): for reading overlaps afterwards
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path.removesuffix(".txt") + "_kernels.json", "w") as f:
-                json.dump(kernels, f)
+                json.dump([k + (getattr(e, "device_resource_id", None),) for k, e in zip(kernels, events)], f)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     gpt.synchronize(device)
     t0 = time.perf_counter()
