@@ -194,6 +194,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "printed; then CPU + GPU) and write rank 0's breakdown and op tables to "
                         "DIR/profile_<config>_<variant>.txt, and its GPU kernels (name, start, end in us, stream) to "
                         "DIR/profile_<config>_<variant>_kernels.json")
+    p.add_argument("--sm-carveout", type=int, default=0, metavar="N",
+                   help="leave N SMs free of every cuBLAS matmul, in every variant (torch's "
+                        "_set_sm_carveout_experimental): room for communication kernels running beside them")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--timeout-s", type=int, default=600, help="process-group timeout")
     return p.parse_args(argv)
@@ -635,7 +638,8 @@ def profile_step(step, device: torch.device, path: str) -> None:
 def environment(device: torch.device, world: int, args) -> dict:
     env = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
                python=platform.python_version(), torch=torch.__version__, world=world, device=device.type,
-               steps=args.steps, warmup=args.warmup, dtype=args.dtype, tiny=args.tiny, init=args.init, tp=args.tp)
+               steps=args.steps, warmup=args.warmup, dtype=args.dtype, tiny=args.tiny, init=args.init, tp=args.tp,
+               sm_carveout=args.sm_carveout)
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         v = torch.cuda.nccl.version()
@@ -687,7 +691,9 @@ def write_report(results: List[dict], variants: List[Variant], env: dict, out_di
         f"{env['date']}, torch {env['torch']}" + (f", CUDA {env['cuda']}, NCCL {env['nccl']}" if "nccl" in env else "")
         + f", {env['steps']} timed steps after {env['warmup']} warm-up, {env['init']} init, compute {env['dtype']},"
         " fp32 master weights"
-        " and gradient reduction, AdamW." + (" **Tiny CPU smoke-test configs.**" if env["tiny"] else ""),
+        " and gradient reduction, AdamW." + (" **Tiny CPU smoke-test configs.**" if env["tiny"] else "")
+        + (f" Every variant's matmuls leave {env['sm_carveout']} SMs free (`--sm-carveout`)."
+           if env.get("sm_carveout") else ""),
         "",
         "Step time: median over timed steps (max over ranks). Peak: max_memory_allocated + NCCL symmetric pool"
         " + copy-engine buffer (max over ranks)"
@@ -809,6 +815,8 @@ def main(argv=None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh, tp_mesh = _meshes(device, world, args)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    if args.sm_carveout:
+        torch._C._set_sm_carveout_experimental(args.sm_carveout)
     table = TINY_CONFIGS if args.tiny else CONFIGS
     config_ids = [int(c) for c in args.configs.split(",") if c.strip()]
     variants = make_variants(args)

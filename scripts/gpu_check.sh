@@ -7,7 +7,7 @@
 #   against torch.distributed's collectives; timeline: where the GPU waits in each config's step; graphs: CUDA graph
 #   tests and captured step rows, bf16 and FP8 (GRAPH_PROBE=1: the per-feature probe too; GRAPH_GPUS=2: on 2 of the GPUs);
 #   graphhold: the whole-step graph with its first units held vs gathered per replay (GRAPH_CONFIGS, default 4);
-#   graphs6: config 6 with graphs; graphsx: configs 3 and 1 captured/graphed over symmetric memory and native collectives; graphsce: copy_engine_all_gather under graphs, configs 1-6; titan: torchtitan's
+#   graphs6: config 6 with graphs; graphsx: configs 3 and 1 captured/graphed over symmetric memory and native collectives; graphsce: copy_engine_all_gather under graphs, configs 1-6; carveout: matmuls leaving SMs to NCCL; titan: torchtitan's
 #   Trainer at the 8B shape, see scripts/gpu_titan.sh;
 #   nd: N-D layouts on 4 GPUs: Shard(1) GPU tests, dp2 x tp2 step rows at configs 1 and 6)
 #   scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
@@ -210,6 +210,14 @@ ours_graphed,ours_fp8_fused,ours_fp8_captured,ours_fp8_graphed --steps 10 --warm
             --extra-captured use_symm_mem=True --extra-captured native_collectives=True \
             --extra-graphed use_symm_mem=True --extra-graphed native_collectives=True --no-floor --steps 10 --warmup 3 \
             --profile-dir "$OUT/graph_timeline" --out "$OUT/graph_transports" ;;
+    carveout)  # configs 3 and 1 captured and graphed, both sides, with every cuBLAS matmul leaving N SMs free for the
+               # communication kernels beside it (CARVEOUTS, default 0 16 32; NCCL_MAX_CTAS as set; GRAPH_GPUS, default 2)
+        n=${GRAPH_GPUS:-2}
+        for c in ${CARVEOUTS:-0 16 32}; do
+            run carveout$c timeout -k 10 240 torchrun --standalone --nproc-per-node "$n" benchmarks/step.py \
+                --configs ${CARVEOUT_CONFIGS:-3,1} --impls fsdp2_captured,ours_captured,ours_graphed --sm-carveout $c \
+                --no-floor --steps 10 --warmup 3 --out "$OUT/carveout$c"
+        done ;;
     graphsce)  # copy_engine_all_gather against NCCL's all-gather under CUDA graphs, configs 1-6 (GRAPH_GPUS or all);
                # its GPU test unless the tests stage ran
         n=${GRAPH_GPUS:-$(nvidia-smi -L | wc -l)}
