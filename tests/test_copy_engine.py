@@ -1,9 +1,11 @@
-"""The copy-engine all-gather's piece mapping (mfsdp_ext.comm.copy_engine), on 2 and 4 gloo ranks.
+"""The copy-engine all-gather (mfsdp_ext.comm.copy_engine): its piece mapping on 2 and 4 gloo ranks, and the order in
+which it uses its two buffers.
 
 On GPUs each rank reads its peers' symmetric buffers directly (tests/test_gpu.py::test_copy_engine_all_gather).
 Here a gloo all-gather of the buffers takes the place of that mapping, inside the barrier, so the copies the
-all-gather makes (which rank's buffer, which offset, which parameter piece) are checked against the plain
-all-gather on every group of a model, for shards that split parameters unevenly across ranks.
+all-gather makes (which rank's buffer, which offset, which parameter piece, in place or through the staging buffer)
+are checked against the plain all-gather on every group of a model, for shards that split parameters unevenly
+across ranks.
 """
 
 from __future__ import annotations
@@ -14,20 +16,26 @@ import torch
 import torch.distributed as dist
 
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard
-from mfsdp_ext.comm.copy_engine import CopyEngineAllGather, CopyEngineStage, gathers_by_copy_engine
+from mfsdp_ext.comm.copy_engine import BufferTurns, CopyEngineAllGather, CopyEngineStage, gathers_by_copy_engine
 
 from .models import TinyLM, batch, lm_loss, shard_tiny_lm
 
 
 class _ExchangedStage:
-    """CopyEngineStage's interface over CPU buffers: its barrier all-gathers every rank's buffer into ``peers``."""
+    """CopyEngineStage's interface over CPU buffers: its barrier all-gathers every rank's buffers into ``peers``."""
 
     view = CopyEngineStage.view
+    next_buffer = CopyEngineStage.next_buffer
 
     def __init__(self, nbytes: int):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.peers = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(self.world)]
+        self.nbytes = nbytes
+        self.peers = [torch.zeros(2 * nbytes, dtype=torch.uint8) for _ in range(self.world)]
+        self.turns = BufferTurns()
         self.barriers = 0
+
+    def capture(self) -> int:
+        return 0
 
     def barrier(self) -> None:
         dist.all_gather(self.peers, self.peers[self.rank].clone())
@@ -43,24 +51,41 @@ def _case_pieces_match_plain_gather():
     lm_loss(model, tokens, targets).backward()  # lazy init; the groups' layouts and views exist from here
     groups = [g for u in model._mfsdp_unit.context.units for g in u.groups if gathers_by_copy_engine(g)]
     assert groups
-    checked = 0
+    paths = []
     for g in groups:
         stats = copy.copy(g.stats)
         slots = range(len(g.layout.slots))
         g.all_gather()
         plain = [g.unsharded.param_view(i).clone() for i in slots]
-        g.unsharded.data.zero_()
+        assert any(p.abs().sum() > 0 for p in plain)  # the weights are not all zero: the copies must write them
         stage = _ExchangedStage(g.layout.shard_numel * g.compute_dtype.itemsize)
-        g.all_gather(CopyEngineAllGather(stage, g))
-        assert stage.barriers == 2
-        for i in slots:
-            assert torch.equal(g.unsharded.param_view(i), plain[i]), (g.unit().name, i)
-        assert any(p.abs().sum() > 0 for p in plain)  # the weights are not all zero: the copies wrote them
+        op = CopyEngineAllGather(stage, g)
+        for gather in range(3):  # buffer 0, 1, 0: one barrier each (eager)
+            g.unsharded.data.zero_()
+            g.all_gather(op)
+            assert stage.barriers == gather + 1 and stage.turns.buffer == gather % 2
+            for i in slots:
+                assert torch.equal(g.unsharded.param_view(i), plain[i]), (g.unit().name, i, gather)
+        paths.append("in place" if op.in_place is not None else "staged")
         g.stats = stats
         g.free_unsharded()
-        checked += 1
-    return {"groups": checked}
+    return {"groups": len(groups), "paths": sorted(set(paths))}
 
 
 def test_pieces_match_plain_gather(cpu_pool):
-    print(cpu_pool.run(_case_pieces_match_plain_gather)[0])
+    results = cpu_pool.run(_case_pieces_match_plain_gather)
+    print(results[0])
+    assert results[0]["paths"] == ["in place", "staged"], results[0]  # both ways of copying were checked
+
+
+def test_buffer_turns():
+    """Buffers alternate; a barrier comes first at the first gather of each capture and at every eager gather
+    after a capture (a replay leaves the buffers in an order the host does not know)."""
+    turns = BufferTurns()
+    seq = [0, 0, 0, 7, 7, 7, 0, 0, 9, 9, 7]
+    got = [turns.next(capture) for capture in seq]
+    assert got == [(0, False), (1, False), (0, False),  # eager: each gather's own barrier protects the one after
+                   (1, True), (0, False), (1, False),  # capture 7: a barrier before its first gather only
+                   (0, True), (1, True),  # eager after a capture: always
+                   (0, True), (1, False),  # capture 9
+                   (0, True)], got  # capture 7 again (a re-capture with the same id still starts with one)

@@ -714,9 +714,10 @@ def test_graphed_two_optimizers(gpu_pool_from_one):
 
 def _case_copy_engine_all_gather():
     """fully_shard(copy_engine_all_gather=True): every unit's bf16 weights gathered by the copy engines from the
-    peers' symmetric buffers. 3 eager steps, then 6 steps of its whole step graphed (mfsdp_ext.graphed: the held
-    units gathered inside the optimizer step, all of it replayed) equal an eager twin on NCCL's all-gather bit for
-    bit (losses and fp32 shards); the FP8 groups of an FP8 model keep the plain all-gather."""
+    peers' symmetric buffers. 3 eager steps, then 8 steps of its whole step graphed (mfsdp_ext.graphed: the held
+    units gathered inside the optimizer step, all of it replayed) with an eager evaluation forward before the last
+    two, equal an eager twin on NCCL's all-gather bit for bit (losses and fp32 shards); the FP8 groups of an FP8
+    model keep the plain all-gather."""
     import mfsdp_ext
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -739,8 +740,12 @@ def _case_copy_engine_all_gather():
     eager_ours, eager_twin = make_step(ours, opts[0]), make_step(twin, opts[1])
     graphed = mfsdp_ext.graphed(eager_ours, warmup=2)
     losses, twin_losses = [], []
-    for step in range(9):
+    for step in range(11):
         tokens, targets = (t.chunk(world)[rank] for t in batch(step, 32 * world, seq=16, vocab=64))
+        if step == 9:  # an eager forward between replays: its gathers wait at a barrier first (copy_engine.py)
+            with torch.no_grad():
+                losses.append(lm_loss(ours, tokens, targets).item())
+                twin_losses.append(lm_loss(twin, tokens, targets).item())
         losses.append((eager_ours if step < 3 else graphed)(tokens, targets).item())
         twin_losses.append(eager_twin(tokens, targets).item())
     ops = {g.all_gather_op.name for u in ours._mfsdp_unit.context.units for g in u.groups}
