@@ -3,10 +3,10 @@
 Why: NCCL's all-gather kernels run on SMs, and a matmul running beside them loses those SMs: one block of config 1
 gathered beside its q projection slows the projection 1.8-1.9x (benchmarks/overlap.py). Here each rank writes its
 shard into a buffer of torch's symmetric memory (mapped into every peer of the shard group), one barrier kernel says
-every shard is written, and every rank copies each rank's whole shard from its buffer with one device-to-device copy,
-which the copy engines carry over NVLink, into a rank-major staging buffer; one kernel then puts the pieces in place
-(a group of one parameter takes the copies in place, no staging). All of it is issued on the all-gather stream and
-captures in a CUDA graph.
+every shard is written, and every rank copies the pieces it needs from its peers' buffers straight into its
+parameters with device-to-device copies, which the copy engines carry over NVLink. Where a group's pieces are small
+(each copy's fixed cost would dominate), it copies each rank's whole shard into a rank-major staging buffer instead
+and one kernel puts the pieces in place. All of it is issued on the all-gather stream and captures in a CUDA graph.
 
 Two buffers, used in turn, make one barrier per gather enough: a rank writes a buffer again only two gathers later,
 after the barrier of the gather between, which every peer reaches only once its copies out of that buffer are done.
@@ -128,11 +128,17 @@ class CopyEngineStage:
         self.handle.barrier(channel=0)
 
 
+# A copy engine copy costs a few microseconds before its first byte moves: pieces smaller than this on average go
+# through one copy per rank into a staging buffer and one unpacking kernel instead (measured on H200, configs 1 and 3
+# of benchmarks/step.py: 5.7 MB pieces are faster copied in place, 1.4 MB and 0.7 MB ones staged).
+STAGE_PIECES_BELOW_BYTES = 2 << 20
+
+
 class CopyEngineAllGather:
-    """One group's gather: its shard into this rank's next buffer, a barrier, each rank's shard copied from that
-    rank's buffer (into the parameters when the group has one, else into a rank-major staging buffer whose pieces
-    one kernel puts in place). The views and the copy plan are made once: the group's pieces and the buffers keep
-    their storage for the model's life."""
+    """One group's gather: its shard into this rank's next buffer, a barrier, then every piece of every rank's shard
+    copied from that rank's buffer into the parameters, or, where the pieces are small, each rank's whole shard into
+    a rank-major staging buffer whose pieces one kernel puts in place. The views and the copy plan are made once:
+    the group's pieces and the buffers keep their storage for the model's life."""
 
     name = "copy_engine"
 
@@ -142,16 +148,17 @@ class CopyEngineAllGather:
         self.own = [stage.view(stage.rank, b, shard, dtype) for b in (0, 1)]
         self.sources = [[stage.view(r, b, shard, dtype) for r in range(world)] for b in (0, 1)]
         self.offsets, self.pieces = list(g.rank_major_offsets), list(g.unsharded_pieces)
-        self.in_place = None  # buffer -> (piece, its source) per rank: a group of one parameter (one piece per rank)
-        if len(self.pieces) == world:
-            self.in_place = [[(piece, self.sources[b][offset // shard][offset % shard :][: piece.numel()])
-                              for offset, piece in zip(self.offsets, self.pieces)] for b in (0, 1)]
+        piece_bytes = sum(p.numel() for p in self.pieces) * dtype.itemsize / max(len(self.pieces), 1)
+        self.staged = len(self.pieces) > world and piece_bytes < STAGE_PIECES_BELOW_BYTES
+        # per buffer: (piece of the unsharded parameters, where it lies in its rank's buffer)
+        self.in_place = [[(piece, self.sources[b][offset // shard][offset % shard :][: piece.numel()])
+                          for offset, piece in zip(self.offsets, self.pieces)] for b in (0, 1)]
 
     def __call__(self, g: ParamGroup) -> None:
         buffer = self.stage.next_buffer()
         g.write_shard(self.own[buffer])
         self.stage.barrier()
-        if self.in_place is not None:
+        if not self.staged:
             for piece, source in self.in_place[buffer]:
                 piece.copy_(source)
             return
@@ -159,6 +166,8 @@ class CopyEngineAllGather:
         for r, source in enumerate(self.sources[buffer]):
             staged[r * self.shard : (r + 1) * self.shard].copy_(source)
         _native.unpack(staged, self.offsets, self.pieces)
+
+
 def use_copy_engine_all_gather(units) -> Optional[CopyEngineStage]:
     """Give the groups of units with copy_engine_all_gather=True the copy-engine all-gather; return the stage they
     share (None when no group uses it). Collective over the shard group: every rank calls it alike."""
