@@ -29,7 +29,7 @@ ends far from FSDP2's); ``--init meta`` builds on the meta device and initialise
 For every config each variant is built, warmed up (``--warmup`` steps) and timed (``--steps`` steps, CUDA
 events around each step; a step's time is the max over ranks), then freed before the next one; the order of
 the variants rotates from config to config. Peak memory is ``max_memory_allocated`` plus the NCCL symmetric
-pool of ``use_symm_mem`` and the buffer of ``copy_engine_all_gather`` (max over ranks), the peak stats reset
+pool of ``use_symm_mem`` and the copy engines' buffers (max over ranks), the peak stats reset
 before each variant (after ``--init full`` has dropped the transient full model).
 
 The floor: forward + backward of the *unsharded* bf16 model on rank 0's GPU (no communication at all; per
@@ -550,13 +550,13 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
         import resource
 
         mem = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0, 0.0], dtype=torch.float64)
-    # NCCL's symmetric pool (use_symm_mem) comes from ncclMemAlloc and copy_engine_all_gather's buffer from torch's
+    # NCCL's symmetric pool (use_symm_mem) comes from ncclMemAlloc and the copy engines' buffers from torch's
     # symmetric memory: the caching allocator sees neither
     context = getattr(getattr(model, "_mfsdp_unit", None), "context", None)
     if getattr(context, "symmetric", None) is not None:
         mem += float(context.symmetric.comm.native.capacity)
-    if getattr(context, "copy_engine", None) is not None:
-        mem += float(context.copy_engine.buffer.numel())
+    for stage in getattr(context, "copy_engines", []):
+        mem += float(stage.buffer.numel())
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
     loss_first, loss_last = float(losses[0]), float(losses[-1])
     del step  # its CUDA graph first: NCCL keeps the symmetric windows a live graph captured

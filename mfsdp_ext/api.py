@@ -33,7 +33,8 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
                 mp_policy=MixedPrecisionPolicy(), offload_policy=None, ignored_params: Optional[set] = None,
                 dp_mesh_dims=None, sharding_strategy: Union[str, Strategy] = Strategy.OPTIM_GRADS_PARAMS,
                 use_symm_mem: Union[bool, str] = False, native_collectives: bool = False, verbose: bool = False,
-                check_finite_grads: bool = False, copy_engine_all_gather: bool = False) -> Union[nn.Module, list]:
+                check_finite_grads: bool = False, copy_engine_all_gather: bool = False,
+                copy_engine_reduce_scatter: bool = False) -> Union[nn.Module, list]:
     """Shard ``module``'s parameters (those no inner ``fully_shard`` unit owns) over ``mesh``, in place.
 
     Apply bottom-up (blocks first, then the root). Afterwards ``module.parameters()`` are fp32 DTensor shards
@@ -55,9 +56,9 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
     on the root: after each backward, raise NonFiniteGradError on every rank naming the first parameter whose
     reduced gradient holds NaN or inf. ``native_collectives=True`` (NCCL only) issues the unit's collectives
     through mfsdp_ext's own NCCL communicator instead of ProcessGroupNCCL: less host time per collective, but no
-    watchdog timeout (see ``mfsdp_ext.comm.native``). ``copy_engine_all_gather=True`` (GPUs of one host) gathers the
-    unit's weights with the copy engines from peer-mapped memory instead of NCCL's kernels, leaving every SM to the
-    compute beside it; more host time per gather in eager steps (see ``mfsdp_ext.comm.copy_engine``).
+    watchdog timeout (see ``mfsdp_ext.comm.native``). ``copy_engine_all_gather=True`` / ``copy_engine_reduce_scatter=True``
+    (GPUs of one host) move the unit's weights / bf16 gradients with the copy engines through peer-mapped memory
+    instead of NCCL's kernels, leaving every SM to the compute beside them (see ``mfsdp_ext.comm.copy_engine``).
     """
     modules = _modules_of(module)
     mp_policy = as_mfsdp_policy(mp_policy)
@@ -76,12 +77,16 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
         return module  # all no_shard: no unit, no hooks; the enclosing unit (the root's) holds them
     shard_init.check_devices(params, device)
     shard_init.move_buffers(modules, device)
-    copy_engine_all_gather = copy_engine_available(copy_engine_all_gather, shard_group, use_symm_mem)
+    copy_engine_all_gather = copy_engine_available(copy_engine_all_gather, "copy_engine_all_gather", shard_group,
+                                                   use_symm_mem)
+    copy_engine_reduce_scatter = copy_engine_available(copy_engine_reduce_scatter, "copy_engine_reduce_scatter",
+                                                       shard_group, use_symm_mem)
     use_symm_mem = _symmetric_memory(use_symm_mem, shard_group, any(own is not mesh for _, own in placed.values()))
     native_collectives = native_collectives_available(native_collectives, shard_group)
     groups = shard_init.make_groups(modules, params, mesh, device, mp_policy, strategy, placed, spmd_of)
     unit = FsdpUnit(modules, groups, strategy, reshard_after_forward, mp_policy, device, use_symm_mem,
-                    native_collectives, verbose, check_finite_grads, copy_engine_all_gather)
+                    native_collectives, verbose, check_finite_grads, copy_engine_all_gather,
+                    copy_engine_reduce_scatter)
     for m in modules:
         _become_fsdp_module(m, unit)
     checkpoint.register_state_dict_hooks(modules, groups)

@@ -70,7 +70,7 @@ class FsdpContext:
         # compute stream has waited for them (so the optimizer step can reuse that memory at once); None otherwise
         self.grads_freed_at_end: Optional[list] = None
         self.symmetric: Optional["SymmetricStages"] = None  # when some unit uses NCCL symmetric memory
-        self.copy_engine: Optional["CopyEngineStage"] = None  # when some unit gathers through the copy engines
+        self.copy_engines: list["CopyEngineStage"] = []  # where some unit's collectives use the copy engines
         self.weights_epoch = 0  # part of every gather's weights version: see note_forward_mode
         self.last_forward_training = True
         self.trained = False  # a training forward ran (the root's, with grad mode on)

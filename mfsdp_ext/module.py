@@ -183,9 +183,10 @@ class FsdpModule(_TorchFSDPModule):
         if unit.context is not None:
             raise RuntimeError("set_symm_mem_for_comm: call it before the first forward; the collectives are "
                                "chosen there (or pass use_symm_mem=True to fully_shard)")
-        if unit.copy_engine_all_gather:
-            raise ValueError("set_symm_mem_for_comm: this unit gathers with copy_engine_all_gather=True; symmetric "
-                             "memory and the copy engines are two all-gathers: pass one")
+        for name in ("copy_engine_all_gather", "copy_engine_reduce_scatter"):
+            if getattr(unit, name):
+                raise ValueError(f"set_symm_mem_for_comm: this unit has {name}=True; symmetric memory and the copy "
+                                 "engines are two ways to move the same bytes: pass one")
         from .comm.symmetric.comm import is_available
 
         ok, why = is_available(unit.groups[0].shard_group if unit.groups else None)

@@ -23,7 +23,7 @@ from torch.autograd import Variable
 
 from . import capture, finite_grads, same_model, summary, tensor_tree
 from .comm.collectives import all_gather_together
-from .comm.copy_engine import use_copy_engine_all_gather
+from .comm.copy_engine import use_copy_engines
 from .comm.native import use_native_collectives
 from .comm.symmetric.choose import choose_symmetric
 from .context import FsdpContext
@@ -77,7 +77,8 @@ class FsdpUnit:
     def __init__(self, modules: list[nn.Module], groups: list[ParamGroup], strategy: Strategy,
                  reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy, device: torch.device,
                  use_symm_mem: bool | str = False, native_collectives: bool = False, verbose: bool = False,
-                 check_finite_grads: bool = False, copy_engine_all_gather: bool = False):
+                 check_finite_grads: bool = False, copy_engine_all_gather: bool = False,
+                 copy_engine_reduce_scatter: bool = False):
         self.modules = modules
         self.module = modules[0]  # a root unit is over one module (lazy_init)
         self.name = "+".join(type(m).__name__ for m in modules)
@@ -88,7 +89,8 @@ class FsdpUnit:
         self.device = device
         self.use_symm_mem = use_symm_mem  # False, True or "auto" (resolved at lazy init)
         self.native_collectives = native_collectives  # the groups get the native transport at lazy init
-        self.copy_engine_all_gather = copy_engine_all_gather  # the groups get the copy-engine gather at lazy init
+        # the groups get the copy-engine gather and gradient exchange at lazy init
+        self.copy_engine_all_gather, self.copy_engine_reduce_scatter = copy_engine_all_gather, copy_engine_reduce_scatter
         self.verbose = verbose  # the root prints the unit summary at its first forward
         self.check_finite_grads = check_finite_grads  # the root's applies to its whole tree
         self.context: Optional[FsdpContext] = None
@@ -151,7 +153,7 @@ class FsdpUnit:
             unit.context = ctx
         use_native_collectives(units)  # before the symmetric choice, which may replace them
         ctx.symmetric = choose_symmetric(units)
-        ctx.copy_engine = use_copy_engine_all_gather(units)
+        ctx.copy_engines = use_copy_engines(units)
         if summary.wanted(self.verbose):
             summary.print_summary(self.module, units)
         return ctx

@@ -1,11 +1,11 @@
-"""The copy-engine all-gather (mfsdp_ext.comm.copy_engine): its piece mapping on 2 and 4 gloo ranks, and the order in
-which it uses its two buffers.
+"""The copy-engine collectives (mfsdp_ext.comm.copy_engine): the all-gather's piece mapping and the gradient
+exchange's chunks on 2 and 4 gloo ranks, and the order in which they use their two buffers.
 
 On GPUs each rank reads its peers' symmetric buffers directly (tests/test_gpu.py::test_copy_engine_all_gather).
 Here a gloo all-gather of the buffers takes the place of that mapping, inside the barrier, so the copies the
 all-gather makes (which rank's buffer, which offset, which parameter piece, in place or through the staging buffer)
 are checked against the plain all-gather on every group of a model, for shards that split parameters unevenly
-across ranks.
+across ranks; the gradients that arrive, against the plain all-to-all's.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard
-from mfsdp_ext.comm.copy_engine import BufferTurns, CopyEngineAllGather, CopyEngineStage, gathers_by_copy_engine
+from mfsdp_ext.comm.collectives import TORCH_TRANSPORT
+from mfsdp_ext.comm.copy_engine import (BufferTurns, CopyEngineAllGather, CopyEngineReduceScatter, CopyEngineStage,
+                                        gathers_by_copy_engine, reduces_by_copy_engine)
 
 from .models import TinyLM, batch, lm_loss, shard_tiny_lm
 
@@ -72,6 +74,36 @@ def _case_pieces_match_plain_gather():
         g.stats = stats
         g.free_unsharded()
     return {"groups": len(groups), "paths": sorted(set(paths))}
+
+
+def _case_arrived_match_plain_all_to_all():
+    torch.manual_seed(7)
+    # the bf16 wire (NCCL's default on one host; asked for here over gloo): gradients travel in bf16, summed in fp32
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                  reduce_comm_dtype=torch.bfloat16)
+    model = shard_tiny_lm(TinyLM(vocab=37, dim=12, ffn=20, n_layers=2, tie=False), fully_shard, mp_policy=policy)
+    tokens, targets = batch(0, 8, seq=4, vocab=37)
+    lm_loss(model, tokens, targets).backward()
+    groups = [g for u in model._mfsdp_unit.context.units for g in u.groups if reduces_by_copy_engine(g)]
+    assert groups
+    torch.manual_seed(100 + dist.get_rank())  # every rank its own gradients
+    for g in groups:
+        for info in g.infos:
+            info.unsharded.grad = torch.randn_like(info.unsharded, dtype=g.compute_dtype)
+        plain = TORCH_TRANSPORT.reduce_scatter_op(g, 0.5)
+        stage = _ExchangedStage(g.layout.rank_major_numel * g.reduce_comm_dtype.itemsize)
+        op = CopyEngineReduceScatter(stage, g)
+        for exchange in range(3):
+            arrived = op(g, 0.5)
+            assert stage.barriers == exchange + 1 and arrived.scale == plain.scale
+            assert torch.equal(arrived.parts, plain.parts), (g.unit().name, exchange)
+        assert plain.parts.abs().sum() > 0
+        g.drop_unsharded_grads()
+    return {"groups": len(groups)}
+
+
+def test_arrived_match_plain_all_to_all(cpu_pool):
+    print(cpu_pool.run(_case_arrived_match_plain_all_to_all)[0])
 
 
 def test_pieces_match_plain_gather(cpu_pool):

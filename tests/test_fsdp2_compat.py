@@ -72,10 +72,11 @@ def _case_recognised_as_fsdp2():
         model.set_reduce_scatter_max_input_buffers(0)
     with pytest.raises(RuntimeError, match="set_symm_mem_for_comm: NCCL symmetric memory is unavailable"):
         model.blocks[0].set_symm_mem_for_comm()
-    model.blocks[1]._mfsdp_unit.copy_engine_all_gather = True  # as fully_shard(copy_engine_all_gather=True) on GPUs
-    with pytest.raises(ValueError, match="two all-gathers: pass one"):
-        model.blocks[1].set_symm_mem_for_comm()
-    model.blocks[1]._mfsdp_unit.copy_engine_all_gather = False
+    for name in ("copy_engine_all_gather", "copy_engine_reduce_scatter"):
+        setattr(model.blocks[1]._mfsdp_unit, name, True)  # as fully_shard(name=True) on GPUs
+        with pytest.raises(ValueError, match=f"{name}=True; symmetric memory and the copy engines"):
+            model.blocks[1].set_symm_mem_for_comm()
+        setattr(model.blocks[1]._mfsdp_unit, name, False)
     # FSDPModule.__new__ rebuilds the original class (container slicing), as for FSDP2's units
     seq = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).to(rank_device())
     fully_shard(seq)

@@ -553,6 +553,8 @@ def _case_errors():
                                       lambda: fully_shard(nn.Linear(4, 4), native_collectives=True))
         msgs["copy_engine_gloo"] = _expect(RuntimeError, "copy_engine_all_gather=True): it needs CUDA GPUs",
                                            lambda: fully_shard(nn.Linear(4, 4), copy_engine_all_gather=True))
+        msgs["copy_engine_rs_gloo"] = _expect(RuntimeError, "copy_engine_reduce_scatter=True): it needs CUDA GPUs",
+                                              lambda: fully_shard(nn.Linear(4, 4), copy_engine_reduce_scatter=True))
     msgs["native_not_bool"] = _expect(ValueError, "native_collectives must be True or False",
                                       lambda: fully_shard(nn.Linear(4, 4), native_collectives="auto"))
     msgs["native_no_shard"] = _expect(RuntimeError, "no_shard has no all-gather",
@@ -563,6 +565,11 @@ def _case_errors():
     msgs["copy_engine_and_symm"] = _expect(ValueError, "two all-gathers; pass one",
                                            lambda: fully_shard(nn.Linear(4, 4), copy_engine_all_gather=True,
                                                                use_symm_mem="auto"))
+    msgs["copy_engine_rs_not_bool"] = _expect(ValueError, "copy_engine_reduce_scatter must be True or False",
+                                              lambda: fully_shard(nn.Linear(4, 4), copy_engine_reduce_scatter="on"))
+    msgs["copy_engine_rs_and_symm"] = _expect(ValueError, "two reduce-scatters; pass one",
+                                              lambda: fully_shard(nn.Linear(4, 4), copy_engine_reduce_scatter=True,
+                                                                  use_symm_mem=True))
     # release_symmetric_memory: on the root only; a no-op where nothing symmetric was allocated
     two = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     fully_shard(two[0])

@@ -712,18 +712,19 @@ def test_graphed_two_optimizers(gpu_pool_from_one):
     print(gpu_pool_from_one.run(_case_graphed_two_optimizers)[0])
 
 
-def _case_copy_engine_all_gather():
-    """fully_shard(copy_engine_all_gather=True): every unit's bf16 weights gathered by the copy engines from the
-    peers' symmetric buffers. 3 eager steps, then 8 steps of its whole step graphed (mfsdp_ext.graphed: the held
-    units gathered inside the optimizer step, all of it replayed) with an eager evaluation forward before the last
-    two, equal an eager twin on NCCL's all-gather bit for bit (losses and fp32 shards); the FP8 groups of an FP8
-    model keep the plain all-gather."""
+def _case_copy_engines():
+    """fully_shard(copy_engine_all_gather=True, copy_engine_reduce_scatter=True): every unit's bf16 weights gathered
+    and its bf16 gradients exchanged by the copy engines through the peers' symmetric buffers. 3 eager steps, then 8
+    steps of its whole step graphed (mfsdp_ext.graphed: the held units gathered inside the optimizer step, all of it
+    replayed) with an eager evaluation forward before the last two, equal an eager twin on NCCL's collectives bit
+    for bit (losses and fp32 shards); the FP8 groups of an FP8 model keep the plain all-gather."""
     import mfsdp_ext
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     torch.manual_seed(23)
     base = TinyLM(vocab=64, dim=64, ffn=128, n_layers=3, tie=False).to(rank_device())
-    ours = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=policy, copy_engine_all_gather=True)
+    ours = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=policy, copy_engine_all_gather=True,
+                         copy_engine_reduce_scatter=True)
     twin = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=policy)
     opts = [mfsdp_ext.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, twin)]
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -748,7 +749,8 @@ def _case_copy_engine_all_gather():
                 twin_losses.append(lm_loss(twin, tokens, targets).item())
         losses.append((eager_ours if step < 3 else graphed)(tokens, targets).item())
         twin_losses.append(eager_twin(tokens, targets).item())
-    ops = {g.all_gather_op.name for u in ours._mfsdp_unit.context.units for g in u.groups}
+    ops = {op.name for u in ours._mfsdp_unit.context.units for g in u.groups
+           for op in (g.all_gather_op, g.reduce_scatter_op)}
     assert ops == ({"copy_engine"} if world > 1 else {"plain"}), ops
     assert graphed.captures == 1, graphed.captures
     assert losses == twin_losses, (losses, twin_losses)
@@ -762,8 +764,8 @@ def _case_copy_engine_all_gather():
     return {"losses": losses[-3:], "ops": sorted(ops)}
 
 
-def test_copy_engine_all_gather(gpu_pool_from_one):
-    print(gpu_pool_from_one.run(_case_copy_engine_all_gather)[0])
+def test_copy_engines(gpu_pool_from_one):
+    print(gpu_pool_from_one.run(_case_copy_engines)[0])
 
 
 def _case_release_symmetric_memory_graphed():

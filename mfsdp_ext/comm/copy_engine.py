@@ -1,24 +1,32 @@
-"""The all-gather through the GPUs' copy engines: ``fully_shard(copy_engine_all_gather=True)``.
+"""Collectives through the GPUs' copy engines: ``fully_shard(copy_engine_all_gather=True)`` and
+``fully_shard(copy_engine_reduce_scatter=True)``.
 
-Why: NCCL's all-gather kernels run on SMs, and a matmul running beside them loses those SMs: one block of config 1
-gathered beside its q projection slows the projection 1.8-1.9x (benchmarks/overlap.py). Here each rank writes its
-shard into a buffer of torch's symmetric memory (mapped into every peer of the shard group), one barrier kernel says
-every shard is written, and every rank copies the pieces it needs from its peers' buffers straight into its
-parameters with device-to-device copies, which the copy engines carry over NVLink. Where a group's pieces are small
-(each copy's fixed cost would dominate), it copies each rank's whole shard into a rank-major staging buffer instead
-and one kernel puts the pieces in place. All of it is issued on the all-gather stream and captures in a CUDA graph.
+Why: NCCL's kernels run on SMs, and a kernel running beside them loses those SMs: one block of config 1 gathered
+beside its q projection slows the projection 1.8-1.9x (benchmarks/overlap.py), and config 3's backward matmuls run
+up to 2.5x slower beside NCCL's gradient exchange. Here each rank writes into a buffer of torch's symmetric memory
+(mapped into every peer of the shard group), one barrier kernel says every rank has written, and every rank copies
+what it needs out of its peers' buffers with device-to-device copies, which the copy engines carry over NVLink.
 
-Two buffers, used in turn, make one barrier per gather enough: a rank writes a buffer again only two gathers later,
-after the barrier of the gather between, which every peer reaches only once its copies out of that buffer are done.
-That holds while every rank runs the same gathers in one stream order. It does not hold across the edges of a CUDA
-graph: a replay repeats the captured buffer order whatever ran before it, and eager gathers after a replay do not
-know which buffer it ended on. So the first gather of a capture, and every eager gather once the stage has been
-captured, waits at a barrier first (``BufferTurns``).
+  all-gather     each rank's bf16 shard; the pieces copied straight into the parameters, or, where a group's pieces
+                 are small (each copy's fixed cost would dominate), each rank's whole shard into a rank-major staging
+                 buffer that one kernel unpacks
+  reduce-scatter the gradients packed rank-major in the dtype they travel in (reduce_comm_dtype: the default bf16
+                 wire), this rank's chunk copied from every rank, summed in fp32 as after NCCL's all-to-all: the same
+                 bits. Groups whose reduce-scatter sums in flight (reduce_comm_dtype == reduce_dtype) keep NCCL's.
+
+All of it is issued on the collective's stream and captures in a CUDA graph.
+
+Two buffers per direction, used in turn, make one barrier per collective enough: a rank writes a buffer again only
+two collectives later, after the barrier of the one between, which every peer reaches only once its copies out of
+that buffer are done. That holds while every rank runs the same collectives in one stream order. It does not hold
+across the edges of a CUDA graph: a replay repeats the captured buffer order whatever ran before it, and eager
+collectives after a replay do not know which buffer it ended on. So the first collective of a capture, and every
+eager one once the stage has been captured, waits at a barrier first (``BufferTurns``).
 
 What it needs: CUDA GPUs whose ranks of the shard group all reach each other's memory (one host, NVLink or PCIe
-peer access), torch's symmetric memory. Two buffers per shard group, each the size of the largest group's shard,
-held while the model lives. FP8 groups and groups split along dim > 0 keep the plain all-gather. The reduce-scatter
-is unchanged.
+peer access), torch's symmetric memory. Per direction two buffers, each the largest group's shard (all-gather) or
+its whole packed gradients (reduce-scatter), held while the model lives. FP8 groups and groups split along dim > 0
+keep the plain all-gather.
 """
 
 from __future__ import annotations
@@ -32,14 +40,14 @@ import torch.distributed as dist
 from .. import _native
 from .._native import current_capture_id
 from . import dist_ops
-from .collectives import ParamGroup
+from .collectives import ArrivedShards, ParamGroup
 
 
 def unavailable_reason(group: Optional[dist.ProcessGroup]) -> Optional[str]:
-    """Why ``copy_engine_all_gather=True`` cannot run over ``group``, or None when it can (checked at
+    """Why the copy engines cannot carry a unit's collectives over ``group``, or None when they can (checked at
     fully_shard time; whether every peer is reachable shows at the first forward)."""
     if group is None:
-        return "no_shard has no all-gather"
+        return "no_shard has no all-gather or reduce-scatter"
     reason = dist_ops.cuda_nccl_reason(group)
     if reason is not None:
         return reason
@@ -50,24 +58,33 @@ def unavailable_reason(group: Optional[dist.ProcessGroup]) -> Optional[str]:
     return None
 
 
-def check_available(copy_engine_all_gather: bool, group: Optional[dist.ProcessGroup], use_symm_mem) -> bool:
-    """fully_shard's check: an error that says what to do, or the setting."""
-    if copy_engine_all_gather not in (False, True):
-        raise ValueError(f"copy_engine_all_gather must be True or False, got {copy_engine_all_gather!r}")
-    if not copy_engine_all_gather:
+def check_available(value: bool, name: str, group: Optional[dist.ProcessGroup], use_symm_mem) -> bool:
+    """fully_shard's check of ``name`` (copy_engine_all_gather or copy_engine_reduce_scatter) = ``value``: an
+    error that says what to do, or the setting."""
+    if value not in (False, True):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    if not value:
         return False
     if use_symm_mem:
-        raise ValueError("fully_shard: copy_engine_all_gather=True and use_symm_mem are two all-gathers; pass one")
+        what = name.removeprefix("copy_engine_").replace("_", "-")
+        raise ValueError(f"fully_shard: {name}=True and use_symm_mem are two {what}s; pass one")
     reason = unavailable_reason(group)
     if reason is not None:
-        raise RuntimeError(f"fully_shard(copy_engine_all_gather=True): {reason}. Pass copy_engine_all_gather=False "
-                           "(the default: NCCL's all-gather).")
+        raise RuntimeError(f"fully_shard({name}=True): {reason}. Pass {name}=False (the default: NCCL's "
+                           "collectives).")
     return True
 
 
 def gathers_by_copy_engine(g: ParamGroup) -> bool:
     """Whether the group's all-gather can go through the copy engines (the others keep theirs)."""
     return g.world > 1 and not g.fp8 and not any(slot.dim for slot in g.layout.slots)
+
+
+def reduces_by_copy_engine(g: ParamGroup) -> bool:
+    """Whether the group's gradient exchange can go through the copy engines: the all-to-all of gradients sent
+    narrower than they are summed (reduce_comm_dtype, the bf16 wire: pure copies); a reduce-scatter that sums in
+    flight keeps NCCL's."""
+    return g.sums_on_arrival
 
 
 class BufferTurns:
@@ -88,13 +105,15 @@ class BufferTurns:
 
 
 class CopyEngineStage:
-    """This rank's two buffers in torch's symmetric memory over one shard group, and views of every peer's."""
+    """This rank's two buffers in torch's symmetric memory over one shard group, and views of every peer's. The
+    gathers (on the all-gather stream) and the gradient exchanges (on the reduce stream) have one stage each, with
+    barriers on channels of their own."""
 
-    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device):
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device, channel: int):
         import torch.distributed._symmetric_memory as symm_mem
 
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.device, self.nbytes = device, nbytes
+        self.device, self.nbytes, self.channel = device, nbytes, channel
         self.buffer = symm_mem.empty(2 * nbytes, dtype=torch.uint8, device=device)
         try:
             self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
@@ -125,7 +144,7 @@ class CopyEngineStage:
 
     def barrier(self) -> None:
         """Every rank of the group reaches this point of its current stream (a kernel; no host wait)."""
-        self.handle.barrier(channel=0)
+        self.handle.barrier(channel=self.channel)
 
 
 # A copy engine copy costs a few microseconds before its first byte moves: pieces smaller than this on average go
@@ -168,17 +187,52 @@ class CopyEngineAllGather:
         _native.unpack(staged, self.offsets, self.pieces)
 
 
-def use_copy_engine_all_gather(units) -> Optional[CopyEngineStage]:
-    """Give the groups of units with copy_engine_all_gather=True the copy-engine all-gather; return the stage they
-    share (None when no group uses it). Collective over the shard group: every rank calls it alike."""
-    groups = [g for u in units if u.copy_engine_all_gather for g in u.groups if gathers_by_copy_engine(g)]
-    if not groups:
-        return None
-    shard_group = groups[0].shard_group
-    if any(g.shard_group is not shard_group for g in groups):
-        raise ValueError("copy_engine_all_gather: all units under one root must shard over the same group")
-    nbytes = max(g.layout.shard_numel * g.compute_dtype.itemsize for g in groups)
-    stage = CopyEngineStage(shard_group, nbytes, groups[0].device)
-    for g in groups:
-        g.all_gather_op = CopyEngineAllGather(stage, g)
-    return stage
+class CopyEngineReduceScatter:
+    """One group's gradient exchange (reduces_by_copy_engine): what PlainReduceScatter's all-to-all delivers, through
+    the copy engines. Its grads packed rank-major in their own dtype into this rank's next buffer, a barrier, then
+    this rank's chunk copied out of every rank's buffer: the shards that arrived, summed where they go
+    (ArrivedShards), with the same bits as NCCL's all-to-all."""
+
+    name = "copy_engine"
+
+    def __init__(self, stage: CopyEngineStage, g: ParamGroup):
+        shard, dtype, world, rank = g.layout.shard_numel, g.reduce_comm_dtype, stage.world, stage.rank
+        self.stage, self.shard, self.dtype = stage, shard, dtype
+        self.packed = [stage.view(rank, b, world * shard, dtype) for b in (0, 1)]
+        self.chunks = [[stage.view(r, b, world * shard, dtype)[rank * shard : (rank + 1) * shard]
+                        for r in range(world)] for b in (0, 1)]
+
+    def __call__(self, g: ParamGroup, scale: float) -> ArrivedShards:
+        buffer = self.stage.next_buffer()
+        g.pack_grads(self.packed[buffer], 1.0)
+        self.stage.barrier()
+        arrived = torch.empty(self.stage.world, self.shard, dtype=self.dtype, device=self.packed[0].device)
+        for r, chunk in enumerate(self.chunks[buffer]):
+            arrived[r].copy_(chunk)
+        return ArrivedShards(arrived, scale)
+
+
+def use_copy_engines(units) -> list[CopyEngineStage]:
+    """Give the groups of units with copy_engine_all_gather=True the copy-engine all-gather, and those of units with
+    copy_engine_reduce_scatter=True the copy-engine gradient exchange; return the stages they share (one per
+    direction, none when no group uses it). Collective over the shard group: every rank calls it alike."""
+    stages = []
+    for flag, eligible, op, nbytes_of in (
+            ("copy_engine_all_gather", gathers_by_copy_engine, CopyEngineAllGather,
+             lambda g: g.layout.shard_numel * g.compute_dtype.itemsize),
+            ("copy_engine_reduce_scatter", reduces_by_copy_engine, CopyEngineReduceScatter,
+             lambda g: g.layout.rank_major_numel * g.reduce_comm_dtype.itemsize)):
+        groups = [g for u in units if getattr(u, flag) for g in u.groups if eligible(g)]
+        if not groups:
+            continue
+        shard_group = groups[0].shard_group
+        if any(g.shard_group is not shard_group for g in groups):
+            raise ValueError(f"{flag}: all units under one root must shard over the same group")
+        stage = CopyEngineStage(shard_group, max(map(nbytes_of, groups)), groups[0].device, channel=len(stages))
+        for g in groups:
+            if op is CopyEngineAllGather:
+                g.all_gather_op = op(stage, g)
+            else:
+                g.reduce_scatter_op = op(stage, g)
+        stages.append(stage)
+    return stages
