@@ -56,7 +56,7 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
     on the root: after each backward, raise NonFiniteGradError on every rank naming the first parameter whose
     reduced gradient holds NaN or inf. ``native_collectives=True`` (NCCL only) issues the unit's collectives
     through mfsdp_ext's own NCCL communicator instead of ProcessGroupNCCL: less host time per collective, but no
-    watchdog timeout (see ``mfsdp_ext.comm.native``). ``copy_engine_all_gather=True`` / ``copy_engine_reduce_scatter=True``
+    watchdog timeout (see ``mfsdp_ext.comm.native``). ``copy_engine_all_gather`` / ``copy_engine_reduce_scatter=True``
     (GPUs of one host) move the unit's weights / bf16 gradients with the copy engines through peer-mapped memory
     instead of NCCL's kernels, leaving every SM to the compute beside them (see ``mfsdp_ext.comm.copy_engine``).
     """
