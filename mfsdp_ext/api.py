@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 from . import checkpoint, dtensor_norms, shard_init, spmd_mesh
 from .marks import is_marked
 from .mixed_precision import MixedPrecisionPolicy, as_mfsdp_policy
-from .comm.copy_engine import check_available as copy_engine_available
+from .comm.copy_engine import checked as copy_engines_checked
 from .comm.native import check_available as native_collectives_available
 from .module import FsdpModule
 from .states import Strategy
@@ -77,10 +77,8 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
         return module  # all no_shard: no unit, no hooks; the enclosing unit (the root's) holds them
     shard_init.check_devices(params, device)
     shard_init.move_buffers(modules, device)
-    copy_engine_all_gather = copy_engine_available(copy_engine_all_gather, "copy_engine_all_gather", shard_group,
-                                                   use_symm_mem)
-    copy_engine_reduce_scatter = copy_engine_available(copy_engine_reduce_scatter, "copy_engine_reduce_scatter",
-                                                       shard_group, use_symm_mem)
+    copy_engine_all_gather, copy_engine_reduce_scatter = copy_engines_checked(
+        copy_engine_all_gather, copy_engine_reduce_scatter, shard_group, use_symm_mem)
     use_symm_mem = _symmetric_memory(use_symm_mem, shard_group, any(own is not mesh for _, own in placed.values()))
     native_collectives = native_collectives_available(native_collectives, shard_group)
     groups = shard_init.make_groups(modules, params, mesh, device, mp_policy, strategy, placed, spmd_of)

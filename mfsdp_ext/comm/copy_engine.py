@@ -58,9 +58,16 @@ def unavailable_reason(group: Optional[dist.ProcessGroup]) -> Optional[str]:
     return None
 
 
+def checked(all_gather: bool, reduce_scatter: bool, group: Optional[dist.ProcessGroup],
+            use_symm_mem) -> tuple[bool, bool]:
+    """fully_shard's check of copy_engine_all_gather and copy_engine_reduce_scatter: errors that say what to do, or
+    the settings."""
+    return (check_available(all_gather, "copy_engine_all_gather", group, use_symm_mem),
+            check_available(reduce_scatter, "copy_engine_reduce_scatter", group, use_symm_mem))
+
+
 def check_available(value: bool, name: str, group: Optional[dist.ProcessGroup], use_symm_mem) -> bool:
-    """fully_shard's check of ``name`` (copy_engine_all_gather or copy_engine_reduce_scatter) = ``value``: an
-    error that says what to do, or the setting."""
+    """The check of one of them, ``name`` = ``value``."""
     if value not in (False, True):
         raise ValueError(f"{name} must be True or False, got {value!r}")
     if not value:
