@@ -82,9 +82,8 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
     use_symm_mem = _symmetric_memory(use_symm_mem, shard_group, any(own is not mesh for _, own in placed.values()))
     native_collectives = native_collectives_available(native_collectives, shard_group)
     groups = shard_init.make_groups(modules, params, mesh, device, mp_policy, strategy, placed, spmd_of)
-    unit = FsdpUnit(modules, groups, strategy, reshard_after_forward, mp_policy, device, use_symm_mem,
-                    native_collectives, verbose, check_finite_grads, copy_engine_all_gather,
-                    copy_engine_reduce_scatter)
+    unit = FsdpUnit(modules, groups, strategy, reshard_after_forward, mp_policy, device, use_symm_mem, native_collectives,
+                    verbose, check_finite_grads, copy_engine_all_gather, copy_engine_reduce_scatter)
     for m in modules:
         _become_fsdp_module(m, unit)
     checkpoint.register_state_dict_hooks(modules, groups)
