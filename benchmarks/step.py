@@ -696,7 +696,7 @@ def write_report(results: List[dict], variants: List[Variant], env: dict, out_di
            if env.get("sm_carveout") else ""),
         "",
         "Step time: median over timed steps (max over ranks). Peak: max_memory_allocated + NCCL symmetric pool"
-        " + copy-engine buffer (max over ranks)"
+        " + the copy engines' buffers (max over ranks)"
         + ("" if env["device"] == "cuda" else "; on CPU the process RSS high-water, cumulative over the run")
         + (". floor = unsharded bf16 fwd+bwd on one GPU (the faster of eager and a CUDA graph of it) x microbatches"
            " + torch's fused AdamW on one rank's fp32 shard" if graphed_floor else
