@@ -95,16 +95,16 @@ def reduces_by_copy_engine(g: ParamGroup) -> bool:
 
 
 class BufferTurns:
-    """Which of the two buffers the next gather writes, and whether it must first wait at a barrier (module
-    docstring): at the first gather of a capture, and at every eager gather once some gather was captured."""
+    """Which of a stage's two buffers its next collective writes, and whether it must first wait at a barrier
+    (module docstring): at the first collective of a capture, and at every eager one once some were captured."""
 
     def __init__(self):
-        self.buffer = 1  # the one the last gather wrote
-        self.capture = 0  # the capture the last gather ran in (0: eager)
+        self.buffer = 1  # the one the last collective wrote
+        self.capture = 0  # the capture the last collective ran in (0: eager)
         self.captured = False
 
     def next(self, capture: int) -> tuple[int, bool]:
-        """(buffer, barrier first) for a gather in the capture ``capture`` (0: eager)."""
+        """(buffer, barrier first) for a collective in the capture ``capture`` (0: eager)."""
         fence = capture != self.capture or (capture == 0 and self.captured)
         self.capture, self.captured = capture, self.captured or capture != 0
         self.buffer ^= 1
@@ -116,7 +116,7 @@ class CopyEngineStage:
     gathers (on the all-gather stream) and the gradient exchanges (on the reduce stream) have one stage each, with
     barriers on channels of their own."""
 
-    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device, channel: int):
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device, channel: int, flag: str):
         import torch.distributed._symmetric_memory as symm_mem
 
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -125,8 +125,8 @@ class CopyEngineStage:
         try:
             self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
         except Exception as e:  # e.g. a peer on another host: no peer access
-            raise RuntimeError(f"fully_shard(copy_engine_all_gather=True): the shard group's GPUs cannot map each "
-                               f"other's memory ({e}). Pass copy_engine_all_gather=False.") from e
+            raise RuntimeError(f"fully_shard({flag}=True): the shard group's GPUs cannot map each other's memory "
+                               f"({e}). Pass {flag}=False.") from e
         self.peers = [self.buffer if r == self.rank else self.handle.get_buffer(r, (2 * nbytes,), torch.uint8)
                       for r in range(self.world)]
         self.turns = BufferTurns()
@@ -143,7 +143,7 @@ class CopyEngineStage:
         return current_capture_id(self.device.index) or -1
 
     def next_buffer(self) -> int:
-        """The buffer the next gather writes, once no peer may still read it."""
+        """The buffer the next collective writes, once no peer may still read it."""
         buffer, fence = self.turns.next(self.capture())
         if fence:
             self.barrier()
@@ -235,7 +235,7 @@ def use_copy_engines(units) -> list[CopyEngineStage]:
         shard_group = groups[0].shard_group
         if any(g.shard_group is not shard_group for g in groups):
             raise ValueError(f"{flag}: all units under one root must shard over the same group")
-        stage = CopyEngineStage(shard_group, max(map(nbytes_of, groups)), groups[0].device, channel=len(stages))
+        stage = CopyEngineStage(shard_group, max(map(nbytes_of, groups)), groups[0].device, len(stages), flag)
         for g in groups:
             if op is CopyEngineAllGather:
                 g.all_gather_op = op(stage, g)
