@@ -1,7 +1,7 @@
 """The copy-engine collectives (mfsdp_ext.comm.copy_engine): the all-gather's piece mapping and the gradient
 exchange's chunks on 2 and 4 gloo ranks, and the order in which they use their two buffers.
 
-On GPUs each rank reads its peers' symmetric buffers directly (tests/test_gpu.py::test_copy_engine_all_gather).
+On GPUs each rank reads its peers' symmetric buffers directly (tests/test_gpu.py::test_copy_engines).
 Here a gloo all-gather of the buffers takes the place of that mapping, inside the barrier, so the copies the
 all-gather makes (which rank's buffer, which offset, which parameter piece, in place or through the staging buffer)
 are checked against the plain all-gather on every group of a model, for shards that split parameters unevenly
