@@ -153,7 +153,7 @@ class FsdpUnit:
             unit.context = ctx
         use_native_collectives(units)  # before the symmetric choice, which may replace them
         ctx.symmetric = choose_symmetric(units)
-        ctx.copy_engines = use_copy_engines(units)
+        ctx.copy_engines = use_copy_engines(units, ctx.device)
         if summary.wanted(self.verbose):
             summary.print_summary(self.module, units)
         return ctx

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard
 from mfsdp_ext.comm.collectives import TORCH_TRANSPORT
+from mfsdp_ext.device import DeviceHandle
 from mfsdp_ext.comm.copy_engine import (BufferTurns, CopyEngineAllGather, CopyEngineReduceScatter, CopyEngineStage,
                                         gathers_by_copy_engine, reduces_by_copy_engine)
 
@@ -31,13 +32,10 @@ class _ExchangedStage:
 
     def __init__(self, nbytes: int):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.nbytes = nbytes
+        self.nbytes, self.device = nbytes, DeviceHandle(torch.device("cpu"))  # never capturing
         self.peers = [torch.zeros(2 * nbytes, dtype=torch.uint8) for _ in range(self.world)]
         self.turns = BufferTurns()
         self.barriers = 0
-
-    def capture(self) -> int:
-        return 0
 
     def barrier(self) -> None:
         dist.all_gather(self.peers, self.peers[self.rank].clone())

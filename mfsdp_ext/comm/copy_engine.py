@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _native
-from .._native import current_capture_id
+from ..device import DeviceHandle
 from . import dist_ops
 from .collectives import ArrivedShards, ParamGroup
 
@@ -116,12 +116,12 @@ class CopyEngineStage:
     gathers (on the all-gather stream) and the gradient exchanges (on the reduce stream) have one stage each, with
     barriers on channels of their own."""
 
-    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device, channel: int, flag: str):
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: DeviceHandle, channel: int, flag: str):
         import torch.distributed._symmetric_memory as symm_mem
 
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.device, self.nbytes, self.channel = device, nbytes, channel
-        self.buffer = symm_mem.empty(2 * nbytes, dtype=torch.uint8, device=device)
+        self.buffer = symm_mem.empty(2 * nbytes, dtype=torch.uint8, device=device.device)
         try:
             self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
         except Exception as e:  # e.g. a peer on another host: no peer access
@@ -136,15 +136,9 @@ class CopyEngineStage:
         start = buffer * self.nbytes
         return self.peers[rank][start : start + numel * dtype.itemsize].view(dtype)
 
-    def capture(self) -> int:
-        """The CUDA graph capture the current stream belongs to (0: none)."""
-        if not torch.cuda.is_current_stream_capturing():
-            return 0
-        return current_capture_id(self.device.index) or -1
-
     def next_buffer(self) -> int:
         """The buffer the next collective writes, once no peer may still read it."""
-        buffer, fence = self.turns.next(self.capture())
+        buffer, fence = self.turns.next(self.device.capture_id())
         if fence:
             self.barrier()
         return buffer
@@ -219,15 +213,15 @@ class CopyEngineReduceScatter:
         return ArrivedShards(arrived, scale)
 
 
-def use_copy_engines(units) -> list[CopyEngineStage]:
+def use_copy_engines(units, device: DeviceHandle) -> list[CopyEngineStage]:
     """Give the groups of units with copy_engine_all_gather=True the copy-engine all-gather, and those of units with
     copy_engine_reduce_scatter=True the copy-engine gradient exchange; return the stages they share (one per
     direction, none when no group uses it). Collective over the shard group: every rank calls it alike."""
     stages = []
-    for flag, eligible, op, nbytes_of in (
-            ("copy_engine_all_gather", gathers_by_copy_engine, CopyEngineAllGather,
+    for flag, eligible, op, attr, nbytes_of in (
+            ("copy_engine_all_gather", gathers_by_copy_engine, CopyEngineAllGather, "all_gather_op",
              lambda g: g.layout.shard_numel * g.compute_dtype.itemsize),
-            ("copy_engine_reduce_scatter", reduces_by_copy_engine, CopyEngineReduceScatter,
+            ("copy_engine_reduce_scatter", reduces_by_copy_engine, CopyEngineReduceScatter, "reduce_scatter_op",
              lambda g: g.layout.rank_major_numel * g.reduce_comm_dtype.itemsize)):
         groups = [g for u in units if getattr(u, flag) for g in u.groups if eligible(g)]
         if not groups:
@@ -235,11 +229,8 @@ def use_copy_engines(units) -> list[CopyEngineStage]:
         shard_group = groups[0].shard_group
         if any(g.shard_group is not shard_group for g in groups):
             raise ValueError(f"{flag}: all units under one root must shard over the same group")
-        stage = CopyEngineStage(shard_group, max(map(nbytes_of, groups)), groups[0].device, len(stages), flag)
+        stage = CopyEngineStage(shard_group, max(map(nbytes_of, groups)), device, len(stages), flag)
         for g in groups:
-            if op is CopyEngineAllGather:
-                g.all_gather_op = op(stage, g)
-            else:
-                g.reduce_scatter_op = op(stage, g)
+            setattr(g, attr, op(stage, g))
         stages.append(stage)
     return stages
