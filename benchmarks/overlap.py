@@ -14,6 +14,12 @@ that; and the transfer's mean time alone and beside the matmuls. Median of --rep
   copy_engine_all_gather  torch.ops.symm_mem._low_contention_all_gather: the shard in torch's symmetric memory,
                           a barrier, each peer's shard pulled by a device-to-device copy (a copy engine over
                           NVLink), a barrier (each call allocates its output)
+  pull_same_order         one barrier, then each peer's shard copied out of its symmetric buffer straight into the
+                          gathered tensor, every rank in the order 0, 1, ..., N-1 (all read rank 0 first, then 1, ...)
+  pull_peer_order         the same, each rank starting at itself and going around (mfsdp_ext.comm.copy_engine's
+                          order: at each turn the ranks read from distinct peers)
+  pull_peer_streams       the same copies, each peer's on a stream of its own, forked from and joined to the
+                          transfer's stream (all copies in flight at once)
 
 Both are checked once for the values they deliver. Rank 0 writes overlap_<N>gpu.{md,json}.
 """
@@ -73,7 +79,10 @@ def transfers(rank: int, world: int, device: torch.device) -> dict:
     mine = symm_mem.empty(shard, dtype=torch.bfloat16, device=device)
     mine.fill_(rank)
     group_name = dist.group.WORLD.group_name
-    symm_mem.rendezvous(mine, group_name)
+    handle = symm_mem.rendezvous(mine, group_name)
+    peers = [handle.get_buffer(r, (shard,), torch.bfloat16) for r in range(world)]
+    chunks = gathered.view(world, shard)
+    streams = [torch.cuda.Stream() for _ in range(world)]
 
     def copy_engine():
         return torch.ops.symm_mem._low_contention_all_gather(mine, group_name)
@@ -81,13 +90,32 @@ def transfers(rank: int, world: int, device: torch.device) -> dict:
     def all_gather():
         dist.all_gather_into_tensor(gathered, own)
 
-    pulled = copy_engine()
-    all_gather()
-    torch.cuda.synchronize()
+    def pull(order: list[int], own_streams: bool):
+        def move():  # the shards never change here, so one barrier per call keeps every read valid
+            handle.barrier(channel=0)
+            here = torch.cuda.current_stream()
+            for r in order:
+                if own_streams:
+                    streams[r].wait_stream(here)
+                with torch.cuda.stream(streams[r] if own_streams else here):
+                    chunks[r].copy_(peers[r])
+            for r in order if own_streams else ():
+                here.wait_stream(streams[r])
+        return move
+
+    rotated = [(rank + step) % world for step in range(world)]
+    moves = {"nccl_all_gather": all_gather, "copy_engine_all_gather": copy_engine,
+             "pull_same_order": pull(list(range(world)), False), "pull_peer_order": pull(rotated, False),
+             "pull_peer_streams": pull(rotated, True)}
     expected = torch.arange(world, device=device).repeat_interleave(shard).to(torch.bfloat16)
-    if not (torch.equal(pulled.flatten(), expected) and torch.equal(gathered, expected)):
-        raise RuntimeError("an all-gather delivered wrong values")
-    return {"nccl_all_gather": all_gather, "copy_engine_all_gather": copy_engine}
+    for name, move in moves.items():
+        gathered.zero_()
+        own.fill_(rank)  # the NCCL all-gather's input
+        pulled = move()
+        torch.cuda.synchronize()
+        if not torch.equal(gathered if pulled is None else pulled.flatten(), expected):
+            raise RuntimeError(f"{name} delivered wrong values")
+    return moves
 
 
 def main() -> None:

@@ -7,7 +7,7 @@
 #   against torch.distributed's collectives; timeline: where the GPU waits in each config's step; graphs: CUDA graph
 #   tests and captured step rows, bf16 and FP8 (GRAPH_PROBE=1: the per-feature probe too; GRAPH_GPUS=2: on 2 of the GPUs);
 #   graphhold: the whole-step graph with its first units held vs gathered per replay (GRAPH_CONFIGS, default 4);
-#   graphs6: config 6 with graphs; graphsx: configs 3 and 1 captured/graphed over symmetric memory and native collectives; graphsce: the copy-engine collectives under graphs, configs 1-6; carveout: matmuls leaving SMs to NCCL; titan: torchtitan's
+#   graphs6: config 6 with graphs; graphsx: configs 3 and 1 captured/graphed over symmetric memory and native collectives; graphsce: the copy-engine collectives under graphs, configs 1-5 (graphsce6: config 6); carveout: matmuls leaving SMs to NCCL; titan: torchtitan's
 #   Trainer at the 8B shape, see scripts/gpu_titan.sh;
 #   nd: N-D layouts on 4 GPUs: Shard(1) GPU tests, dp2 x tp2 step rows at configs 1 and 6)
 #   scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
@@ -219,8 +219,7 @@ ours_graphed,ours_fp8_fused,ours_fp8_captured,ours_fp8_graphed --steps 10 --warm
                 --no-floor --steps 10 --warmup 3 --out "$OUT/carveout$c"
         done ;;
     graphsce)  # the copy-engine collectives against NCCL's under CUDA graphs, configs 1-5, then config 3 with
-               # reshard_after_forward=False (2 GPUs) and config 6 (GRAPH_GPUS or all); their GPU test unless the
-               # tests stage ran
+               # reshard_after_forward=False (2 GPUs) (GRAPH_GPUS or all); their GPU test unless the tests stage ran
         n=${GRAPH_GPUS:-$(nvidia-smi -L | wc -l)}
         both=copy_engine_all_gather=True,copy_engine_reduce_scatter=True
         [[ " $stages " == *" tests "* ]] ||
@@ -235,8 +234,11 @@ ours_graphed,ours_fp8_fused,ours_fp8_captured,ours_fp8_graphed --steps 10 --warm
             --configs 3 --impls ours_graphed --extra-fsdp2-captured reshard_after_forward=False \
             --extra-captured $both,reshard_after_forward=False --extra-graphed $both,reshard_after_forward=False \
             --extra-graphed reshard_after_forward=False --no-floor --steps 10 --warmup 3 --out "$OUT/ce_step_3_raf"
-        run ce_step_6 timeout -k 10 240 torchrun --standalone --nproc-per-node "$n" benchmarks/step.py --configs 6 \
-            --impls fsdp2_captured,ours_captured --extra-captured $both --steps 5 --warmup 2 \
+        ;;
+    graphsce6)  # config 6 (the 8B shape) captured on NCCL and with both copy-engine flags (GRAPH_GPUS or all)
+        run ce_step_6 timeout -k 10 240 torchrun --standalone --nproc-per-node "${GRAPH_GPUS:-$(nvidia-smi -L | wc -l)}" \
+            benchmarks/step.py --configs 6 --impls fsdp2_captured,ours_captured \
+            --extra-captured copy_engine_all_gather=True,copy_engine_reduce_scatter=True --steps 5 --warmup 2 \
             --init meta --no-floor --out "$OUT/ce_step_6" ;;
     graphsfp8)  # why FP8 graphed gains little over bf16 graphed at config 4: FP8 eager, FP8 graphed and bf16 graphed,
                 # with their GPU timelines in $OUT/fp8_timeline (GRAPH_GPUS or all)

@@ -19,7 +19,7 @@ from mfsdp_ext import MixedPrecisionPolicy, fully_shard
 from mfsdp_ext.comm.collectives import TORCH_TRANSPORT
 from mfsdp_ext.device import DeviceHandle
 from mfsdp_ext.comm.copy_engine import (BufferTurns, CopyEngineAllGather, CopyEngineReduceScatter, CopyEngineStage,
-                                        gathers_by_copy_engine, reduces_by_copy_engine)
+                                        gathers_by_copy_engine, peer_order, reduces_by_copy_engine)
 
 from .models import TinyLM, batch, lm_loss, shard_tiny_lm
 
@@ -62,6 +62,9 @@ def _case_pieces_match_plain_gather():
         op = CopyEngineAllGather(stage, g)
         assert op.staged == (len(op.pieces) > stage.world)  # the tiny model's pieces are all small
         op.staged = len(paths) % 2 == 1 and op.staged  # every other group copied in place: both ways checked
+        sources = [source for source, _, _ in op.in_place[0]]
+        turns = [peer_order(stage.rank, stage.world).index(source) for source in sources]
+        assert turns == sorted(turns) and len(set(sources)) == stage.world, sources  # in peer order, from all
         for gather in range(3):  # buffer 0, 1, 0: one barrier each (eager)
             g.unsharded.data.zero_()
             g.all_gather(op)
@@ -108,6 +111,17 @@ def test_pieces_match_plain_gather(cpu_pool):
     results = cpu_pool.run(_case_pieces_match_plain_gather)
     print(results[0])
     assert results[0]["paths"] == ["in place", "staged"], results[0]  # both ways of copying were checked
+
+
+def test_peer_order():
+    """Each rank copies from itself first, then from every peer once; at each turn no two ranks read the same rank
+    (a copy from one GPU's memory does not share its links with another's)."""
+    for world in range(1, 9):
+        orders = [peer_order(rank, world) for rank in range(world)]
+        for rank, order in enumerate(orders):
+            assert order[0] == rank and sorted(order) == list(range(world)), (world, rank, order)
+        for turn in range(world):
+            assert len({order[turn] for order in orders}) == world, (world, turn, orders)
 
 
 def test_buffer_turns():

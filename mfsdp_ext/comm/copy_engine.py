@@ -14,7 +14,9 @@ what it needs out of its peers' buffers with device-to-device copies, which the 
                  wire), this rank's chunk copied from every rank, summed in fp32 as after NCCL's all-to-all: the same
                  bits. Groups whose reduce-scatter sums in flight (reduce_comm_dtype == reduce_dtype) keep NCCL's.
 
-All of it is issued on the collective's stream and captures in a CUDA graph.
+All of it is issued on the collective's stream and captures in a CUDA graph. Each rank copies from its peers in
+turn starting at itself (``peer_order``): at every turn the ranks read from distinct peers, so no GPU's links serve
+several readers while others idle.
 
 Two buffers per direction, used in turn, make one barrier per collective enough: a rank writes a buffer again only
 two collectives later, after the barrier of the one between, which every peer reaches only once its copies out of
@@ -94,6 +96,12 @@ def reduces_by_copy_engine(g: ParamGroup) -> bool:
     return g.sums_on_arrival
 
 
+def peer_order(rank: int, world: int) -> list[int]:
+    """The ranks whose buffers ``rank`` copies from, in the order it copies: itself first (a local copy), then the
+    next rank up, and so on around. At every position the ranks of the group read from distinct ranks."""
+    return [(rank + step) % world for step in range(world)]
+
+
 class BufferTurns:
     """Which of a stage's two buffers its next collective writes, and whether it must first wait at a barrier
     (module docstring): at the first collective of a capture, and at every eager one once some were captured."""
@@ -170,21 +178,24 @@ class CopyEngineAllGather:
         self.offsets, self.pieces = list(g.rank_major_offsets), list(g.unsharded_pieces)
         piece_bytes = sum(p.numel() for p in self.pieces) * dtype.itemsize / max(len(self.pieces), 1)
         self.staged = len(self.pieces) > world and piece_bytes < STAGE_PIECES_BELOW_BYTES
-        # per buffer: (piece of the unsharded parameters, where it lies in its rank's buffer)
-        self.in_place = [[(piece, self.sources[b][offset // shard][offset % shard :][: piece.numel()])
-                          for offset, piece in zip(self.offsets, self.pieces)] for b in (0, 1)]
+        # per buffer, in peer order: (source rank, piece of the unsharded parameters, where it lies in that rank's
+        # buffer)
+        turn = {r: i for i, r in enumerate(peer_order(stage.rank, world))}
+        by_turn = sorted(zip(self.offsets, self.pieces), key=lambda op: turn[op[0] // shard])
+        self.in_place = [[(offset // shard, piece, self.sources[b][offset // shard][offset % shard :][: piece.numel()])
+                          for offset, piece in by_turn] for b in (0, 1)]
 
     def __call__(self, g: ParamGroup) -> None:
         buffer = self.stage.next_buffer()
         g.write_shard(self.own[buffer])
         self.stage.barrier()
         if not self.staged:
-            for piece, source in self.in_place[buffer]:
+            for _, piece, source in self.in_place[buffer]:
                 piece.copy_(source)
             return
         staged = torch.empty(self.stage.world * self.shard, dtype=self.dtype, device=self.own[0].device)
-        for r, source in enumerate(self.sources[buffer]):
-            staged[r * self.shard : (r + 1) * self.shard].copy_(source)
+        for r in peer_order(self.stage.rank, self.stage.world):
+            staged[r * self.shard : (r + 1) * self.shard].copy_(self.sources[buffer][r])
         _native.unpack(staged, self.offsets, self.pieces)
 
 
@@ -208,8 +219,8 @@ class CopyEngineReduceScatter:
         g.pack_grads(self.packed[buffer], 1.0)
         self.stage.barrier()
         arrived = torch.empty(self.stage.world, self.shard, dtype=self.dtype, device=self.packed[0].device)
-        for r, chunk in enumerate(self.chunks[buffer]):
-            arrived[r].copy_(chunk)
+        for r in peer_order(self.stage.rank, self.stage.world):
+            arrived[r].copy_(self.chunks[buffer][r])
         return ArrivedShards(arrived, scale)
 
 
