@@ -10,10 +10,7 @@ feed-forward one (4096 x 2048 x 5632). For each matmul and each transfer: the ma
 --matmuls back to back on the compute stream, alone and with the transfer looping on a side stream for longer than
 that; and the transfer's mean time alone and beside the matmuls. Median of --repeats, max over ranks.
 
-  nccl_all_gather   torch.distributed.all_gather_into_tensor of the block (ProcessGroupNCCL, in place)
-  copy_engine_all_gather  torch.ops.symm_mem._low_contention_all_gather: the shard in torch's symmetric memory,
-                          a barrier, each peer's shard pulled by a device-to-device copy (a copy engine over
-                          NVLink), a barrier (each call allocates its output)
+  nccl_all_gather         torch.distributed.all_gather_into_tensor of the block (ProcessGroupNCCL, in place)
   pull_same_order         one barrier, then each peer's shard copied out of its symmetric buffer straight into the
                           gathered tensor, every rank in the order 0, 1, ..., N-1 (all read rank 0 first, then 1, ...)
   pull_peer_order         the same, each rank starting at itself and going around (mfsdp_ext.comm.copy_engine's
@@ -21,7 +18,7 @@ that; and the transfer's mean time alone and beside the matmuls. Median of --rep
   pull_peer_streams       the same copies, each peer's on a stream of its own, forked from and joined to the
                           transfer's stream (all copies in flight at once)
 
-Both are checked once for the values they deliver. Rank 0 writes overlap_<N>gpu.{md,json}.
+Each is checked once for the values it delivers. Rank 0 writes overlap_<N>gpu.{md,json}.
 """
 
 from __future__ import annotations
@@ -84,9 +81,6 @@ def transfers(rank: int, world: int, device: torch.device) -> dict:
     chunks = gathered.view(world, shard)
     streams = [torch.cuda.Stream() for _ in range(world)]
 
-    def copy_engine():
-        return torch.ops.symm_mem._low_contention_all_gather(mine, group_name)
-
     def all_gather():
         dist.all_gather_into_tensor(gathered, own)
 
@@ -104,16 +98,15 @@ def transfers(rank: int, world: int, device: torch.device) -> dict:
         return move
 
     rotated = [(rank + step) % world for step in range(world)]
-    moves = {"nccl_all_gather": all_gather, "copy_engine_all_gather": copy_engine,
-             "pull_same_order": pull(list(range(world)), False), "pull_peer_order": pull(rotated, False),
+    moves = {"nccl_all_gather": all_gather, "pull_same_order": pull(list(range(world)), False), "pull_peer_order": pull(rotated, False),
              "pull_peer_streams": pull(rotated, True)}
     expected = torch.arange(world, device=device).repeat_interleave(shard).to(torch.bfloat16)
     for name, move in moves.items():
         gathered.zero_()
         own.fill_(rank)  # the NCCL all-gather's input
-        pulled = move()
+        move()
         torch.cuda.synchronize()
-        if not torch.equal(gathered if pulled is None else pulled.flatten(), expected):
+        if not torch.equal(gathered, expected):
             raise RuntimeError(f"{name} delivered wrong values")
     return moves
 
