@@ -7,7 +7,7 @@
 #   against torch.distributed's collectives; timeline: where the GPU waits in each config's step; graphs: CUDA graph
 #   tests and captured step rows, bf16 and FP8 (GRAPH_PROBE=1: the per-feature probe too; GRAPH_GPUS=2: on 2 of the GPUs);
 #   graphhold: the whole-step graph with its first units held vs gathered per replay (GRAPH_CONFIGS, default 4);
-#   graphs6: config 6 with graphs; graphsx: configs 3 and 1 captured/graphed over symmetric memory and native collectives; graphsce: the copy-engine collectives under graphs, configs 1-5 (graphsce6: config 6); carveout: matmuls leaving SMs to NCCL; titan: torchtitan's
+#   graphs6: config 6 with graphs; graphsx: configs 3 and 1 captured/graphed over symmetric memory and native collectives; graphsce: the copy-engine collectives under graphs, configs 1-5 (graphsce6: config 6; ceeager: the same without graphs); carveout: matmuls leaving SMs to NCCL; titan: torchtitan's
 #   Trainer at the 8B shape, see scripts/gpu_titan.sh;
 #   nd: N-D layouts on 4 GPUs: Shard(1) GPU tests, dp2 x tp2 step rows at configs 1 and 6)
 #   scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
@@ -235,6 +235,12 @@ ours_graphed,ours_fp8_fused,ours_fp8_captured,ours_fp8_graphed --steps 10 --warm
             --extra-captured $both,reshard_after_forward=False --extra-graphed $both,reshard_after_forward=False \
             --extra-graphed reshard_after_forward=False --no-floor --steps 10 --warmup 3 --out "$OUT/ce_step_3_raf"
         ;;
+    ceeager)  # the copy-engine collectives without graphs: ours_fused on NCCL and with both flags against FSDP2 with
+              # fused AdamW, configs 1-5 (GRAPH_GPUS or all)
+        run ce_eager timeout -k 10 300 torchrun --standalone --nproc-per-node "${GRAPH_GPUS:-$(nvidia-smi -L | wc -l)}" \
+            benchmarks/step.py --configs 3,1,2,4,5 --impls fsdp2_fused,ours_fused \
+            --extra-fused copy_engine_all_gather=True,copy_engine_reduce_scatter=True --no-floor --steps 10 \
+            --warmup 3 --out "$OUT/ce_eager" ;;
     graphsce6)  # config 6 (the 8B shape) captured on NCCL and with both copy-engine flags (GRAPH_GPUS or all)
         run ce_step_6 timeout -k 10 240 torchrun --standalone --nproc-per-node "${GRAPH_GPUS:-$(nvidia-smi -L | wc -l)}" \
             benchmarks/step.py --configs 6 --impls fsdp2_captured,ours_captured \
