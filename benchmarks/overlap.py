@@ -32,6 +32,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from mfsdp_ext.comm.copy_engine import peer_order
+
 BLOCK_PARAMS = 4 * 2048 * 2048 + 3 * 2048 * 5632  # config 1's block: q, k, v, o and the three feed-forward weights
 MATMULS = {"q projection 4096x2048x2048": (4096, 2048, 2048), "ffn w1 4096x2048x5632": (4096, 2048, 5632)}
 
@@ -97,9 +99,9 @@ def transfers(rank: int, world: int, device: torch.device) -> dict:
                 here.wait_stream(streams[r])
         return move
 
-    rotated = [(rank + step) % world for step in range(world)]
-    moves = {"nccl_all_gather": all_gather, "pull_same_order": pull(list(range(world)), False), "pull_peer_order": pull(rotated, False),
-             "pull_peer_streams": pull(rotated, True)}
+    moves = {"nccl_all_gather": all_gather, "pull_same_order": pull(list(range(world)), False),
+             "pull_peer_order": pull(peer_order(rank, world), False),
+             "pull_peer_streams": pull(peer_order(rank, world), True)}
     expected = torch.arange(world, device=device).repeat_interleave(shard).to(torch.bfloat16)
     for name, move in moves.items():
         gathered.zero_()
