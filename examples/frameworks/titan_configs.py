@@ -6,8 +6,9 @@ Each starts from torchtitan's own config and changes only what is listed; the mo
 
   llama3_debug_cpu     torchtitan's llama3_debugmodel, fp32, seq 256, local batch 2, global batch 8 (so 2 ranks
                        accumulate 2 microbatches), 4 steps, checkpoint interval 2
-  qwen3_moe_debug_cpu  torchtitan's qwen3_moe_debug (64 experts, top 8, no expert parallel), the same settings with
-                       2 of its 8 layers (its 300 M parameters make a CPU step slow) and seq 128, 2 steps
+  qwen3_moe_debug_cpu  torchtitan's qwen3_moe_debug (no expert parallel), the same settings with 2 of its 8 layers,
+                       8 experts of its 64, top 2 of its 8 (its 300 M parameters and 8 experts per token make a CPU
+                       step slow) and seq 128, 2 steps
   llama3_debug_gpu     torchtitan's llama3_debugmodel in bf16 (its default policy), seq 2048, local batch 2, 4 steps,
                        checkpoint interval 2: the GPU checkpoint-resume check (scripts/titan_resume_check.py)
   qwen3_moe_debug_gpu  the same with torchtitan's qwen3_moe_debug (all 8 layers)
@@ -98,7 +99,17 @@ def qwen3_moe_debug_cpu():
     config = _cpu(qwen3_moe_debug(), steps=2)
     config.model_spec.model.layers = config.model_spec.model.layers[:2]
     config.training.seq_len = 128
+    for layer in config.model_spec.model.layers:
+        _fewer_experts(layer.moe, num_experts=8, top_k=2)
     return config
+
+
+def _fewer_experts(moe, *, num_experts: int, top_k: int) -> None:
+    """Route among ``num_experts`` experts, ``top_k`` per token: set wherever the MoE config repeats those numbers."""
+    routed, router = moe.routed_experts, moe.router
+    moe.num_experts = routed.inner_experts.num_experts = routed.token_dispatcher.num_experts = num_experts
+    router.num_experts = router.gate.out_features = num_experts
+    routed.token_dispatcher.top_k = router.top_k = top_k
 
 
 def _debug_gpu(config):
