@@ -24,7 +24,7 @@ method ran (ncclSymk* = NCCL's symmetric kernels). Rank 0 writes collectives_<N>
 
 --units instead measures one fully_shard unit's collectives at the unit sizes of benchmarks/step.py's configs 1-4
 (a Llama block of examples/gpt.py and the root's embedding + norm + head; bf16 all-gather, fp32 reduce-scatter),
-laid out by mfsdp_ext.layout.FlatLayout and called as fully_shard calls them, against the alternatives:
+laid out by mfsdp_ext.core.layout.FlatLayout and called as fully_shard calls them, against the alternatives:
   AG grouped per parameter  ours: one all-gather per parameter, one NCCL group, each into its place (no copy)
   AG flat                   one flat all-gather of the same bytes (rank-major: the parameters come out split)
   AG flat + unpack          the flat all-gather plus the native copy into param-major places (FSDP2's copy-out)
@@ -381,8 +381,8 @@ def unit_cases(shapes, group, device, rank, world, symmetric=None) -> dict:
     (SymmetricStages) adds use_symm_mem's paths."""
     from mfsdp_ext import _native
     from mfsdp_ext.comm import dist_ops
-    from mfsdp_ext.flat_buffer import FlatBuffer
-    from mfsdp_ext.layout import FlatLayout
+    from mfsdp_ext.core.flat_buffer import FlatBuffer
+    from mfsdp_ext.core.layout import FlatLayout
 
     layout = FlatLayout(shapes, world)
     S, n_params = layout.shard_numel, len(layout.slots)
@@ -458,7 +458,7 @@ UNIT_METHODS = ("AG grouped per parameter", "AG flat", "AG flat + unpack", "AG s
 
 def bench_units(args, group, device, rank, world, local_rank) -> list:
     from mfsdp_ext.comm import symmetric as symm_mem
-    from mfsdp_ext.layout import FlatLayout
+    from mfsdp_ext.core.layout import FlatLayout
     from mfsdp_ext.comm.symmetric.collectives import SymmetricStages
 
     cycles_per_us = sleep_cycles_per_us(device)

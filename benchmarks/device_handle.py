@@ -18,7 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 import kernels as K  # noqa: E402  (time_host)
-from mfsdp_ext.device import DeviceHandle  # noqa: E402
+from mfsdp_ext.core.device import DeviceHandle  # noqa: E402
 
 
 def torch_cuda_sequence(device: torch.device, side: torch.cuda.Stream):

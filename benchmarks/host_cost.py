@@ -69,7 +69,7 @@ class HookTimer:
 
 def instrument(impl: str, timer: HookTimer) -> None:
     if impl == "ours":
-        from mfsdp_ext.unit import FsdpUnit
+        from mfsdp_ext.runtime.unit import FsdpUnit
 
         for name in ("pre_forward", "post_forward", "_pre_backward", "post_backward", "_final_callback"):
             timer.wrap(FsdpUnit, name, name.strip("_"))

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import mfsdp_ext.comm.dist_ops as dist_ops
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, no_shard
-from mfsdp_ext.device import cuda_median_ms
+from mfsdp_ext.core.device import cuda_median_ms
 
 
 class Block(nn.Module):

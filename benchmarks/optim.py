@@ -41,9 +41,9 @@ import gpt  # noqa: E402
 from step import CONFIGS, TINY_CONFIGS  # noqa: E402
 
 from mfsdp_ext import _native  # noqa: E402
-from mfsdp_ext.device import cuda_median_ms  # noqa: E402
-from mfsdp_ext.flat_buffer import FlatBuffer  # noqa: E402
-from mfsdp_ext.layout import FlatLayout  # noqa: E402
+from mfsdp_ext.core.device import cuda_median_ms  # noqa: E402
+from mfsdp_ext.core.flat_buffer import FlatBuffer  # noqa: E402
+from mfsdp_ext.core.layout import FlatLayout  # noqa: E402
 
 WORLD, RANK = 2, 0
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -3,13 +3,13 @@
 from .api import fully_shard, microbatch, register_fsdp_forward_method, reset_parameters
 from .as_fsdp2 import use_as_fsdp2
 from .graphs import graphed
-from .finite_grads import NonFiniteGradError
+from .runtime.finite_grads import NonFiniteGradError
 from .fp8.linear import Fp8Linear, Fp8LinearConfig, to_fp8_linear
-from .marks import no_shard
-from .mixed_precision import Fp8Policy, MixedPrecisionPolicy
+from .sharding.marks import no_shard
+from .core.mixed_precision import Fp8Policy, MixedPrecisionPolicy
 from . import optim  # mfsdp_ext.optim.AdamW / SGD: flat fused optimizers
-from .module import FsdpModule
-from .states import Strategy
+from .runtime.module import FsdpModule
+from .core.states import Strategy
 
 
 def build_info() -> dict:

@@ -13,16 +13,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 
-from . import checkpoint, dtensor_norms, shard_init, spmd_mesh
-from .marks import is_marked
-from .mixed_precision import MixedPrecisionPolicy, as_mfsdp_policy
+from .interop import checkpoint, dtensor_norms
+from .sharding import build, spmd_mesh
+from .sharding.marks import is_marked
+from .core.mixed_precision import MixedPrecisionPolicy, as_mfsdp_policy
 from .comm.copy_engine import checked as copy_engines_checked
 from .comm.native import check_available as native_collectives_available
-from .module import FsdpModule
-from .states import Strategy
-from .unit import FsdpUnit, eager_hook, resolve_reshard_after_forward
-from .param_group import ParamGroup
-from .placements import SpmdDims
+from .runtime.module import FsdpModule
+from .core.states import Strategy
+from .runtime.unit import FsdpUnit, eager_hook, resolve_reshard_after_forward
+from .params.group import ParamGroup
+from .core.placements import SpmdDims
 from .comm.symmetric.choose import check_available
 
 _FSDP_CLASSES: dict[type, type] = {}
@@ -69,19 +70,19 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
                            "(gloo on CPU, nccl with device_id=... on GPUs)")
     mesh, strategy, spmd_of = _full_mesh(mesh, dp_mesh_dims, Strategy(sharding_strategy))
     dtensor_norms.install()  # clip_grad_norm_(norm_type=inf) on ranks with empty shards
-    mesh, device, shard_group, replicate_group = shard_init.resolve_mesh(mesh, strategy)
-    params = shard_init.owned_params(modules, ignored_params or ())
+    mesh, device, shard_group, replicate_group = build.resolve_mesh(mesh, strategy)
+    params = build.owned_params(modules, ignored_params or ())
     placed = _shard_placements(shard_placement_fn, params, mesh, spmd_of)
-    shard_init.check_tensor_parallel(params, mesh, placed, spmd_of)
+    build.check_tensor_parallel(params, mesh, placed, spmd_of)
     if params and all(is_marked(p) for _, p, _ in params):
         return module  # all no_shard: no unit, no hooks; the enclosing unit (the root's) holds them
-    shard_init.check_devices(params, device)
-    shard_init.move_buffers(modules, device)
+    build.check_devices(params, device)
+    build.move_buffers(modules, device)
     copy_engine_all_gather, copy_engine_reduce_scatter = copy_engines_checked(
         copy_engine_all_gather, copy_engine_reduce_scatter, shard_group, use_symm_mem)
     use_symm_mem = _symmetric_memory(use_symm_mem, shard_group, any(own is not mesh for _, own in placed.values()))
     native_collectives = native_collectives_available(native_collectives, shard_group)
-    groups = shard_init.make_groups(modules, params, mesh, device, mp_policy, strategy, placed, spmd_of)
+    groups = build.make_groups(modules, params, mesh, device, mp_policy, strategy, placed, spmd_of)
     unit = FsdpUnit(modules, groups, strategy, reshard_after_forward, mp_policy, device, use_symm_mem, native_collectives,
                     verbose, check_finite_grads, copy_engine_all_gather, copy_engine_reduce_scatter)
     for m in modules:
@@ -192,7 +193,7 @@ def _become_fsdp_module(module: nn.Module, unit: FsdpUnit) -> None:
         _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FsdpModule, cls), {})
     module.__class__ = _FSDP_CLASSES[cls]
     module._mfsdp_unit = unit
-    for _, managed in shard_init.own_modules(module):  # as FSDP2 marks them (HF generate reads it; dynamo too)
+    for _, managed in build.own_modules(module):  # as FSDP2 marks them (HF generate reads it; dynamo too)
         managed._is_fsdp_managed_module = True
         managed._fsdp_use_orig_params = True
     module.register_forward_pre_hook(eager_hook(unit.pre_forward), prepend=True, with_kwargs=True)

@@ -30,8 +30,9 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
-from . import param_group, step_prefetch
-from .context import FsdpContext
+from .params import group as param_group
+from .runtime import step_prefetch
+from .runtime.context import FsdpContext
 from .optim.base import FlatOptimizerMixin
 
 

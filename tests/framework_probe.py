@@ -49,8 +49,8 @@ def install_counters(path: str) -> None:
 
     fsdp2_group.foreach_reduce, fsdp2_group.foreach_all_gather = foreach_reduce, foreach_all_gather
 
-    from mfsdp_ext.reduction import GradReduction
-    from mfsdp_ext.unit import FsdpUnit
+    from mfsdp_ext.runtime.reduction import GradReduction
+    from mfsdp_ext.runtime.unit import FsdpUnit
 
     reduce_groups, reduce_one = GradReduction.reduce_groups, GradReduction.reduce
     unshard, final_callback = FsdpUnit.unshard, FsdpUnit._final_callback

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from mfsdp_ext import fully_shard, microbatch
-from mfsdp_ext.capture import CaptureError
-from mfsdp_ext.device import DeviceHandle
+from mfsdp_ext.runtime.capture import CaptureError
+from mfsdp_ext.core.device import DeviceHandle
 
 from .models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
 

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard
-from mfsdp_ext.checkpoint import full_state_dict
+from mfsdp_ext.interop.checkpoint import full_state_dict
 
 from .conftest import get_pool
 from .models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm

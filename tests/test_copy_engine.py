@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard
 from mfsdp_ext.comm.collectives import TORCH_TRANSPORT
-from mfsdp_ext.device import DeviceHandle
+from mfsdp_ext.core.device import DeviceHandle
 from mfsdp_ext.comm.copy_engine import (BufferTurns, CopyEngineAllGather, CopyEngineReduceScatter, CopyEngineStage,
                                         gathers_by_copy_engine, peer_order, reduces_by_copy_engine)
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mfsdp_ext.device import DeviceHandle
+from mfsdp_ext.core.device import DeviceHandle
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -288,7 +288,8 @@ def _case_bad_configs():
 def _case_meta_init_and_summary():
     """Built on the meta device, sharded with FP8 weights, materialised and initialised shard by shard: trains,
     scales once per step; the unit summary names the FP8 groups."""
-    from mfsdp_ext import reset_parameters, summary
+    from mfsdp_ext import reset_parameters
+    from mfsdp_ext.runtime import summary
 
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -312,8 +313,8 @@ def _case_collectives_per_step(strategy: str):
     collectives move and add the same bytes)."""
     from collections import Counter
 
-    from mfsdp_ext.fp8 import group as fp8_group
-    from mfsdp_ext.param_group import ParamGroup
+    from mfsdp_ext.params import fp8_group
+    from mfsdp_ext.params.group import ParamGroup
 
     from .models import intercept_collectives
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import mfsdp_ext
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
-from mfsdp_ext.checkpoint import full_state_dict
+from mfsdp_ext.interop.checkpoint import full_state_dict
 
 from .models import TinyLM, batch, rank_device, rel_err, shard_tiny_lm, train
 
@@ -731,7 +731,7 @@ def test_tensor_tree_fast_paths_match_pytree():
     order as pytree's walk, and the rebuilt structure is the original one over the new leaves."""
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
-    from mfsdp_ext import tensor_tree
+    from mfsdp_ext.core import tensor_tree
 
     a, b, c = torch.zeros(1), torch.ones(2), torch.full((3,), 2.0)
     trees = [a, ((a, (b, c)), {}), ((a,), {}), ((), {}),  # fast paths

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
-from mfsdp_ext.checkpoint import full_state_dict
+from mfsdp_ext.interop.checkpoint import full_state_dict
 
 from . import test_checkpoint as ck
 from . import test_no_shard as ns

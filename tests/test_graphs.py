@@ -93,7 +93,7 @@ def _case_key_sees_writes_to_held_units():
     assert step._held_writes() == ()  # nothing held: nothing to watch
     for unit in ctx.forward_order[:2]:  # as a capture holds the forward's first units
         unit.held_by = weakref.ref(step)
-    step.steps_at_capture = mfsdp_ext.param_group.optimizer_steps()
+    step.steps_at_capture = mfsdp_ext.params.group.optimizer_steps()
     first = step._held_writes()
     unchanged, changed = {}, {}
     lm_train_step(other, other_opt)(tokens, targets)
@@ -151,7 +151,7 @@ def _case_live_contexts_in_creation_order():
     """mfsdp_ext.graphed gathers the idle models' first units before a capture, model by model: every rank must
     take the models in one order (their collectives share a communicator), so live() lists them in the order
     their first forwards made them, whatever the order of the set that holds them."""
-    from mfsdp_ext.context import FsdpContext
+    from mfsdp_ext.runtime.context import FsdpContext
 
     models = [shard_tiny_lm(TinyLM(vocab=16, dim=8, ffn=16, n_layers=1, tie=False), fully_shard) for _ in range(12)]
     tokens, targets = batch(0, 2, seq=4, vocab=16)

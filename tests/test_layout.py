@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 from mfsdp_ext import _native
-from mfsdp_ext.layout import ALIGN_ELEMS, FlatLayout
+from mfsdp_ext.core.layout import ALIGN_ELEMS, FlatLayout
 
 
 def _random_shapes(rng: random.Random) -> list[torch.Size]:

@@ -25,7 +25,7 @@ from torch.optim.sgd import _single_tensor_sgd
 
 import mfsdp_ext.optim as mo
 from mfsdp_ext import _native, fully_shard, no_shard
-from mfsdp_ext.param_group import owner_of
+from mfsdp_ext.params.group import owner_of
 
 from .conftest import get_pool
 from .models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm
@@ -491,7 +491,7 @@ def _case_step_gathers_next_forward(tol: float = 1e-6):
     it writes: that forward gathers them no more, the losses are those of torch's optimizer (which gathers in the
     forward), a write after the step makes the forward gather again, and a step that leaves other groups to
     another optimizer gathers nothing early."""
-    from mfsdp_ext.states import ShardedState
+    from mfsdp_ext.core.states import ShardedState
 
     a, b = _model(0), _model(0)
     oa, ob = mo.AdamW(a.parameters(), **ADAMW), torch.optim.AdamW(b.parameters(), **ADAMW, foreach=False)

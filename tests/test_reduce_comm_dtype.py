@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
-from mfsdp_ext.checkpoint import full_state_dict
-from mfsdp_ext.summary import unit_lines
+from mfsdp_ext.interop.checkpoint import full_state_dict
+from mfsdp_ext.runtime.summary import unit_lines
 
 from .conftest import get_pool
 from .models import TinyLM, intercept_collectives, rank_device, rel_err, shard_tiny_lm, train

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
-from mfsdp_ext.device import DeviceHandle
+from mfsdp_ext.core.device import DeviceHandle
 
 from .models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm
 from .test_fully_shard import GLOBAL_BATCH, _compare_params
@@ -536,7 +536,7 @@ def test_parameters_on_another_device_refused():
     """The device check of fully_shard (no GPU here: the check on torch.device values, as fully_shard calls it)."""
     from types import SimpleNamespace
 
-    from mfsdp_ext.shard_init import check_devices, device_problem
+    from mfsdp_ext.sharding.build import check_devices, device_problem
 
     cpu, cuda0, cuda1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
     for found in (torch.device("meta"), cpu, cuda0):

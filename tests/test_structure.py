@@ -1,54 +1,49 @@
-"""The package's shape: imports only run down the layers below (so there is no cycle), no two modules name each other
-(type-only imports included), and no function is long.
+"""The package's shape, checked: layers are folders and imports only run down them, no import cycle, no two modules
+that name each other, few modules at the top, small classes with keyword-only constructors, short functions, and
+docs/architecture.md's layer list equal to LAYERS.
 
-The layers, lowest first; a module may import only from lower layers. The package faces (``mfsdp_ext``,
-``mfsdp_ext.comm``'s, ``mfsdp_ext.comm.symmetric``'s, ``mfsdp_ext.fp8``'s and ``mfsdp_ext.optim``'s ``__init__``) re-export and are exempt. Imports under ``if TYPE_CHECKING:`` do not run
-and do not count.
+A module of a package may import from the packages of lower layers and from its own package (without cycles). The
+package faces (``__init__`` files) re-export and are exempt. Imports under ``if TYPE_CHECKING:`` do not run and count
+only for "no two modules name each other".
 """
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "mfsdp_ext"
-LAYERS = [
-    ["_C", "_native.build_config"],
-    ["_native.jit"],
-    ["_native", "layout", "mixed_precision", "states", "marks", "dtensor_norms", "replaced_params",
-     "tensor_tree", "comm.hosts"],
-    ["placements", "device"],
-    ["flat_buffer", "comm.dist_ops", "comm.symmetric.comm", "fp8.tensor", "spmd_mesh"],
-    ["comm.collectives", "fp8.linear"],
-    ["comm.symmetric.collectives", "comm.native", "comm.copy_engine"],
-    ["comm.symmetric.choose", "group_grads"],
-    ["param_group"],
-    ["context", "summary", "fp8.group", "finite_grads", "same_model", "step_prefetch"],
-    ["reduction", "capture"],
-    ["unit"],
-    ["module"],
-    ["checkpoint"],
-    ["shard_init"],
-    ["api"],
-    ["as_fsdp2"],
-    ["optim.flat_state"],
-    ["optim.base"],
-    ["optim.adamw", "optim.sgd"],
-    ["graphs"],
-]
-FACES = {"__init__", "comm", "comm.symmetric", "fp8", "optim"}
-MAX_FUNCTION_LINES = 60
-LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "mfsdp_ext"
+# Lowest first. "" is the top: the public API modules of mfsdp_ext itself.
+LAYERS = ["_native", "core", "fp8", "comm", "params", "runtime", "sharding", "interop", "optim", "testing", ""]
+MAX_TOP_MODULES = 6
+MAX_FUNCTION_LINES = 80
+MAX_METHODS = 25
+MAX_ATTRIBUTES = 25
+MAX_POSITIONAL = 4  # a constructor's positional parameters besides self; the rest are keyword-only
+LAYER_OF = {name: i for i, name in enumerate(LAYERS)}
 
 
 def _modules() -> dict[str, pathlib.Path]:
+    """Dotted module name (relative to mfsdp_ext; a package by its own name) -> its file."""
     found = {}
     for path in PACKAGE.rglob("*.py"):
         parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
-        if parts[-1] == "__init__" and len(parts) > 1:
+        if parts[-1] == "__init__":
             parts = parts[:-1]
-        found[".".join(parts)] = path
+        found[".".join(parts) or "__init__"] = path
     return found
+
+
+def _is_face(name: str, path: pathlib.Path) -> bool:
+    return path.name == "__init__.py"
+
+
+def _package_of(name: str) -> str:
+    """The layer a module belongs to: its top folder under mfsdp_ext, or "" for a top-level module."""
+    first = name.split(".")[0]
+    return first if first in LAYER_OF and first else ("_native" if name == "_C" else "")
 
 
 def _runtime_nodes(tree: ast.AST):
@@ -65,7 +60,9 @@ def _runtime_nodes(tree: ast.AST):
 
 def _imports(name: str, path: pathlib.Path, modules, runtime_only: bool = True) -> set[str]:
     """The package modules that ``name`` imports (at run time only, or also under ``if TYPE_CHECKING:``)."""
-    package = name.split(".")[:-1] if path.name != "__init__.py" else [p for p in name.split(".") if p != "__init__"]
+    package = name.split(".") if path.name == "__init__.py" and name != "__init__" else name.split(".")[:-1]
+    if name == "__init__":
+        package = []
     out = set()
     tree = ast.parse(path.read_text())
     for node in _runtime_nodes(tree) if runtime_only else ast.walk(tree):
@@ -87,34 +84,103 @@ def _imports(name: str, path: pathlib.Path, modules, runtime_only: bool = True) 
                 if alias.name.startswith("mfsdp_ext."):
                     out.add(alias.name[len("mfsdp_ext."):])
     out.discard(name)
-    return {m.split(".")[-1] if m.endswith("._C") else m for m in out}
+    return {"_C" if m.endswith("_C") else m for m in out}
 
 
-def test_every_module_has_a_layer():
+def _graph(runtime_only: bool = True) -> dict[str, set[str]]:
     modules = _modules()
-    missing = sorted(set(modules) - set(LAYER_OF) - FACES)
-    assert not missing, f"add these modules to LAYERS in {__file__}: {missing}"
+    return {name: _imports(name, path, modules, runtime_only) for name, path in modules.items()}
+
+
+def test_every_module_is_in_a_layer():
+    strays = [name for name in _modules() if "." not in name and name not in LAYER_OF and name != "__init__"
+              and not (PACKAGE / f"{name}.py").exists()]
+    assert not strays, f"add these packages to LAYERS in {__file__}: {strays}"
+    top = sorted(name for name, path in _modules().items() if "." not in name and path.parent == PACKAGE
+                 and path.name != "__init__.py")
+    assert len(top) <= MAX_TOP_MODULES, f"the top of mfsdp_ext holds the public API only: {top}"
 
 
 def test_imports_run_down_the_layers_only():
     modules = _modules()
     upward = []
-    for name, path in modules.items():
-        if name in FACES:
+    for name, targets in _graph().items():
+        if _is_face(name, modules[name]):
             continue
-        for target in _imports(name, path, modules):
-            if target in FACES or LAYER_OF.get(target, -1) >= LAYER_OF[name]:
+        own = _package_of(name)
+        for target in targets:
+            there = _package_of(target)
+            if there != own and LAYER_OF[there] >= LAYER_OF[own]:
+                upward.append(f"{name} -> {target}")
+            elif there == own == "" and target != "__init__" and _is_face(target, modules.get(target, PACKAGE)):
                 upward.append(f"{name} -> {target}")
     assert not upward, f"imports that do not run down the layers: {sorted(upward)}"
+
+
+def test_no_import_cycle():
+    graph = {n: {t for t in ts if t in _modules()} for n, ts in _graph().items()}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join(path[path.index(nxt):] + [nxt]) if nxt in path else f"{node} -> {nxt}")
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    faces = {n for n, p in _modules().items() if _is_face(n, p)}
+    cycles = [c for c in cycles if not any(part in faces for part in c.split(" -> "))]
+    assert not cycles, cycles
 
 
 def test_no_two_modules_name_each_other():
     """A lower module that needs a higher one's type takes a small protocol of its own instead."""
     modules = _modules()
-    named = {name: _imports(name, path, modules, runtime_only=False) for name, path in modules.items()}
+    named = _graph(runtime_only=False)
+    faces = {n for n, p in modules.items() if _is_face(n, p)}
     pairs = sorted({tuple(sorted((a, b))) for a, targets in named.items() for b in targets
-                    if a in named.get(b, ()) and a not in FACES and b not in FACES})
+                    if a in named.get(b, ()) and a not in faces and b not in faces})
     assert not pairs, f"modules that import each other: {pairs}"
+
+
+def class_sizes() -> list[tuple[str, int, int, int]]:
+    """(class, methods, attributes, constructor positional parameters) of every class in the package."""
+    rows = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            methods = [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            attributes = {t.id for n in node.body for t in _targets(n) if isinstance(t, ast.Name)}
+            for method in methods:
+                for n in ast.walk(method):
+                    attributes |= {t.attr for t in _targets(n) for t in ast.walk(t) if isinstance(t, ast.Attribute)
+                                   and isinstance(t.value, ast.Name) and t.value.id == "self"}
+            init = next((m for m in methods if m.name == "__init__"), None)
+            positional = len(init.args.posonlyargs) + len(init.args.args) - 1 if init is not None else 0
+            rows.append((f"{name}.{node.name}", len(methods), len(attributes), positional))
+    return rows
+
+
+def _targets(node: ast.AST) -> list[ast.AST]:
+    if isinstance(node, ast.Assign):
+        return node.targets
+    if isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+        return [node.target]
+    return []
+
+
+def test_small_classes_with_keyword_only_constructors():
+    big = [f"{c}: {m} methods, {a} attributes" for c, m, a, _ in class_sizes() if m > MAX_METHODS or a > MAX_ATTRIBUTES]
+    assert not big, f"split these classes by responsibility: {big}"
+    wide = [f"{c}: {p} positional" for c, _, _, p in class_sizes() if p > MAX_POSITIONAL]
+    assert not wide, f"make the extra constructor parameters keyword-only (or take a policy object): {wide}"
 
 
 def test_no_long_functions():
@@ -126,3 +192,40 @@ def test_no_long_functions():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{name}.{node.name}: {lines} lines")
     assert not long, long
+
+
+def test_architecture_page_lists_the_layers():
+    """docs/architecture.md's layer line names LAYERS in order, and its folder list names every package."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    line = re.search(r"^Layers, lowest first: (.*)$", page, re.M)
+    assert line is not None, "docs/architecture.md lost its 'Layers, lowest first: ...' line"
+    named = [p.strip().strip("`").rstrip("/") for p in line.group(1).rstrip(".").split(" < ")]
+    assert named == [p or "the top modules" for p in LAYERS], (named, LAYERS)
+    for name in LAYERS:
+        if name:
+            assert f"  {name}/" in page, f"docs/architecture.md's folder list misses {name}/"
+
+
+def import_levels() -> int:
+    """The longest chain of run-time imports inside the package (a figure of how deep the house is)."""
+    graph = {n: {t for t in ts if t in _modules()} for n, ts in _graph().items()}
+    depth: dict[str, int] = {}
+
+    def level(node: str) -> int:
+        if node not in depth:
+            depth[node] = 0  # cycles are caught by test_no_import_cycle
+            depth[node] = 1 + max((level(t) for t in graph.get(node, ())), default=0)
+        return depth[node]
+
+    return max(level(n) for n in graph)
+
+
+if __name__ == "__main__":  # the figures: python3 tests/test_structure.py
+    mods = _modules()
+    folders: dict[str, int] = {}
+    for name, path in mods.items():
+        folders[str(path.parent.relative_to(ROOT))] = folders.get(str(path.parent.relative_to(ROOT)), 0) + 1
+    print("files per folder:", dict(sorted(folders.items())))
+    print("import levels:", import_levels())
+    c, m, a, p = max(class_sizes(), key=lambda r: (r[1] + r[2]))
+    print(f"largest class: {c} ({m} methods, {a} attributes, {p} positional)")

@@ -474,7 +474,7 @@ def _case_shard_dim1(param_dtype):
             opt.zero_grad()
     err = max(rel_err(p.full_tensor(), q.full_tensor()) for p, q in zip(*(m.parameters() for m in models)))
     assert err <= (0.0 if param_dtype is None else 2e-2), err
-    from mfsdp_ext.checkpoint import full_state_dict
+    from mfsdp_ext.interop.checkpoint import full_state_dict
 
     full = full_state_dict(models[0])  # gathered and put in place from the staging area
     assert all(torch.equal(full[n], p.full_tensor()) for n, p in models[0].named_parameters())

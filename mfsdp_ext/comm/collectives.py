@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from .. import _native
-from ..flat_buffer import FlatBuffer
-from ..layout import FlatLayout
+from ..core.flat_buffer import FlatBuffer
+from ..core.layout import FlatLayout
 from . import dist_ops
 
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _native
-from ..device import DeviceHandle
+from ..core.device import DeviceHandle
 from . import dist_ops
 from .collectives import ArrivedShards, ParamGroup
 

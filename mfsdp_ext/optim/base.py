@@ -21,8 +21,9 @@ from collections import defaultdict
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import _native, step_prefetch
-from ..param_group import owner_of
+from .. import _native
+from ..runtime import step_prefetch
+from ..params.group import owner_of
 from .flat_state import FlatState, build_runs, flat_owner
 
 

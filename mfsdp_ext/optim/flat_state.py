@@ -14,8 +14,8 @@ import weakref
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..flat_buffer import FlatBuffer
-from ..param_group import ParamGroup, owner_of
+from ..core.flat_buffer import FlatBuffer
+from ..params.group import ParamGroup, owner_of
 
 
 def flat_owner(p: torch.Tensor) -> tuple[ParamGroup, int] | None:

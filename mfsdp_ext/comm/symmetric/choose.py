@@ -14,7 +14,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ...device import cuda_median_ms
+from ...core.device import cuda_median_ms
 from .collectives import SymmetricAllGather, SymmetricReduceScatter, SymmetricStages
 from .comm import is_available
 

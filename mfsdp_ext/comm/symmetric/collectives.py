@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ... import _native
-from ...layout import align_up
+from ...core.layout import align_up
 from ..collectives import ParamGroup
 from .comm import ALIGNMENT, SymmetricComm
 

@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 from .. import _native
 from ..comm import dist_ops
-from ..flat_buffer import FlatBuffer
-from .tensor import E4M3, Fp8Tensor
-from ..param_group import ParamGroup
+from ..core.flat_buffer import FlatBuffer
+from ..fp8.tensor import E4M3, Fp8Tensor
+from .group import ParamGroup
 
 
 SCALE_ROW = 64  # floats: each GEMM scale 256-byte aligned

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Optional, Protocol
 
 import torch
 
-from .device import DeviceHandle
+from ..core.device import DeviceHandle
 
 if TYPE_CHECKING:
-    from .comm.copy_engine import CopyEngineStage
-    from .comm.symmetric.collectives import SymmetricStages
+    from ..comm.copy_engine import CopyEngineStage
+    from ..comm.symmetric.collectives import SymmetricStages
 
 
 class FsdpUnit(Protocol):

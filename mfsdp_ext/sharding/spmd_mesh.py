@@ -13,7 +13,7 @@ from typing import Optional
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from .placements import SpmdDims
+from ..core.placements import SpmdDims
 
 
 def resolve(mesh: DeviceMesh, dp_mesh_dims, dp_mesh: Optional[DeviceMesh] = None) -> SpmdDims:

@@ -17,9 +17,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .flat_buffer import FlatBuffer
-from .module import FsdpModule
-from .param_group import ParamGroup
+from ..core.flat_buffer import FlatBuffer
+from ..runtime.module import FsdpModule
+from ..params.group import ParamGroup
 
 
 def register_state_dict_hooks(modules: list[nn.Module], groups: list[ParamGroup]) -> None:

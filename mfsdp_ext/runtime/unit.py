@@ -21,17 +21,18 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
-from . import capture, finite_grads, same_model, summary, tensor_tree
-from .comm.collectives import all_gather_together
-from .comm.copy_engine import use_copy_engines
-from .comm.native import use_native_collectives
-from .comm.symmetric.choose import choose_symmetric
+from . import capture, finite_grads, same_model, summary
+from ..core import tensor_tree
+from ..comm.collectives import all_gather_together
+from ..comm.copy_engine import use_copy_engines
+from ..comm.native import use_native_collectives
+from ..comm.symmetric.choose import choose_symmetric
 from .context import FsdpContext
-from .fp8 import group as fp8_group
-from .mixed_precision import MixedPrecisionPolicy
-from .param_group import ParamGroup
+from ..params import fp8_group
+from ..core.mixed_precision import MixedPrecisionPolicy
+from ..params.group import ParamGroup
 from .reduction import GradReduction
-from .states import ShardedState, Strategy, TrainingState
+from ..core.states import ShardedState, Strategy, TrainingState
 
 
 def resolve_reshard_after_forward(value) -> bool:

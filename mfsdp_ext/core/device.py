@@ -15,7 +15,7 @@ import torch
 from torch.profiler import record_function
 from torch.distributed.tensor import DTensor
 
-from ._native import current_capture_id
+from .._native import current_capture_id
 
 _profiler_enabled = torch._C._autograd._profiler_enabled  # also true under emit_nvtx (Nsight)
 

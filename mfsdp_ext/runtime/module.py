@@ -187,7 +187,7 @@ class FsdpModule(_TorchFSDPModule):
             if getattr(unit, name):
                 raise ValueError(f"set_symm_mem_for_comm: this unit has {name}=True; symmetric memory and the copy "
                                  "engines are two ways to move the same bytes: pass one")
-        from .comm.symmetric.comm import is_available
+        from ..comm.symmetric.comm import is_available
 
         ok, why = is_available(unit.groups[0].shard_group if unit.groups else None)
         if not ok:

@@ -17,8 +17,8 @@ at capture as it must be at every replay:
 from __future__ import annotations
 
 from .context import FsdpContext
-from .fp8.linear import forget_last_input
-from .states import ShardedState
+from ..fp8.linear import forget_last_input
+from ..core.states import ShardedState
 
 
 class CaptureError(RuntimeError):

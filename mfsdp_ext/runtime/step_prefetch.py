@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .states import TrainingState
+from ..core.states import TrainingState
 
 if TYPE_CHECKING:
     from .unit import FsdpUnit
-    from .param_group import ParamGroup
+    from ..params.group import ParamGroup
 
 FIRST_UNITS = 2  # the root and the unit its forward prefetches
 

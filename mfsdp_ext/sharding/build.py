@@ -12,15 +12,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .comm import dist_ops
-from . import placements, replaced_params
-from .fp8.group import Fp8ParamGroup
-from .fp8.linear import Fp8LinearConfig, Fp8LinearMixin, _fp8_class
+from ..comm import dist_ops
+from ..core import placements
+from ..params import replaced
+from ..params.fp8_group import Fp8ParamGroup
+from ..fp8.linear import Fp8LinearConfig, Fp8LinearMixin, _fp8_class
 from .marks import is_marked
-from .mixed_precision import MixedPrecisionPolicy
-from .module import FsdpModule
-from .states import Strategy
-from .param_group import ParamGroup, ParamPlace
+from ..core.mixed_precision import MixedPrecisionPolicy
+from ..runtime.module import FsdpModule
+from ..core.states import Strategy
+from ..params.group import ParamGroup, ParamPlace
 
 try:
     from torch.distributed.fsdp import FSDPModule as _FSDP2Module
@@ -76,7 +77,7 @@ def make_groups(modules: list[nn.Module], params, mesh: DeviceMesh, device: torc
     owner = "+".join(type(m).__name__ for m in modules)
     for fqn, p, _ in params:
         _OWNER_NAMES[p] = owner  # the original Parameter: a use of it outside this unit is caught later
-        replaced_params.note_replaced(p, f"'{fqn}' of a {owner}", "before fully_shard")
+        replaced.note_replaced(p, f"'{fqn}' of a {owner}", "before fully_shard")
     for g in groups:
         for info in g.infos:
             _OWNER_NAMES[info.sharded] = owner

@@ -14,7 +14,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .comm import dist_ops
+from ..comm import dist_ops
 
 
 class NonFiniteGradError(RuntimeError):

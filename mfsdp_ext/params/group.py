@@ -23,12 +23,14 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _native, placements, replaced_params
-from .comm import dist_ops
-from .comm.collectives import TORCH_TRANSPORT, AllGather, PlainAllGather, ReduceScatter
-from .flat_buffer import FlatBuffer
-from .group_grads import GroupGradients
-from .layout import FlatLayout
+from .. import _native
+from ..core import placements
+from . import replaced
+from ..comm import dist_ops
+from ..comm.collectives import TORCH_TRANSPORT, AllGather, PlainAllGather, ReduceScatter
+from ..core.flat_buffer import FlatBuffer
+from .grads import GroupGradients
+from ..core.layout import FlatLayout
 
 
 class _OptimizerSteps:
@@ -340,7 +342,7 @@ class ParamGroup(GroupGradients):
         self.on_meta = False
         self._synced_version = None
         for info in self.infos:  # the meta parameters are replaced: an optimizer holding them is caught at its step
-            replaced_params.note_replaced(info.sharded, f"'{info.fqn}'", "on the meta device, before to_empty()")
+            replaced.note_replaced(info.sharded, f"'{info.fqn}'", "on the meta device, before to_empty()")
         self._make_params()
         self.free_unsharded()
 

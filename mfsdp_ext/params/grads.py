@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _native
-from .comm import dist_ops
-from .comm.collectives import ArrivedShards, PlainReduceScatter
-from .flat_buffer import FlatBuffer
+from .. import _native
+from ..comm import dist_ops
+from ..comm.collectives import ArrivedShards, PlainReduceScatter
+from ..core.flat_buffer import FlatBuffer
 
 
 _GRAPH_GRAD_GROUPS: weakref.WeakSet = weakref.WeakSet()  # groups holding gradients a CUDA graph writes

@@ -15,11 +15,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .comm import dist_ops
-from .comm.collectives import reduce_scatter_together
+from ..comm import dist_ops
+from ..comm.collectives import reduce_scatter_together
 from .context import FsdpContext
-from .param_group import ParamGroup
-from .states import Strategy
+from ..params.group import ParamGroup
+from ..core.states import Strategy
 
 
 class GradReduction:
