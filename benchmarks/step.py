@@ -554,7 +554,7 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
     # symmetric memory: the caching allocator sees neither
     context = getattr(getattr(model, "_mfsdp_unit", None), "context", None)
     if getattr(context, "symmetric", None) is not None:
-        mem += float(context.symmetric.comm.native.capacity)
+        mem += float(context.comm.symmetric.comm.native.capacity)
     for stage in getattr(context, "copy_engines", []):
         mem += float(stage.buffer.numel())
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)

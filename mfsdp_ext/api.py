@@ -17,16 +17,16 @@ from .interop import checkpoint, dtensor_norms
 from .sharding import build, spmd_mesh
 from .sharding.marks import is_marked
 from .core.mixed_precision import MixedPrecisionPolicy, as_mfsdp_policy
-from .comm.copy_engine import checked as copy_engines_checked
-from .comm.native import check_available as native_collectives_available
+from .comm.policy import CommPolicy
 from .runtime.module import FsdpModule
 from .core.states import Strategy
-from .runtime.unit import FsdpUnit, eager_hook, resolve_reshard_after_forward
+from .runtime.unit import FsdpUnit, UnitConfig, resolve_reshard_after_forward
+from .runtime.unit_io import eager_hook
+from .params import rows
 from .params.group import ParamGroup
+from .core import registry
 from .core.placements import SpmdDims
-from .comm.symmetric.choose import check_available
 
-_FSDP_CLASSES: dict[type, type] = {}
 
 
 def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = None,
@@ -78,13 +78,13 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
         return module  # all no_shard: no unit, no hooks; the enclosing unit (the root's) holds them
     build.check_devices(params, device)
     build.move_buffers(modules, device)
-    copy_engine_all_gather, copy_engine_reduce_scatter = copy_engines_checked(
-        copy_engine_all_gather, copy_engine_reduce_scatter, shard_group, use_symm_mem)
-    use_symm_mem = _symmetric_memory(use_symm_mem, shard_group, any(own is not mesh for _, own in placed.values()))
-    native_collectives = native_collectives_available(native_collectives, shard_group)
+    comm = CommPolicy.checked(shard_group, native=native_collectives, symm_mem=use_symm_mem,
+                              copy_engine_all_gather=copy_engine_all_gather,
+                              copy_engine_reduce_scatter=copy_engine_reduce_scatter,
+                              several_meshes=any(own is not mesh for _, own in placed.values()))
     groups = build.make_groups(modules, params, mesh, device, mp_policy, strategy, placed, spmd_of)
-    unit = FsdpUnit(modules, groups, strategy, reshard_after_forward, mp_policy, device, use_symm_mem, native_collectives,
-                    verbose, check_finite_grads, copy_engine_all_gather, copy_engine_reduce_scatter)
+    config = UnitConfig(strategy, mp_policy, device, comm, verbose=verbose, check_finite_grads=check_finite_grads)
+    unit = FsdpUnit(modules, groups, config=config, reshard_after_forward=reshard_after_forward)
     for m in modules:
         _become_fsdp_module(m, unit)
     checkpoint.register_state_dict_hooks(modules, groups)
@@ -156,16 +156,6 @@ def _shard_placements(shard_placement_fn: Optional[Callable], params, mesh: Devi
     return out
 
 
-def _symmetric_memory(use_symm_mem, shard_group, several_meshes: bool) -> bool | str:
-    """The use_symm_mem setting resolved (symmetric memory takes one shard group per model)."""
-    if use_symm_mem and several_meshes:
-        if use_symm_mem is True:
-            raise ValueError("fully_shard(use_symm_mem=True): shard_placement_fn puts parameters on a mesh of their "
-                             "own; symmetric memory takes one shard group per model: pass use_symm_mem=False")
-        return False  # "auto": the plain collectives
-    return check_available(use_symm_mem, shard_group)
-
-
 def _placement_and_mesh(fqn: str, answer, mesh: DeviceMesh, spmd_of: dict[int, SpmdDims]
                         ) -> tuple[Optional[Shard], DeviceMesh]:
     if answer is None or type(answer) is Shard:
@@ -189,9 +179,12 @@ def _placement_and_mesh(fqn: str, answer, mesh: DeviceMesh, spmd_of: dict[int, S
 def _become_fsdp_module(module: nn.Module, unit: FsdpUnit) -> None:
     """Give the module the FsdpModule methods (a subclass made once per class) and the unit's hooks."""
     cls = module.__class__
-    if cls not in _FSDP_CLASSES:
-        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FsdpModule, cls), {})
-    module.__class__ = _FSDP_CLASSES[cls]
+    if cls not in registry.FSDP_CLASSES:
+        # torch's FSDPModule.__new__ builds the original class, which it finds at this index of the MRO
+        fsdp_cls = type(f"FSDP{cls.__name__}", (FsdpModule, cls), {})
+        fsdp_cls._orig_cls_mro_index = fsdp_cls.__mro__.index(cls)
+        registry.FSDP_CLASSES[cls] = fsdp_cls
+    module.__class__ = registry.FSDP_CLASSES[cls]
     module._mfsdp_unit = unit
     for _, managed in build.own_modules(module):  # as FSDP2 marks them (HF generate reads it; dynamo too)
         managed._is_fsdp_managed_module = True
@@ -257,14 +250,14 @@ def microbatch(module: nn.Module, is_first: bool = True, is_last: bool = True) -
             contexts.append(ctx)
     if not contexts:
         raise ValueError(f"microbatch: no fully_shard module found under {type(module).__name__}")
-    saved = [(c.is_first_microbatch, c.is_last_microbatch, c.explicit_microbatch) for c in contexts]
+    saved = [(c.microbatch.is_first, c.microbatch.is_last, c.microbatch.explicit) for c in contexts]
     try:
         for c in contexts:
-            c.is_first_microbatch, c.is_last_microbatch, c.explicit_microbatch = is_first, is_last, True
+            c.microbatch.is_first, c.microbatch.is_last, c.microbatch.explicit = is_first, is_last, True
         yield
     finally:
         for c, (f, l, e) in zip(contexts, saved):
-            c.is_first_microbatch, c.is_last_microbatch, c.explicit_microbatch = f, l, e
+            c.microbatch.is_first, c.microbatch.is_last, c.microbatch.explicit = f, l, e
 
 
 # ---------------------------------------------------------------------------------------------- meta init
@@ -301,5 +294,5 @@ def reset_parameters(module: nn.Module, init_fn: Optional[Callable[[nn.Module], 
         finally:
             for n, p in direct:
                 g, i = owners[id(p)]
-                g.main_weight.param_view(i).copy_(g.local_of_full(i, temps[n]))
+                g.main_weight.param_view(i).copy_(rows.local_of_full(g, i, temps[n]))
                 m._parameters[n] = p

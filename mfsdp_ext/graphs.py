@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
-from .params import group as param_group
+from .core import registry
 from .runtime import step_prefetch
 from .runtime.context import FsdpContext
 from .optim.base import FlatOptimizerMixin
@@ -87,7 +87,7 @@ class GraphedStep:
 
     def _warm_up(self, args, kwargs):
         """An eager call before the capture; it notes the optimizers it steps and the models it runs."""
-        iterations = {ctx: ctx.iterations for ctx in FsdpContext.live()}
+        iterations = {ctx: ctx.iteration.count for ctx in FsdpContext.live()}
         with self._recording_optimizers():
             out = self.train_step(*args, **kwargs)
         self.contexts = _ran(iterations)
@@ -112,29 +112,29 @@ class GraphedStep:
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        iterations = {ctx: ctx.iterations for ctx in FsdpContext.live()}  # held only while capturing
+        iterations = {ctx: ctx.iteration.count for ctx in FsdpContext.live()}  # held only while capturing
         for ctx in iterations:
-            ctx.in_graphed_capture = self
+            ctx.capture.graphed_step = self
         try:
             with self._recording_optimizers(), torch.cuda.graph(graph, pool=self.pool):
                 out = self.train_step(*args, **kwargs)
                 self._gather_held_units(iterations)
         finally:
             for ctx in iterations:
-                ctx.in_graphed_capture = None
+                ctx.capture.graphed_step = None
         del old_graph
         for opt in flat_optimizers:
             opt.graph_upload()
         self.contexts = _ran(iterations)
         for unit in held:
-            if unit.context.iterations == iterations[unit.context]:  # the step did not run this model
+            if unit.context.iteration.count == iterations[unit.context]:  # the step did not run this model
                 unit.held_by = None
-                if not unit.strategy.keeps_weights_gathered:
+                if not unit.config.strategy.keeps_weights_gathered:
                     unit.reshard()
         for ctx in self.contexts:
             ctx().graph_steps.add(self)  # release_symmetric_memory() lets the graph go first
         self.graph, self.static_out = graph, out
-        self.steps_at_capture = param_group.optimizer_steps()
+        self.steps_at_capture = registry.optimizer_steps()
         self.key = self._key(leaves, spec)  # with the models and optimizers the step was seen to use
         self.captures += 1
         graph.replay()  # the capture ran nothing: this call's step
@@ -160,8 +160,8 @@ class GraphedStep:
         for ctx in (ref() for ref in self.contexts):
             if ctx is None:
                 continue
-            order = ctx.forward_order or ctx.prev_forward_order
-            if ctx.in_backward or ctx.iteration_open or not order or any(u.held_for_graph for u in ctx.units):
+            order = ctx.order.forward or ctx.order.prev_forward
+            if ctx.iteration.in_backward or ctx.iteration.open or not order or any(u.held_for_graph for u in ctx.units):
                 continue
             for unit in order[:step_prefetch.FIRST_UNITS]:
                 unit.unshard()
@@ -181,7 +181,7 @@ class GraphedStep:
     def _gather_held_units(self, iterations: dict) -> None:
         """The end of the captured step: the held units gathered with the weights the step leaves (nothing when its
         optimizer did it), and the all-gather stream joined back into the capture."""
-        for unit in self._held_units(ctx for ctx in iterations if ctx.iterations != iterations[ctx]):
+        for unit in self._held_units(ctx for ctx in iterations if ctx.iteration.count != iterations[ctx]):
             unit.unshard()
             if unit.unshard_event is not None:
                 unit.context.device.wait_event(unit.unshard_event)
@@ -190,7 +190,7 @@ class GraphedStep:
     def _after_replay(self) -> None:
         """Eager code after a replay sees new weights: a new weights epoch makes it cast and gather them."""
         for ctx in FsdpContext.live():
-            ctx.weights_epoch += 1
+            ctx.iteration.weights_epoch += 1
 
     def _output(self):
         return pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, self.static_out)
@@ -204,7 +204,7 @@ class GraphedStep:
                       for ctx in (ref() for ref in self.contexts))
         optimizers = tuple((id(opt), tuple(tuple(id(p) for p in g["params"]) for g in opt.param_groups))
                            for opt in self.optimizers.values())
-        return (str(spec), arguments, modes, optimizers, param_group.buffers_generation(), self._held_writes())
+        return (str(spec), arguments, modes, optimizers, registry.buffers_generation(), self._held_writes())
 
     def _held_writes(self) -> tuple:
         """What wrote the held units' weights (their gathered copies must follow): the writes version counters see,
@@ -214,7 +214,7 @@ class GraphedStep:
         if not held:
             return ()
         params = {id(info.sharded) for unit in held for g in unit.groups for info in g.infos}
-        stepped = tuple(sorted(id(opt) for opt in param_group.optimizers_stepped_since(self.steps_at_capture)
+        stepped = tuple(sorted(id(opt) for opt in registry.optimizers_stepped_since(self.steps_at_capture)
                                if any(id(p) in params for group in opt.param_groups for p in group["params"])))
         return tuple(tuple(g.weights_version()[1:] for g in unit.groups) for unit in held), stepped
 
@@ -273,4 +273,4 @@ class _Hook:
 
 def _ran(iterations: dict) -> list[weakref.ref]:
     """The fully_shard roots whose forward ran since ``iterations`` was taken (made since, too), oldest first."""
-    return [weakref.ref(ctx) for ctx in FsdpContext.live() if ctx.iterations != iterations.get(ctx)]
+    return [weakref.ref(ctx) for ctx in FsdpContext.live() if ctx.iteration.count != iterations.get(ctx)]

@@ -60,7 +60,7 @@ def install_counters(path: str) -> None:
     def note_reduction(self, ctx, groups):
         for g in groups:
             key = (backward[0], id(self), id(g.shard_group))
-            if g.has_unsharded_grads() and self.reduces_now(ctx, g) and key not in reduced:
+            if g.grads.has_unsharded() and self.reduces_now(ctx, g) and key not in reduced:
                 reduced.add(key)
                 counts["reduce"] += 1
 

@@ -78,15 +78,15 @@ def _case_capture_starts_from_rest():
     _step(model, opt)  # the step gathers the next forward's first units ahead (step_prefetch)
     ctx = model._mfsdp_unit.context
     gathered_ahead = [u.name for u in ctx.units if u.unshard_event is not None or u.sharded_state.name == "UNSHARDED"]
-    epoch = ctx.weights_epoch
+    epoch = ctx.iteration.weights_epoch
     tokens, targets = batch(1, 2)
     with _seen_as_capturing():
         lm_loss(model, tokens, targets).backward()
-    assert ctx.graphed and ctx.capturing and ctx.weights_epoch == epoch + 1
+    assert ctx.capture.graphed and ctx.capture.capturing and ctx.iteration.weights_epoch == epoch + 1
     opt.step()  # no gathers issued ahead once graphed
     assert all(u.sharded_state.name == "SHARDED" for u in ctx.units)
     model(tokens)  # the first forward outside the capture leaves it
-    assert not ctx.capturing and ctx.graphed
+    assert not ctx.capture.capturing and ctx.capture.graphed
     return {"gathered_ahead_before": gathered_ahead}
 
 
@@ -100,14 +100,14 @@ def _case_capture_after_capture():
     tokens, targets = batch(1, 2)
     with _seen_as_capturing(capture_id=7):
         lm_loss(model, tokens, targets).backward()
-        epoch = ctx.weights_epoch
+        epoch = ctx.iteration.weights_epoch
         lm_loss(model, tokens, targets).backward()  # the same capture: one more microbatch in it, nothing reset
-    assert ctx.weights_epoch == epoch and ctx.capture_id == 7
+    assert ctx.iteration.weights_epoch == epoch and ctx.capture.id == 7
     opt.step()  # as after a replay
     with _seen_as_capturing(capture_id=8):
         model(tokens)
-        assert ctx.capture_id == 8 and ctx.weights_epoch == epoch + 1  # every cast and gather captured again
-    return {"epochs": [epoch, ctx.weights_epoch]}
+        assert ctx.capture.id == 8 and ctx.iteration.weights_epoch == epoch + 1  # every cast and gather captured again
+    return {"epochs": [epoch, ctx.iteration.weights_epoch]}
 
 
 def test_capture_after_capture(cpu_pool):
@@ -122,7 +122,7 @@ def _case_graph_gradients_guarded():
     _step(model)  # gradients from before the capture: the graph would accumulate into them
     for m in model.modules():
         for g in getattr(getattr(m, "_mfsdp_unit", None), "groups", []):
-            g.keep_main_grad_for_graph()
+            g.grads.keep_for_graph()
     opt.step()
     opt.zero_grad(set_to_none=False)  # the graph overwrites them: fine
     _step(model)

@@ -99,7 +99,7 @@ def _case_arrived_match_plain_all_to_all():
             assert stage.barriers == exchange + 1 and arrived.scale == plain.scale
             assert torch.equal(arrived.parts, plain.parts), (g.unit().name, exchange)
         assert plain.parts.abs().sum() > 0
-        g.drop_unsharded_grads()
+        g.grads.drop_unsharded()
     return {"groups": len(groups)}
 
 

@@ -22,6 +22,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 import mfsdp_ext
 from mfsdp_ext import fully_shard
+from mfsdp_ext.comm.policy import CommPolicy
 
 from .models import TinyLM, batch, rank_device, rel_err
 from .test_fully_shard import ScoringLM
@@ -53,8 +54,9 @@ def _case_recognised_as_fsdp2():
     assert all(isinstance(m, TorchFSDPModule) and isinstance(m, mfsdp_ext.FsdpModule) for m in units)
     assert model.norm._mfsdp_unit is model.head._mfsdp_unit  # FSDP2's list form: one unit
     # every public method of torch's FSDPModule is mfsdp_ext's own (implemented, or refused by name)
+    ours = [c for c in mfsdp_ext.FsdpModule.__mro__ if c.__module__.startswith("mfsdp_ext.")]
     inherited = [n for n, v in vars(TorchFSDPModule).items() if callable(v) and not n.startswith("__")
-                 and n not in vars(mfsdp_ext.FsdpModule)]
+                 and not any(n in vars(c) for c in ours)]
     assert not inherited, inherited
     refused = {"set_custom_all_gather": (None,), "set_custom_reduce_scatter": (None,),
                "set_all_reduce_hook": (lambda t: None,), "set_separate_reduce_scatter_group": (),
@@ -72,11 +74,12 @@ def _case_recognised_as_fsdp2():
         model.set_reduce_scatter_max_input_buffers(0)
     with pytest.raises(RuntimeError, match="set_symm_mem_for_comm: NCCL symmetric memory is unavailable"):
         model.blocks[0].set_symm_mem_for_comm()
+    unit = model.blocks[1]._mfsdp_unit
     for name in ("copy_engine_all_gather", "copy_engine_reduce_scatter"):
-        setattr(model.blocks[1]._mfsdp_unit, name, True)  # as fully_shard(name=True) on GPUs
+        unit.set_comm_policy(CommPolicy(**{name: True}))  # as fully_shard(name=True) on GPUs
         with pytest.raises(ValueError, match=f"{name}=True; symmetric memory and the copy engines"):
             model.blocks[1].set_symm_mem_for_comm()
-        setattr(model.blocks[1]._mfsdp_unit, name, False)
+    unit.set_comm_policy(CommPolicy())
     # FSDPModule.__new__ rebuilds the original class (container slicing), as for FSDP2's units
     seq = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).to(rank_device())
     fully_shard(seq)
@@ -245,7 +248,7 @@ def _case_lifecycle_controls():
         model.blocks[0].reset_iter_state()
     logits, _ = model(tokens)  # a forward whose backward never comes: reset by hand, as FSDP2 asks
     model.reset_iter_state()
-    assert not model._mfsdp_unit.context.iteration_open
+    assert not model._mfsdp_unit.context.iteration.open
     if rank_device().type == "cuda":
         model.set_post_optim_event(torch.cuda.current_stream().record_event())
     model(tokens)[0].sum().backward()

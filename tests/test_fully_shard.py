@@ -128,7 +128,7 @@ def _case_frozen_params():
     out = _parity(model, ref)
     for unit_module in (model.blocks[0], model.blocks[1], model):
         frozen = [g for g in unit_module._mfsdp_unit.groups if not g.requires_grad]
-        assert len(frozen) == 1 and frozen[0].main_grad is None and frozen[0].stats.reduces == 0
+        assert len(frozen) == 1 and frozen[0].grads.main_grad is None and frozen[0].stats.reduces == 0
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
     return out
 
@@ -205,7 +205,7 @@ def _case_main_grad_released_after_zero_grad():
     groups = [g for m in (*model.blocks, model) for g in m._mfsdp_unit.groups if g.requires_grad]
 
     def held() -> list[bool]:
-        return [g.main_grad is not None for g in groups]
+        return [g.grads.main_grad is not None for g in groups]
 
     def step(set_to_none):
         tokens, targets = batch(0, 4)
@@ -225,7 +225,7 @@ def _case_main_grad_released_after_zero_grad():
     step_grad = weight.grad.to_local().clone()
     kept = weight.grad  # the user keeps a reference across zero_grad and the next iteration
     opt.zero_grad(set_to_none=True)
-    kept_group = [g.main_grad is not None for g in groups]
+    kept_group = [g.grads.main_grad is not None for g in groups]
     assert kept_group.count(True) == 1, kept_group  # the held .grad keeps its own group's buffer, no other
     released = step(True)
     assert released == kept_group, released
@@ -248,14 +248,14 @@ def _case_late_group_reduced_first():
     from .models import batch, lm_loss
 
     root = model._mfsdp_unit
-    late = [g for g in root.groups if g.reduce_when_ready]
+    late = [g for g in root.groups if g.grads.reduce_when_ready]
     assert len(late) == 1 and [i.fqn for i in late[0].infos] == ["norm.weight", "norm.bias", "aux.weight", "aux.bias"]
     order = []
     for m in (*model.blocks, model):
         unit = m._mfsdp_unit
         original = unit.reduction.reduce
         unit.reduction.reduce = lambda ctx, g, *rest, unit=unit, original=original: (
-            order.append((unit.name, g.reduce_when_ready)), original(ctx, g, *rest))
+            order.append((unit.name, g.grads.reduce_when_ready)), original(ctx, g, *rest))
     for step in range(2):
         order.clear()
         tokens, targets = batch(step, 4)
@@ -498,7 +498,7 @@ def _case_errors():
     msgs["int_reshard"] = _expect(ValueError, "smaller group",
                                   lambda: fully_shard(nn.Linear(4, 4), reshard_after_forward=2))
     msgs["int_set_reshard"] = _expect(ValueError, "smaller group", lambda: m.set_reshard_after_forward(2))
-    assert fully_shard(nn.Linear(4, 4), reshard_after_forward=None)._mfsdp_unit.reshard_after_forward  # FSDP2's
+    assert fully_shard(nn.Linear(4, 4), reshard_after_forward=None)._mfsdp_unit.controls.reshard_after_forward  # FSDP2's
 
     class Scalar(nn.Module):
         def __init__(self):
@@ -541,14 +541,13 @@ def _case_errors():
                                     lambda: fully_shard(nn.Linear(4, 4), use_symm_mem=True))
         import warnings
 
-        from mfsdp_ext.comm.symmetric.choose import check_available
-        check_available.__dict__.pop("_warned", None)  # an earlier test in this rank may have warned already
+        from mfsdp_ext.comm import policy
+        policy._warned_auto_fallback.clear()  # an earlier test in this rank may have warned already
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             auto = fully_shard(nn.Linear(4, 4), use_symm_mem="auto")
-        assert auto._mfsdp_unit.use_symm_mem is False
-        assert any("plain collectives" in str(w.message) for w in caught) or getattr(
-            check_available, "_warned", False)
+        assert auto._mfsdp_unit.config.comm.symm_mem is False
+        assert any("plain collectives" in str(w.message) for w in caught)
         msgs["native_gloo"] = _expect(RuntimeError, "it needs CUDA GPUs",
                                       lambda: fully_shard(nn.Linear(4, 4), native_collectives=True))
         msgs["copy_engine_gloo"] = _expect(RuntimeError, "copy_engine_all_gather=True): it needs CUDA GPUs",

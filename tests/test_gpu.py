@@ -157,8 +157,8 @@ def _case_peak_memory():
     bwd = torch.cuda.max_memory_allocated() - base_bwd
     # The gradient shards the backward creates are its result, not its working set: zero_grad let the last ones
     # go (as FSDP2 frees its sharded grads), so each unit's reduction allocates its shard again.
-    grads = sum(g.main_grad.data.untyped_storage().nbytes() for m in model.modules() if hasattr(m, "_mfsdp_unit")
-                for g in m._mfsdp_unit.groups if g.main_grad is not None)
+    grads = sum(g.grads.main_grad.data.untyped_storage().nbytes() for m in model.modules() if hasattr(m, "_mfsdp_unit")
+                for g in m._mfsdp_unit.groups if g.grads.main_grad is not None)
     result = {"unit_MiB": unit / 2**20, "forward_peak_units": fwd / unit, "backward_peak_units": bwd / unit,
               "gradient_shard_units": grads / unit}
     assert fwd <= FORWARD_BOUND_UNITS * unit + slack, result
@@ -194,9 +194,9 @@ def _case_symm_parity(bf16: bool, k: int):
         assert loss_err <= 2e-2, (loss_err, a, b)
     else:
         assert loss_err <= 1e-6 and param_err <= 1e-5, (loss_err, param_err, a, b)
-    assert symm._mfsdp_unit.context.symmetric is not None
+    assert symm._mfsdp_unit.context.comm.symmetric is not None
     symm.release_symmetric_memory()  # collective: the ranks free the NCCL communicator together
-    assert symm._mfsdp_unit.context.symmetric is None
+    assert symm._mfsdp_unit.context.comm.symmetric is None
     return {"loss_err": loss_err, "param_err": param_err}
 
 
@@ -218,15 +218,15 @@ def _case_symm_auto(native: bool):
     a = train(plain, 3, 24, sharded=True)
     b = train(auto, 3, 24, sharded=True)
     ctx = auto._mfsdp_unit.context
-    chosen = [(g.all_gather_op.name == "symmetric", g.reduce_scatter_op.name == "symmetric")
+    chosen = [(g.collectives.all_gather.name == "symmetric", g.collectives.reduce_scatter.name == "symmetric")
               for u in ctx.units for g in u.groups]
-    others = {op.name for u in ctx.units for g in u.groups for op in (g.all_gather_op, g.reduce_scatter_op)
+    others = {op.name for u in ctx.units for g in u.groups for op in (g.collectives.all_gather, g.collectives.reduce_scatter)
               if op.name != "symmetric"}
     assert others <= {"native" if native else "plain"}, others
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, chosen)
     assert all(c == chosen for c in everyone), everyone
-    symmetric = ctx.symmetric
+    symmetric = ctx.comm.symmetric
     uses_ag, uses_rs = any(ag for ag, _ in chosen), any(rs for _, rs in chosen)
     if symmetric is None:
         assert not (uses_ag or uses_rs), chosen
@@ -298,7 +298,7 @@ def _case_native_collectives(mode: str, k: int):
     # 48 sequences of 6 tokens: every microbatch's GEMMs have M a multiple of 16 (FP8)
     plain, native, loss_err, param_err, a, b = _train_side_by_side(22, mp, k, 48, native_collectives=True)
     groups = [g for u in native._mfsdp_unit.context.units for g in u.groups if g.world > 1]
-    assert groups and all(g.all_gather_op.name == g.reduce_scatter_op.name == "native" for g in groups)
+    assert groups and all(g.collectives.all_gather.name == g.collectives.reduce_scatter.name == "native" for g in groups)
     assert mode != "fp8" or any(g.fp8 for g in groups)
     pg_plain, pg_native = _pg_collectives_in_backward(plain), _pg_collectives_in_backward(native)
     assert pg_plain and not pg_native, (pg_plain, pg_native)
@@ -750,7 +750,7 @@ def _case_copy_engines():
         losses.append((eager_ours if step < 3 else graphed)(tokens, targets).item())
         twin_losses.append(eager_twin(tokens, targets).item())
     ops = {op.name for u in ours._mfsdp_unit.context.units for g in u.groups
-           for op in (g.all_gather_op, g.reduce_scatter_op)}
+           for op in (g.collectives.all_gather, g.collectives.reduce_scatter)}
     assert ops == ({"copy_engine"} if world > 1 else {"plain"}), ops
     assert graphed.captures == 1, graphed.captures
     assert losses == twin_losses, (losses, twin_losses)
@@ -759,7 +759,7 @@ def _case_copy_engines():
     fp8 = shard_tiny_lm(copy.deepcopy(base), fully_shard, copy_engine_all_gather=True,
                         mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, fp8=mfsdp_ext.Fp8Policy()))
     lm_loss(fp8, tokens, targets).backward()
-    fp8_ops = {(g.fp8, g.all_gather_op.name) for u in fp8._mfsdp_unit.context.units for g in u.groups}
+    fp8_ops = {(g.fp8, g.collectives.all_gather.name) for u in fp8._mfsdp_unit.context.units for g in u.groups}
     assert all(name == ("plain" if is_fp8 or world == 1 else "copy_engine") for is_fp8, name in fp8_ops), fp8_ops
     return {"losses": losses[-3:], "ops": sorted(ops)}
 

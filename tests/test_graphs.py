@@ -48,7 +48,7 @@ def _case_key_sees_what_a_graph_depends_on():
     step = GraphedStep(lambda *a: None, warmup=1)
     step.optimizers[id(opt)] = opt
     ctx = model._mfsdp_unit.context
-    step.contexts = [weakref.ref(ctx)]  # as a capture notes the roots whose forward ran in it (ctx.iterations)
+    step.contexts = [weakref.ref(ctx)]  # as a capture notes the roots whose forward ran in it (ctx.iteration.count)
 
     def key(*args):
         from torch.utils import _pytree as pytree
@@ -57,9 +57,9 @@ def _case_key_sees_what_a_graph_depends_on():
         return step._key(leaves, spec)
 
     other = shard_tiny_lm(TinyLM(tie=False).to(rank_device()), fully_shard)  # a model the step does not use
-    iterations = ctx.iterations
+    iterations = ctx.iteration.count
     lm_loss(other, tokens, targets).backward()
-    assert ctx.iterations == iterations and other._mfsdp_unit.context.iterations == 1
+    assert ctx.iteration.count == iterations and other._mfsdp_unit.context.iteration.count == 1
     first = key(tokens, targets, 0.5)
     assert key(tokens, targets, 0.5) == first
     other.eval()
@@ -91,9 +91,9 @@ def _case_key_sees_writes_to_held_units():
     ctx = model._mfsdp_unit.context
     step.contexts = [weakref.ref(ctx)]
     assert step._held_writes() == ()  # nothing held: nothing to watch
-    for unit in ctx.forward_order[:2]:  # as a capture holds the forward's first units
+    for unit in ctx.order.forward[:2]:  # as a capture holds the forward's first units
         unit.held_by = weakref.ref(step)
-    step.steps_at_capture = mfsdp_ext.params.group.optimizer_steps()
+    step.steps_at_capture = mfsdp_ext.core.registry.optimizer_steps()
     first = step._held_writes()
     unchanged, changed = {}, {}
     lm_train_step(other, other_opt)(tokens, targets)
@@ -135,7 +135,7 @@ def _case_holds_only_models_the_step_runs():
     step._warm_up((tokens, targets), {})
     held = step._hold_first_units()
     ctx = model._mfsdp_unit.context
-    assert [u.name for u in held] == [u.name for u in ctx.forward_order[:2]], [u.name for u in held]
+    assert [u.name for u in held] == [u.name for u in ctx.order.forward[:2]], [u.name for u in held]
     assert all(u.context is ctx for u in held)
     assert not any(u.held_for_graph for u in other._mfsdp_unit.context.units)
     step._release_held()

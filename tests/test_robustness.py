@@ -98,7 +98,7 @@ def _case_failed_step(where: str, microbatches: int, strategy: str):
         unit = getattr(m, "_mfsdp_unit", None)
         if unit is not None and strategy == "optim_grads_params":
             assert all(g.unsharded.nbytes() == 0 for g in unit.groups), unit.name
-            assert not any(g.has_unsharded_grads() for g in unit.groups), unit.name
+            assert not any(g.grads.has_unsharded() for g in unit.groups), unit.name
     return {"losses": got}
 
 
@@ -363,7 +363,7 @@ def _case_weights_swapped_through_data(policy: str):
         for _ in range(3):
             teacher(torch.randn(2, 16, device=rank_device(), dtype=torch.bfloat16))
     syncs = [g.stats.scale_syncs if g.fp8 else g.stats.weight_syncs for g in teacher._mfsdp_unit.groups
-             if g.fp8 or g.cache_model_weight]  # (the others cast at every gather, as FSDP2)
+             if g.fp8 or g.cast.keep]  # (the others cast at every gather, as FSDP2)
     assert syncs and syncs == [1] * len(syncs), syncs
     return {"losses": a, "evaluations": len(seen), "teacher casts": syncs}
 

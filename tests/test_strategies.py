@@ -227,9 +227,9 @@ def _case_microbatch_flags_restored():
     ctxs = [lm._mfsdp_unit.lazy_init() for lm in parent]
     with pytest.raises(RuntimeError, match="boom"):
         with microbatch(parent, is_first=False, is_last=False):
-            assert all(not c.is_first_microbatch and not c.is_last_microbatch for c in ctxs)
+            assert all(not c.microbatch.is_first and not c.microbatch.is_last for c in ctxs)
             raise RuntimeError("boom")
-    assert all(c.is_first_microbatch and c.is_last_microbatch and not c.explicit_microbatch for c in ctxs)
+    assert all(c.microbatch.is_first and c.microbatch.is_last and not c.microbatch.explicit for c in ctxs)
     with pytest.raises(ValueError, match="no fully_shard module"):
         with microbatch(torch.nn.Linear(2, 2)):
             pass

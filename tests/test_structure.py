@@ -22,6 +22,9 @@ MAX_FUNCTION_LINES = 80
 MAX_METHODS = 25
 MAX_ATTRIBUTES = 25
 MAX_POSITIONAL = 4  # a constructor's positional parameters besides self; the rest are keyword-only
+# classes whose constructor is a torch class's, positional parameters included (a drop-in takes the same calls)
+SAME_SIGNATURE_AS_TORCH = {"optim.adamw.AdamW": "torch.optim.AdamW", "optim.sgd.SGD": "torch.optim.SGD",
+                           "fp8.linear.Fp8Linear": "torch.nn.Linear"}
 LAYER_OF = {name: i for i, name in enumerate(LAYERS)}
 
 
@@ -179,7 +182,8 @@ def _targets(node: ast.AST) -> list[ast.AST]:
 def test_small_classes_with_keyword_only_constructors():
     big = [f"{c}: {m} methods, {a} attributes" for c, m, a, _ in class_sizes() if m > MAX_METHODS or a > MAX_ATTRIBUTES]
     assert not big, f"split these classes by responsibility: {big}"
-    wide = [f"{c}: {p} positional" for c, _, _, p in class_sizes() if p > MAX_POSITIONAL]
+    wide = [f"{c}: {p} positional" for c, _, _, p in class_sizes()
+            if p > MAX_POSITIONAL and c not in SAME_SIGNATURE_AS_TORCH]
     assert not wide, f"make the extra constructor parameters keyword-only (or take a policy object): {wide}"
 
 

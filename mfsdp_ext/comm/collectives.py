@@ -11,14 +11,14 @@ Both run on the current stream. The plain implementations here issue their colle
 torch.distributed (any backend; the default) or mfsdp_ext's own NCCL communicator (``native_collectives=True``,
 ``mfsdp_ext.comm.native``). A unit's groups that use them over one transport and shard group share one
 call (all_gather_together, reduce_scatter_together): each call costs ~120 us of host time through ProcessGroupNCCL.
-The NCCL symmetric-memory ones are in ``mfsdp_ext.comm.symmetric``. A group gets its pair once, at lazy init (plain
-over torch.distributed by default).
+The NCCL symmetric-memory ones are in ``mfsdp_ext.comm.symmetric``, the copy-engine ones in ``comm/copy_engine.py``. A
+group gets its pair once, at lazy init (``comm/policy.py``; plain over torch.distributed by default).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,11 +40,12 @@ class ParamGroup(Protocol):
     reduce_dtype: torch.dtype
     reduce_comm_dtype: torch.dtype
     sums_on_arrival: bool
+    fp8: bool
     main_weight: FlatBuffer
     unsharded: FlatBuffer
-    unsharded_pieces: list[torch.Tensor]  # the unsharded buffer's pieces of a rank-major buffer
-    rank_major_offsets: list[int]
-    transport: "TorchTransport"
+    plan: Any  # its GatherPlan: unsharded_pieces (of a rank-major buffer), rank_major_offsets
+    grads: Any  # its GroupGradients: pack(out, scale)
+    collectives: GroupCollectives
     stats: Any  # its GroupStats: the counters tests and benchmarks read
 
     def gather_targets(self) -> tuple[torch.Tensor, ...]: ...
@@ -55,7 +56,14 @@ class ParamGroup(Protocol):
 
     def write_shard(self, out: torch.Tensor) -> None: ...
 
-    def pack_grads(self, out: torch.Tensor, scale: float) -> None: ...
+
+class GroupCollectives(NamedTuple):
+    """A group's collectives: the transport of its plain ones (and of its FP8 scale all-reduce), its all-gather and
+    its reduce-scatter. Given once, at lazy init, by comm/policy.py's ``assign_collectives``."""
+
+    transport: "TorchTransport"
+    all_gather: "AllGather"
+    reduce_scatter: "ReduceScatter"
 
 
 class AllGather(Protocol):
@@ -139,7 +147,7 @@ def all_gather_together(groups: list["ParamGroup"]) -> None:
             out, inp = g.gather_begin()
             outputs += out
             inputs += inp
-        first.transport.all_gather_into(outputs, inputs, first.shard_group)
+        first.collectives.transport.all_gather_into(outputs, inputs, first.shard_group)
         for g in groups:
             g.gather_end()
 
@@ -165,7 +173,7 @@ class PlainReduceScatter:
     def pack(g: "ParamGroup", scale: float) -> torch.Tensor:
         """The flat reduce-scatter's input: the grads times ``scale``, rank-major, in the reduce dtype."""
         packed = torch.empty(g.layout.rank_major_numel, dtype=g.reduce_dtype, device=g.device)
-        g.pack_grads(packed, scale)
+        g.grads.pack(packed, scale)
         return packed
 
     def _sum_on_arrival(self, g: "ParamGroup", scale: float) -> ArrivedShards:
@@ -174,7 +182,7 @@ class PlainReduceScatter:
         (ArrivedShards). Every rank adds the same way, and on 2 ranks ``fma(s, b, s * a)`` is the float32
         reduce-scatter's ``s * a + s * b``, one rounding either way, so the bits are the same."""
         packed = torch.empty(g.layout.rank_major_numel, dtype=g.reduce_comm_dtype, device=g.device)
-        g.pack_grads(packed, 1.0)
+        g.grads.pack(packed, 1.0)
         received = torch.empty_like(packed)
         self.transport.all_to_all_into(received, packed, g.shard_group)
         return ArrivedShards(received.view(g.world, g.layout.shard_numel), scale)
@@ -187,7 +195,7 @@ def reduce_scatter_together(groups: list["ParamGroup"], scales: list[float]) -> 
     first = groups[0]
     packed = [PlainReduceScatter.pack(g, scale) for g, scale in zip(groups, scales)]
     reduced = [torch.empty(g.layout.shard_numel, dtype=g.reduce_dtype, device=g.device) for g in groups]
-    first.transport.grouped_reduce_scatter_into(reduced, packed, first.shard_group)
+    first.collectives.transport.grouped_reduce_scatter_into(reduced, packed, first.shard_group)
     for g in groups:
         g.stats.reduces += 1
     return reduced

@@ -60,30 +60,6 @@ def unavailable_reason(group: Optional[dist.ProcessGroup]) -> Optional[str]:
     return None
 
 
-def checked(all_gather: bool, reduce_scatter: bool, group: Optional[dist.ProcessGroup],
-            use_symm_mem) -> tuple[bool, bool]:
-    """fully_shard's check of copy_engine_all_gather and copy_engine_reduce_scatter: errors that say what to do, or
-    the settings."""
-    return (check_available(all_gather, "copy_engine_all_gather", group, use_symm_mem),
-            check_available(reduce_scatter, "copy_engine_reduce_scatter", group, use_symm_mem))
-
-
-def check_available(value: bool, name: str, group: Optional[dist.ProcessGroup], use_symm_mem) -> bool:
-    """The check of one of them, ``name`` = ``value``."""
-    if value not in (False, True):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    if not value:
-        return False
-    if use_symm_mem:
-        what = name.removeprefix("copy_engine_").replace("_", "-")
-        raise ValueError(f"fully_shard: {name}=True and use_symm_mem are two {what}s; pass one")
-    reason = unavailable_reason(group)
-    if reason is not None:
-        raise RuntimeError(f"fully_shard({name}=True): {reason}. Pass {name}=False (the default: NCCL's "
-                           "collectives).")
-    return True
-
-
 def gathers_by_copy_engine(g: ParamGroup) -> bool:
     """Whether the group's all-gather can go through the copy engines (the others keep theirs)."""
     return g.world > 1 and not g.fp8 and not any(slot.dim for slot in g.layout.slots)
@@ -124,7 +100,7 @@ class CopyEngineStage:
     gathers (on the all-gather stream) and the gradient exchanges (on the reduce stream) have one stage each, with
     barriers on channels of their own."""
 
-    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: DeviceHandle, channel: int, flag: str):
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, *, device: DeviceHandle, channel: int, flag: str):
         import torch.distributed._symmetric_memory as symm_mem
 
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -175,7 +151,7 @@ class CopyEngineAllGather:
         self.stage, self.shard, self.dtype = stage, shard, dtype
         self.own = [stage.view(stage.rank, b, shard, dtype) for b in (0, 1)]
         self.sources = [[stage.view(r, b, shard, dtype) for r in range(world)] for b in (0, 1)]
-        self.offsets, self.pieces = list(g.rank_major_offsets), list(g.unsharded_pieces)
+        self.offsets, self.pieces = list(g.plan.rank_major_offsets), list(g.plan.unsharded_pieces)
         piece_bytes = sum(p.numel() for p in self.pieces) * dtype.itemsize / max(len(self.pieces), 1)
         self.staged = len(self.pieces) > world and piece_bytes < STAGE_PIECES_BELOW_BYTES
         # per buffer, in peer order: (source rank, piece of the unsharded parameters, where it lies in that rank's
@@ -216,7 +192,7 @@ class CopyEngineReduceScatter:
 
     def __call__(self, g: ParamGroup, scale: float) -> ArrivedShards:
         buffer = self.stage.next_buffer()
-        g.pack_grads(self.packed[buffer], 1.0)
+        g.grads.pack(self.packed[buffer], 1.0)
         self.stage.barrier()
         arrived = torch.empty(self.stage.world, self.shard, dtype=self.dtype, device=self.packed[0].device)
         for r in peer_order(self.stage.rank, self.stage.world):
@@ -224,24 +200,29 @@ class CopyEngineReduceScatter:
         return ArrivedShards(arrived, scale)
 
 
-def use_copy_engines(units, device: DeviceHandle) -> list[CopyEngineStage]:
-    """Give the groups of units with copy_engine_all_gather=True the copy-engine all-gather, and those of units with
-    copy_engine_reduce_scatter=True the copy-engine gradient exchange; return the stages they share (one per
-    direction, none when no group uses it). Collective over the shard group: every rank calls it alike."""
-    stages = []
-    for flag, eligible, op, attr, nbytes_of in (
-            ("copy_engine_all_gather", gathers_by_copy_engine, CopyEngineAllGather, "all_gather_op",
+def copy_engine_collectives(gathers: list[ParamGroup], reduces: list[ParamGroup], device: DeviceHandle
+                            ) -> tuple[list[CopyEngineStage], dict]:
+    """The copy-engine all-gather of the groups in ``gathers`` and gradient exchange of those in ``reduces`` (each
+    eligible: gathers_by_copy_engine, reduces_by_copy_engine): returns the stages they share (one per direction in
+    use) and id(group) -> (all-gather or None, reduce-scatter or None). Collective over the shard group: every rank
+    calls it alike."""
+    stages: list[CopyEngineStage] = []
+    ops: dict = {}
+    for slot, (flag, groups, op, nbytes_of) in enumerate((
+            ("copy_engine_all_gather", gathers, CopyEngineAllGather,
              lambda g: g.layout.shard_numel * g.compute_dtype.itemsize),
-            ("copy_engine_reduce_scatter", reduces_by_copy_engine, CopyEngineReduceScatter, "reduce_scatter_op",
-             lambda g: g.layout.rank_major_numel * g.reduce_comm_dtype.itemsize)):
-        groups = [g for u in units if getattr(u, flag) for g in u.groups if eligible(g)]
+            ("copy_engine_reduce_scatter", reduces, CopyEngineReduceScatter,
+             lambda g: g.layout.rank_major_numel * g.reduce_comm_dtype.itemsize))):
         if not groups:
             continue
         shard_group = groups[0].shard_group
         if any(g.shard_group is not shard_group for g in groups):
             raise ValueError(f"{flag}: all units under one root must shard over the same group")
-        stage = CopyEngineStage(shard_group, max(map(nbytes_of, groups)), device, len(stages), flag)
+        stage = CopyEngineStage(shard_group, max(map(nbytes_of, groups)), device=device, channel=len(stages),
+                                flag=flag)
         for g in groups:
-            setattr(g, attr, op(stage, g))
+            pair = list(ops.get(id(g), (None, None)))
+            pair[slot] = op(stage, g)
+            ops[id(g)] = tuple(pair)
         stages.append(stage)
-    return stages
+    return stages, ops

@@ -24,30 +24,17 @@ import torch
 import torch.distributed as dist
 
 from .. import _native
+from ..core import registry
 from . import dist_ops
 from .collectives import PlainAllGather, PlainReduceScatter
 from .symmetric.comm import _exchange_unique_id, _native_reason
 
-_TRANSPORTS: dict = {}  # shard process group -> its NcclTransport (one communicator per group and process)
 
 
-def unavailable_reason(group: Optional[dist.ProcessGroup]) -> Optional[str]:
-    """Why ``native_collectives=True`` cannot run over ``group``, or None when it can."""
-    if group is None:
-        return "no_shard has no all-gather or reduce-scatter"
-    # then: the extension built with NCCL, and a recent enough NCCL library
+def unavailable_reason(group: dist.ProcessGroup) -> Optional[str]:
+    """Why the native transport cannot run over ``group`` (CUDA and NCCL, the extension built with NCCL, a recent
+    enough NCCL library), or None when it can."""
     return dist_ops.cuda_nccl_reason(group) or _native_reason()
-
-
-def check_available(native_collectives: bool, group: Optional[dist.ProcessGroup]) -> bool:
-    """fully_shard's check: an error that says what to do, or the setting."""
-    if native_collectives not in (False, True):
-        raise ValueError(f"native_collectives must be True or False, got {native_collectives!r}")
-    reason = unavailable_reason(group) if native_collectives else None
-    if reason is not None:
-        raise RuntimeError(f"fully_shard(native_collectives=True): {reason}. Pass native_collectives=False (the "
-                           "default: torch.distributed's collectives).")
-    return native_collectives
 
 
 class NcclTransport:
@@ -82,16 +69,10 @@ class NcclTransport:
         self.comm.all_to_all(input, output)
 
 
-def use_native_collectives(units) -> None:
-    """At lazy init: give the sharded groups of units with native_collectives=True the native transport. Every
-    rank walks the same units in the same order, so the communicators are created alike (collectively)."""
-    for unit in units:
-        if not unit.native_collectives:
-            continue
-        for g in unit.groups:
-            if g.world == 1:
-                continue
-            transport = _TRANSPORTS.get(g.shard_group)
-            if transport is None:
-                transport = _TRANSPORTS[g.shard_group] = NcclTransport(g.shard_group, g.device)
-            g.use_transport(transport)
+def transport_for(group: dist.ProcessGroup, device: torch.device) -> "NcclTransport":
+    """The native transport over ``group``: made (collectively: every rank asks in the same order) the first time,
+    then the same one for every unit of every model in this process."""
+    transport = registry.NATIVE_TRANSPORTS.get(group)
+    if transport is None:
+        transport = registry.NATIVE_TRANSPORTS[group] = NcclTransport(group, device)
+    return transport

@@ -43,6 +43,16 @@ class Fp8Policy:
 
 
 @dataclass(frozen=True)
+class GroupDtypes:
+    """The dtypes of one parameter group, resolved from the policy (``MixedPrecisionPolicy.group_dtypes``)."""
+
+    compute: torch.dtype  # what the module computes with (and the all-gather moves)
+    reduce: torch.dtype  # what gradients are summed in
+    reduce_comm: Optional[torch.dtype]  # what gradients travel in; None: the reduce dtype
+    main_grad: torch.dtype  # the sharded gradient the optimizer sees
+
+
+@dataclass(frozen=True)
 class MixedPrecisionPolicy:
     """Same fields as FSDP2's policy, plus ``main_grad_dtype``.
 

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from .. import _native as N
 from .._native import QUANTIZE_ALGOS
+from ..core import registry
 from .tensor import E4M3, E5M2, Fp8Tensor, quantize
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -273,19 +274,20 @@ class Fp8LinearMixin:
 class Fp8Linear(Fp8LinearMixin, nn.Linear):
     """``nn.Linear`` computing in FP8 (same parameters, state dict and initialisation)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  config: Optional[Fp8LinearConfig] = None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.fp8_config = config or Fp8LinearConfig()
 
 
-_FP8_CLASSES: dict = {nn.Linear: Fp8Linear}
 
 
 def _fp8_class(cls: type) -> type:
-    if cls not in _FP8_CLASSES:
-        _FP8_CLASSES[cls] = type(f"Fp8{cls.__name__}", (Fp8LinearMixin, cls), {"__module__": cls.__module__})
-    return _FP8_CLASSES[cls]
+    if cls is nn.Linear:
+        return Fp8Linear
+    if cls not in registry.FP8_CLASSES:
+        registry.FP8_CLASSES[cls] = type(f"Fp8{cls.__name__}", (Fp8LinearMixin, cls), {"__module__": cls.__module__})
+    return registry.FP8_CLASSES[cls]
 
 
 def default_fp8_filter(fqn: str, module: nn.Module) -> bool:

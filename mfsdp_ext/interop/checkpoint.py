@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from ..core.flat_buffer import FlatBuffer
 from ..runtime.module import FsdpModule
+from ..params import rows
 from ..params.group import ParamGroup
 
 
@@ -32,7 +33,7 @@ def register_state_dict_hooks(modules: list[nn.Module], groups: list[ParamGroup]
     def mark_loaded(module, incompatible_keys) -> None:
         _take_assigned(groups)
         for g in groups:  # load_state_dict writes through DTensor ops, which the step detection cannot see
-            g.mark_main_weight_changed()
+            g.versions.mark_changed()
 
     holders = {id(m): m for m in modules}  # as FSDP2, also the modules holding the parameters: their own state_dict()
     holders.update((id(place.module), place.module) for g in groups for info in g.infos for place in info.places)
@@ -66,7 +67,7 @@ def _take_assigned(groups: list[ParamGroup]) -> None:
         g.materialize(g.device)  # no-op unless on meta (it makes new parameters: taken below)
         for i, place, new in assigned:
             info = g.infos[i]
-            value = new.to_local() if isinstance(new, DTensor) else g.local_of_full(i, new)
+            value = new.to_local() if isinstance(new, DTensor) else rows.local_of_full(g, i, new)
             info.sharded._local_tensor.copy_(value)
             if info.sharded.requires_grad != new.requires_grad:
                 info.sharded.requires_grad_(new.requires_grad)
@@ -82,7 +83,7 @@ def _watch_returned_shards(holder: nn.Module, groups: list[ParamGroup]):
                 for place in info.places:
                     value = state_dict.get(prefix + place.fqn) if place.holder is holder else None
                     if isinstance(value, DTensor):
-                        g.watch_alias(value._local_tensor)
+                        g.versions.watch_alias(value._local_tensor)
 
     return hook
 
@@ -101,7 +102,7 @@ def _full_tensors_to_local_chunks(holder: nn.Module, groups: list[ParamGroup]):
                     value = state_dict.get(key)
                     if value is None or isinstance(value, DTensor) or value.shape != info.shape:
                         continue  # absent, already sharded, or wrong (nn.Module reports the size mismatch)
-                    state_dict[key] = g.as_dtensor(i, g.local_of_full(i, value).to(g.device, g.dtype))
+                    state_dict[key] = g.as_dtensor(i, rows.local_of_full(g, i, value).to(g.device, g.dtype))
 
     return hook
 
@@ -119,9 +120,9 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
         prefix = f"{prefix}." if prefix else ""
         for g in m._mfsdp_unit.groups:
             if id(g) not in gathered:
-                gathered[id(g)] = g.gather_full(g.main_weight)
+                gathered[id(g)] = rows.gather_full(g, g.main_weight)
             for i, info in enumerate(g.infos):
-                value = g.full_of_local(i, gathered[id(g)].param_view(i)).clone()
+                value = rows.full_of_local(g, i, gathered[id(g)].param_view(i)).clone()
                 for place in info.places:
                     if place.holder is m:
                         out[prefix + place.fqn] = value

@@ -56,7 +56,7 @@ class AdamW(FlatOptimizerMixin, torch.optim.AdamW):
         return torch.tensor(rows, dtype=torch.float32).reshape(-1, _native.OPTIM_COEFFS)
 
     def _run_kernel(self, group, flat: FlatState, runs: torch.Tensor, keys: list, device_table=None) -> None:
-        _native.adamw_step(group.main_weight.data, group.main_grad.data, flat.buffer("exp_avg"),
+        _native.adamw_step(group.main_weight.data, group.grads.main_grad.data, flat.buffer("exp_avg"),
                            flat.buffer("exp_avg_sq"), runs, self._coeffs(keys), device_table)
 
     def _torch_step(self, group: dict, params: list) -> None:

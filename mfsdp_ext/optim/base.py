@@ -33,7 +33,7 @@ def _grad_view_owner(p: torch.Tensor):
     if owner is None:
         return None
     group, i = owner
-    return owner if group.infos[i].sharded is p and group.grad_attached(i) else None
+    return owner if group.infos[i].sharded is p and group.grads.attached_at(i) else None
 
 
 class _GraphTables:
@@ -97,11 +97,11 @@ class FlatOptimizerMixin:
                     else:
                         rest.append(p)
             for group, indices in mine.items():
-                if all(i in indices for i in group.trainable() if group.grad_attached(i)):
-                    group.main_grad.data.zero_()
+                if all(i in indices for i in group.trainable() if group.grads.attached_at(i)):
+                    group.grads.main_grad.data.zero_()
                 else:
                     for i in indices:
-                        group.main_grad.param_view(i).zero_()
+                        group.grads.main_grad.param_view(i).zero_()
             for p in rest:  # what torch's zero_grad does to each gradient
                 if p.grad.grad_fn is not None:
                     p.grad.detach_()
@@ -145,7 +145,7 @@ class FlatOptimizerMixin:
                     self._state_for(p, *owner)
                 # the flat kernel reads main_grad: a grad set by anything else (DCP's zero grads, a user's
                 # tensor) goes through torch's step
-                if owner is not None and owner[0].grad_attached(owner[1]):
+                if owner is not None and owner[0].grads.attached_at(owner[1]):
                     flat_work[owner[0]].append((owner[1], p, gi))
                 else:
                     torch_work[gi].append(p)

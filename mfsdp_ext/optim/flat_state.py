@@ -15,6 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..core.flat_buffer import FlatBuffer
+from ..params import rows as param_rows
 from ..params.group import ParamGroup, owner_of
 
 
@@ -28,7 +29,7 @@ def flat_owner(p: torch.Tensor) -> tuple[ParamGroup, int] | None:
         raise ValueError("mfsdp_ext.optim: a parameter given to the optimizer is no longer its module's parameter "
                          "(its group was re-created, e.g. by materializing a meta-device model after the optimizer "
                          "was built); build the optimizer after the model is initialized")
-    if group.on_meta or group.main_weight.dtype != torch.float32:
+    if group.main_weight.data.is_meta or group.main_weight.dtype != torch.float32:
         return None
     return owner
 
@@ -83,7 +84,7 @@ def _local_part(group: ParamGroup, i: int, value: torch.Tensor, view: DTensor) -
         value = value.full_tensor()
     if value.shape == view._local_tensor.shape and value.shape != view.shape:
         return value  # already this rank's rows
-    return group.local_of_full(i, value)
+    return param_rows.local_of_full(group, i, value)
 
 
 def build_runs(group: ParamGroup, items: list[tuple[int, object]]) -> tuple[torch.Tensor, list[object]]:

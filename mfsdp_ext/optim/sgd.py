@@ -49,7 +49,7 @@ class SGD(FlatOptimizerMixin, torch.optim.SGD):
 
     def _run_kernel(self, group, flat: FlatState, runs: torch.Tensor, keys: list, device_table=None) -> None:
         uses_buffer = any(self.param_groups[gi]["momentum"] != 0 for gi, _ in keys)
-        _native.sgd_step(group.main_weight.data, group.main_grad.data,
+        _native.sgd_step(group.main_weight.data, group.grads.main_grad.data,
                          flat.buffer("momentum_buffer") if uses_buffer else None, runs, self._coeffs(keys),
                          device_table)
 

@@ -37,7 +37,7 @@ SCALE_ROW = 64  # floats: each GEMM scale 256-byte aligned
 class Fp8ParamGroup(ParamGroup):
     fp8 = True
 
-    def __init__(self, params, mesh, *, fp8_compute: bool, keep_fp8_shard: bool | None = None, **kwargs):
+    def __init__(self, params, *, fp8_compute: bool, keep_fp8_shard: bool | None = None, **kwargs):
         """keep_fp8_shard: keep the FP8 model-weight shard from one optimizer step to the next (True: cast once per
         step), or (False) cast it from the main weight at every all-gather, with the step's scales, and free it after.
         None: False until the same weights are gathered a third time (microbatches), then True (see note_gather)."""
@@ -46,14 +46,15 @@ class Fp8ParamGroup(ParamGroup):
         self.keep_when_regathered = keep_fp8_shard is None
         self._scales_pending = False  # new scales computed: gemm_scale_inv follows at this version's first cast
         self.fp8_views: list[Fp8Tensor] | None = None  # compute=True: the gathered weights' FP8 views, made once
-        if kwargs.get("compute_dtype") not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"FP8 weights need a bfloat16 or float16 compute dtype, got {kwargs.get('compute_dtype')}")
+        compute = kwargs["dtypes"].compute
+        if compute not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"FP8 weights need a bfloat16 or float16 compute dtype, got {compute}")
         bad = [f"{fqn} ({p.dtype})" for fqn, p, _ in params if p.dtype != torch.float32]
         if bad:
             raise ValueError(f"FP8 weights are cast from float32 main weights; {', '.join(bad)} are not: "
                              "keep the model in float32 and choose the compute dtype with MixedPrecisionPolicy")
         kwargs["cache_model_weight"] = True
-        super().__init__(params, mesh, **kwargs)
+        super().__init__(params, **kwargs)
 
     # ------------------------------------------------------------------ setup (called by ParamGroup)
     def _make_model_weight(self, device: torch.device) -> FlatBuffer:
@@ -75,11 +76,12 @@ class Fp8ParamGroup(ParamGroup):
         # at the end of __init__ (free_unsharded) and never allocated again: see the module docstring
         return FlatBuffer(self.layout, self.compute_dtype, device)
 
-    def _plan_views(self) -> None:
-        super()._plan_views()
+    def _bind_plan(self) -> None:
+        super()._bind_plan()
         # gloo has no float8 collectives: the bytes travel as uint8 (NCCL does the same with either)
-        self.fp8_gather_inputs = [self.model_weight.chunk_slot(i).view(torch.uint8) for i in self._gathered]
-        self.fp8_gather_outputs = [self.unsharded_fp8.padded_param(i).view(torch.uint8) for i in self._gathered]
+        gathered = self.plan.gathered
+        self.fp8_gather_inputs = [self.model_weight.chunk_slot(i).view(torch.uint8) for i in gathered]
+        self.fp8_gather_outputs = [self.unsharded_fp8.padded_param(i).view(torch.uint8) for i in gathered]
 
     # ------------------------------------------------------------------ weights
     def sync_model_weight(self, version: tuple) -> None:
@@ -87,12 +89,12 @@ class Fp8ParamGroup(ParamGroup):
         cast at this weights_version(). Collective over the shard (and replicate) group: every rank decides alike,
         as weights_version() counts the same optimizer steps and writes on every rank. (A unit's gather syncs the
         scales of all its tree's FP8 groups that need them at once first: FsdpUnit._sync_fp8_scales.)"""
-        if self._synced_version != version:
+        if self.cast.synced_version != version:
             sync_scales([self], [version])
 
     def _scales_synced(self, version: tuple) -> None:
         """The amax vector holds every rank's maximum for ``version``: the scales follow at the next cast."""
-        self._synced_version = version
+        self.cast.synced_version = version
         self.stats.scale_syncs += 1
         self._scales_pending = True
         if self.keep_fp8_shard:
@@ -103,10 +105,10 @@ class Fp8ParamGroup(ParamGroup):
         at each gather and holds no FP8 shard between gathers (FSDP2 + float8's memory;
         benchmarks/results/step_fp8_cache_1xh200.md); at a third gather (microbatches) the shard is kept
         from then on, cast once per step. Called before this gather's sync_model_weight and all_gather."""
-        if not self.keep_when_regathered or not self._gathered_third_time(version):
+        if not self.keep_when_regathered or not self.versions.gathered_third_time(version):
             return
         self.keep_fp8_shard, self.keep_when_regathered = True, False
-        if self._synced_version == version:  # this version's amax exists: cast the shard kept from now on
+        if self.cast.synced_version == version:  # this version's amax exists: cast the shard kept from now on
             self.model_weight.alloc()
             self._cast_fp8_shard()
 
@@ -127,7 +129,7 @@ class Fp8ParamGroup(ParamGroup):
             if self.world == 1:  # one rank: the shard layout is the unsharded layout
                 self.unsharded_fp8.data.copy_(self.model_weight.data)
             else:
-                self.transport.all_gather_into(outputs, inputs, self.shard_group)
+                self.collectives.transport.all_gather_into(outputs, inputs, self.shard_group)
             self.gather_end()
 
     def gather_targets(self) -> tuple[torch.Tensor, ...]:
@@ -149,7 +151,7 @@ class Fp8ParamGroup(ParamGroup):
             # freed in the all-gather stream's order (this runs on it): reused only after the collective
             self.model_weight.free()
         self.stats.all_gathers += 1
-        self.stats.all_gather_bytes += self.gathered_bytes(E4M3)
+        self.stats.all_gather_bytes += self.plan.gathered_bytes(E4M3)
         if self.fp8_compute:
             if self.fp8_views is None:
                 # made once (at the first gather: a meta-initialised group has real storage by then) and kept: the
@@ -207,7 +209,7 @@ def sync_scales(groups: list[Fp8ParamGroup], versions: list[tuple]) -> None:
     for g, part in zip(groups, parts):
         _native.segment_amax(g.main_weight.data, g.segments, part)
     if first.world > 1:
-        first.transport.all_reduce_max(amax, first.shard_group)
+        first.collectives.transport.all_reduce_max(amax, first.shard_group)
     if first.replicate_group is not None and dist.get_world_size(first.replicate_group) > 1:
         dist_ops.all_reduce(amax, first.replicate_group, op=dist.ReduceOp.MAX)
     if len(groups) > 1:

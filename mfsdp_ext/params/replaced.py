@@ -9,35 +9,26 @@ for replaced parameters and raises, naming one.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
-# replaced parameter -> (its name, when it was the model's: "before fully_shard" or "before to_empty()")
-_REPLACED = WeakIdKeyDictionary()
-# optimizer -> how many parameters it held when checked (re-checked when add_param_group adds more)
-_CHECKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
-_handle = None
+from ..core import registry
+
 
 
 def note_replaced(original: torch.Tensor, name: str, when: str) -> None:
     """``original`` is no longer the module's parameter (fully_shard made a shard of it, or to_empty() gave a
     meta shard real storage)."""
-    global _handle
-    _REPLACED[original] = (name, when)
-    if _handle is None:
-        _handle = register_optimizer_step_pre_hook(_check_optimizer)
+    registry.REPLACED_PARAMS[original] = (name, when)
+    registry.install_optimizer_hook("check_replaced_params", _check_optimizer, pre=True)
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     count = sum(len(group["params"]) for group in optimizer.param_groups)
-    if _CHECKED.get(optimizer) == count:
+    if registry.CHECKED_OPTIMIZERS.get(optimizer) == count:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            replaced = _REPLACED.get(p)
+            replaced = registry.REPLACED_PARAMS.get(p)
             if replaced is not None:
                 name, when = replaced
                 raise RuntimeError(
@@ -45,4 +36,4 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                     "no longer uses that tensor, so stepping it would not train. Build the optimizer after "
                     "fully_shard (and after to_empty() for a meta-built model), from model.parameters(), as "
                     "with FSDP2.")
-    _CHECKED[optimizer] = count
+    registry.CHECKED_OPTIMIZERS[optimizer] = count

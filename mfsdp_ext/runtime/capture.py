@@ -29,10 +29,10 @@ def enter(ctx: FsdpContext, capture_id: int) -> None:
     """The root's forward starts under the capture ``capture_id`` (once per captured region): bring the tree to
     the state every replay starts from. The capture's ``torch.cuda.graph`` synchronized the device, so dropping the
     events of earlier gathers and freeing their buffers waits for nothing."""
-    if ctx.explicit_microbatch and not ctx.is_first_microbatch:
+    if ctx.microbatch.explicit and not ctx.microbatch.is_first:
         raise CaptureError("mfsdp_ext: a capture starts at microbatch(is_first=False); capture the whole "
                            "accumulation, from its first microbatch")
-    if ctx.root.check_finite_grads:
+    if ctx.root.config.check_finite_grads:
         raise CaptureError("mfsdp_ext: check_finite_grads=True cannot be captured in a CUDA graph (it waits on the "
                            "host for the reduced gradients); check torch.isfinite of the grad norm after a replay "
                            "instead, or turn it off")
@@ -43,19 +43,19 @@ def enter(ctx: FsdpContext, capture_id: int) -> None:
                                "mask of used parameters waits on the host; it cannot be captured in a CUDA graph "
                                "(keep the default, True)")
         for g in unit.groups:
-            g.keep_main_grad_for_graph()  # gradients kept from before the capture: the graph accumulates into them
+            g.grads.keep_for_graph()  # gradients kept from before the capture: the graph accumulates into them
         unit.unshard_event = None
-        if unit.sharded_state is ShardedState.UNSHARDED and not unit.strategy.keeps_weights_gathered:
+        if unit.sharded_state is ShardedState.UNSHARDED and not unit.config.strategy.keeps_weights_gathered:
             unit.reshard()
-    ctx.weights_epoch += 1  # every cast and gather is captured ...
+    ctx.iteration.weights_epoch += 1  # every cast and gather is captured ...
     for unit, versions in held.items():  # ... but the held units': they hold this epoch's weights already
         now = unit.current_versions()
         for g, before, after in zip(unit.groups, versions, now):
-            if g._synced_version == before:
-                g._synced_version = after
+            if g.cast.synced_version == before:
+                g.cast.synced_version = after
         unit.gathered_versions = now
-    ctx.capture_id, ctx.graphed = capture_id, True
-    ctx.user_captured |= ctx.in_graphed_capture is None
+    ctx.capture.id, ctx.capture.graphed = capture_id, True
+    ctx.capture.user_captured |= ctx.capture.graphed_step is None
     forget_last_input()
 
 
@@ -66,7 +66,7 @@ def _held_with_current_weights(ctx: FsdpContext) -> dict:
     unit in a capture of the user's: nothing in it would gather them for the next replay."""
     held = {}
     for unit in ctx.units:
-        if not unit.is_held_by(ctx.in_graphed_capture):
+        if not unit.is_held_by(ctx.capture.graphed_step):
             continue
         versions = unit.current_versions()
         if unit.sharded_state is ShardedState.UNSHARDED and unit.gathered_versions == versions:
@@ -78,5 +78,5 @@ def _held_with_current_weights(ctx: FsdpContext) -> dict:
 
 def leave(ctx: FsdpContext) -> None:
     """The root's first forward outside the capture."""
-    ctx.capture_id = 0
+    ctx.capture.id = 0
     forget_last_input()

@@ -28,9 +28,9 @@ def check(root_module, units) -> None:
     for unit in units:
         for g in unit.groups:
             for i, info in enumerate(g.infos):
-                if g.main_grad is not None and info.sharded.requires_grad and g.main_grad.param_view(i).numel():
+                if g.grads.main_grad is not None and info.sharded.requires_grad and g.grads.main_grad.param_view(i).numel():
                     ordinals.append(total)
-                    views.append(g.main_grad.param_view(i))
+                    views.append(g.grads.main_grad.param_view(i))
                 total += 1
     mesh = next((g.mesh for u in units for g in u.groups), None)
     if mesh is None:

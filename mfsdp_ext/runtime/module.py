@@ -16,6 +16,8 @@ import torch
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
+from .comm_controls import CommControls, not_supported
+from . import root
 from .unit import FsdpUnit, resolve_reshard_after_forward
 
 
@@ -53,17 +55,10 @@ class _Fsdp2StateView:
             "_get_fsdp_state()) needs torch.distributed.fsdp.fully_shard")
 
 
-def _not_supported(method: str, what_to_do: str) -> NotImplementedError:
-    return NotImplementedError(f"mfsdp_ext: FSDPModule.{method} is not supported; {what_to_do}")
-
-
-class FsdpModule(_TorchFSDPModule):
+class FsdpModule(CommControls, _TorchFSDPModule):
     """Mixin that ``fully_shard`` adds to a module's class (``FSDP<Cls>(FsdpModule, Cls)``): FSDP2's per-module
     controls, over this module's unit."""
 
-    # torch's FSDPModule.__new__ builds the original class, found at this index of the MRO:
-    # [FSDP<Cls>, FsdpModule, torch's FSDPModule, Cls, ...]
-    _orig_cls_mro_index = 3
     _mfsdp_unit: FsdpUnit
 
     def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:
@@ -91,7 +86,7 @@ class FsdpModule(_TorchFSDPModule):
         if not unit.is_root:
             raise RuntimeError(f"mfsdp_ext: reset_iter_state() is called on the root module, not on the inner "
                                f"unit '{unit.name}'")
-        unit.abandon_iteration()
+        root.abandon_iteration(unit)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """FSDP2's: whether the next backward is the last of the step, where FSDP2 waits for its pending reductions.
@@ -107,13 +102,14 @@ class FsdpModule(_TorchFSDPModule):
     def set_reshard_after_forward(self, reshard_after_forward: Optional[bool], *, recurse: bool = True) -> None:
         reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward)
         for unit in self._units(recurse):
-            unit.reshard_after_forward = reshard_after_forward and not unit.strategy.keeps_weights_gathered
+            unit.controls.reshard_after_forward = (reshard_after_forward
+                                                   and not unit.config.strategy.keeps_weights_gathered)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """FSDP2's: False keeps the gathered weights after backward, so the next forward (the next microbatch) needs
         no all-gather; more memory. An optimizer step still makes the next forward gather the new weights."""
         for unit in self._units(recurse):
-            unit.reshard_after_backward = bool(reshard_after_backward)
+            unit.controls.reshard_after_backward = bool(reshard_after_backward)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """FSDP2's, for HSDP: False reduce-scatters within the shard group only and accumulates; the all-reduce over
@@ -124,7 +120,7 @@ class FsdpModule(_TorchFSDPModule):
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """FSDP2's: False when this unit's backward needs none of its weights (e.g. an embedding alone): the
         backward then gathers nothing for it. A backward that does need them fails on the freed storage."""
-        self._mfsdp_unit.unshard_in_backward = bool(unshard_in_backward)
+        self._mfsdp_unit.controls.unshard_in_backward = bool(unshard_in_backward)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """FSDP2's name; ours defaults to True: a parameter no rank gave a gradient in a backward gets a zero
@@ -151,71 +147,21 @@ class FsdpModule(_TorchFSDPModule):
         if not isinstance(enable, bool):
             raise TypeError(f"set_force_sum_reduction_for_comms takes a bool, got {type(enable).__name__}")
 
-    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
-        """FSDP2's cap on reduce-scatter input buffers in flight, which trades memory for not stalling the compute
-        stream. mfsdp_ext packs each unit's gradients on the reduce-scatter stream and frees them in stream order,
-        so the compute stream never waits to reuse one: the value is checked and has nothing to change."""
-        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
-            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers!r}")
-
     def set_modules_to_forward_prefetch(self, modules: list) -> None:
         """FSDP2's: in forward, this unit gathers these units' weights ahead (instead of the next in the recorded
         order); more than one prefetches further, at the cost of memory."""
-        self._mfsdp_unit.forward_prefetch = _units_of(modules, "set_modules_to_forward_prefetch")
+        self._mfsdp_unit.controls.forward_prefetch = _units_of(modules, "set_modules_to_forward_prefetch")
 
     def set_modules_to_backward_prefetch(self, modules: list) -> None:
         """FSDP2's: in backward, this unit gathers these units' weights ahead (instead of the previous one in the
         recorded order)."""
-        self._mfsdp_unit.backward_prefetch = _units_of(modules, "set_modules_to_backward_prefetch")
+        self._mfsdp_unit.controls.backward_prefetch = _units_of(modules, "set_modules_to_backward_prefetch")
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """FSDP2's: the root's next all-gathers also wait for ``event`` (recorded after the optimizer step). They
         wait for the current stream in any case, so this only adds an ordering; call it with a new event each
         step, as for FSDP2."""
-        self._mfsdp_unit.post_optim_event = event
-
-    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        """FSDP2's: use symmetric memory for this unit's collectives: ``fully_shard(use_symm_mem=True)``. Call it
-        before the first forward (the collectives are chosen there)."""
-        if backend != "NCCL":
-            raise ValueError(f"set_symm_mem_for_comm: mfsdp_ext's symmetric memory is NCCL's, got {backend!r}")
-        unit = self._mfsdp_unit
-        if unit.context is not None:
-            raise RuntimeError("set_symm_mem_for_comm: call it before the first forward; the collectives are "
-                               "chosen there (or pass use_symm_mem=True to fully_shard)")
-        for name in ("copy_engine_all_gather", "copy_engine_reduce_scatter"):
-            if getattr(unit, name):
-                raise ValueError(f"set_symm_mem_for_comm: this unit has {name}=True; symmetric memory and the copy "
-                                 "engines are two ways to move the same bytes: pass one")
-        from ..comm.symmetric.comm import is_available
-
-        ok, why = is_available(unit.groups[0].shard_group if unit.groups else None)
-        if not ok:
-            raise RuntimeError(f"set_symm_mem_for_comm: NCCL symmetric memory is unavailable here: {why}")
-        unit.use_symm_mem = True
-
-    def set_custom_all_gather(self, comm: Any) -> None:
-        raise _not_supported("set_custom_all_gather", "mfsdp_ext gathers in place into its flat buffers; "
-                             "native_collectives=True and use_symm_mem=True are its other collectives")
-
-    def set_custom_reduce_scatter(self, comm: Any) -> None:
-        raise _not_supported("set_custom_reduce_scatter", "mfsdp_ext reduces packed flat buffers; "
-                             "native_collectives=True and use_symm_mem=True are its other collectives")
-
-    def set_all_reduce_hook(self, hook: Callable, *, stream: Any = None) -> None:
-        raise _not_supported("set_all_reduce_hook", "the reduced gradients are the parameters' .grad after "
-                             "backward; run extra reductions there")
-
-    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
-        raise _not_supported("set_separate_reduce_scatter_group", "mfsdp_ext's reduce-scatters share the mesh's "
-                             "process group (native_collectives=True gives them a communicator of their own)")
-
-    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        raise _not_supported("set_allocate_memory_from_process_group_for_comm",
-                             "use fully_shard(use_symm_mem=True) for NCCL-registered buffers")
-
-    def _set_unshard_async_op(self, async_op: bool) -> None:
-        raise _not_supported("_set_unshard_async_op", "mfsdp_ext's gathers always run on their own stream")
+        self._mfsdp_unit.controls.post_optim_event = event
 
     def _get_fsdp_state(self) -> _Fsdp2StateView:
         return _Fsdp2StateView(self._mfsdp_unit)
@@ -223,36 +169,6 @@ class FsdpModule(_TorchFSDPModule):
     def _units(self, recurse: bool) -> list[FsdpUnit]:
         units = [m._mfsdp_unit for m in (self.modules() if recurse else [self]) if isinstance(m, FsdpModule)]
         return list({id(u): u for u in units}.values())  # a unit over a list of modules appears once
-
-    def release_symmetric_memory(self) -> None:
-        """Collective (every rank of the shard group, on the root module): free the NCCL symmetric-memory
-        stages and communicator of ``use_symm_mem``; the model keeps training on the plain collectives.
-
-        Call it before dropping a model built with ``use_symm_mem`` when the process goes on (another model,
-        a sweep) and before ``destroy_process_group()``. Without it they stay allocated until the process
-        exits: freeing them is collective in NCCL, so it cannot happen when the garbage collector decides."""
-        unit = self._mfsdp_unit
-        if unit.context is None:
-            return  # not run yet: nothing was allocated
-        if not unit.is_root:
-            raise RuntimeError(f"mfsdp_ext: release_symmetric_memory() is called on the root module, not on the "
-                               f"inner unit '{unit.name}'")
-        ctx = unit.context
-        if ctx.symmetric is None:
-            return
-        # NCCL keeps the windows that a live CUDA graph captured, and freeing them waits for that graph: ours go
-        # first (a later call captures again); a graph of the user's own torch.cuda.graph must be deleted by them
-        for step in list(ctx.graph_steps):
-            step.drop_graph()
-        if ctx.user_captured:
-            warnings.warn("mfsdp_ext: release_symmetric_memory() on a model captured by torch.cuda.graph: delete "
-                          "that graph first (NCCL keeps the symmetric memory a live graph uses, and this release "
-                          "would wait for it forever)", RuntimeWarning, stacklevel=2)
-        for u in ctx.units:
-            for g in u.groups:
-                g.use_transport(g.transport)  # back to its plain collectives
-        symmetric, ctx.symmetric = ctx.symmetric, None
-        symmetric.close()  # waits for the device, so no collective still uses the stages
 
     def compile(self, *args, **kwargs) -> None:
         """``nn.Module.compile``, with this unit's hooks kept out of the compiled region: they become

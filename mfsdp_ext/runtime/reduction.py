@@ -33,7 +33,7 @@ class GradReduction:
 
     def reduce_groups(self, ctx: FsdpContext, groups: list[ParamGroup]) -> None:
         """The unit's post-backward: reduce every group that holds unsharded grads."""
-        groups = [g for g in groups if g.has_unsharded_grads()]
+        groups = [g for g in groups if g.grads.has_unsharded()]
         scattered = self._reduce_scatter_together(ctx, groups)
         for g in groups:
             self.reduce(ctx, g, scattered.get(g))
@@ -44,8 +44,8 @@ class GradReduction:
         together on the reduce-scatter stream: their reduced shards, which reduce() takes on from there."""
         together: dict[tuple, list[ParamGroup]] = {}
         for g in groups:
-            if g.joins_grouped_reduce_scatter() and self.reduces_now(ctx, g):
-                together.setdefault((g.transport, g.shard_group, g.reduce_dtype), []).append(g)
+            if g.grads.joins_grouped_reduce_scatter() and self.reduces_now(ctx, g):
+                together.setdefault((g.collectives.transport, g.shard_group, g.reduce_dtype), []).append(g)
         scattered = {}
         for members in together.values():
             if len(members) > 1:
@@ -59,7 +59,7 @@ class GradReduction:
         strategy defers the reduction to the last microbatch."""
         if self.strategy.reduces_every_microbatch and not g.replicated:
             return self.requires_gradient_sync
-        return self.requires_gradient_sync and ctx.is_last_microbatch
+        return self.requires_gradient_sync and ctx.microbatch.is_last
 
     def grad_scale(self, g: ParamGroup) -> float:
         """The factor the gradients are packed with: pre-divided, so no overflow in low precision."""
@@ -70,34 +70,34 @@ class GradReduction:
         """Reduce-scatter the group's gradients into main_grad on the reduce-scatter stream (``reduced``: already
         reduce-scattered with other groups'), or keep them accumulating locally (reduces_now)."""
         if not self.reduces_now(ctx, g):
-            ctx.grads_kept = True
+            ctx.iteration.grads_kept = True
             return
-        last = self.requires_gradient_sync and ctx.is_last_microbatch
+        last = self.requires_gradient_sync and ctx.microbatch.is_last
         every_microbatch = self.strategy.reduces_every_microbatch and not g.replicated
         with_grad = None if self.reduce_scatter_unused_params else self._params_given_a_grad(g)
-        main_grad_before = g.main_grad
+        main_grad_before = g.grads.main_grad
         with ctx.device.use_stream(ctx.rs_stream):
             if reduced is None:
-                reduced = g.reduce_scatter(scale=self.grad_scale(g))
-            for grad in g.drop_unsharded_grads():
-                if ctx.grads_freed_at_end is not None:
-                    ctx.grads_freed_at_end.append(grad)
+                reduced = g.grads.reduce_scatter(scale=self.grad_scale(g))
+            for grad in g.grads.drop_unsharded():
+                if ctx.iteration.grads_freed_at_end is not None:
+                    ctx.iteration.grads_freed_at_end.append(grad)
                 else:  # autograd allocated it on the compute stream: free once the reduce-scatter has read it
                     ctx.device.record_stream(grad, ctx.rs_stream)
             hsdp = g.replicate_group is not None and not g.replicated
             all_reduce_now = self.requires_all_reduce or not hsdp  # set_requires_all_reduce(False): HSDP defers
             defer_replicas = g.replicate_group is not None and (every_microbatch or not all_reduce_now)
-            g.accumulate_reduced(reduced, defer_replicas, last and all_reduce_now, with_grad)
-        if g.main_grad is not None and g.main_grad is not main_grad_before:
+            g.grads.accumulate_reduced(reduced, defer_replicas, last and all_reduce_now, with_grad)
+        if g.grads.main_grad is not None and g.grads.main_grad is not main_grad_before:
             # made on the reduce-scatter stream, read by the optimizer on this one; freed whenever the user lets
             # go of the .grads (zero_grad): its memory is reused only after this stream's reads too
-            ctx.device.record_stream(g.main_grad.data, ctx.device.current_stream())
+            ctx.device.record_stream(g.grads.main_grad.data, ctx.device.current_stream())
 
     def _params_given_a_grad(self, g: ParamGroup) -> list[bool]:
         """Per parameter, whether any rank's backward gave it a gradient: one small all-reduce (MAX) per mesh
         group, waited for on the host, so that every rank leaves the same parameters without ``.grad`` even when
         ranks use different parameters (set_reduce_scatter_unused_params(False))."""
-        mask = torch.tensor(g.local_grad_presence(), dtype=torch.float32, device=g.device)
+        mask = torch.tensor(g.grads.local_presence(), dtype=torch.float32, device=g.device)
         for group in (g.shard_group, g.replicate_group):
             if group is not None:
                 dist_ops.all_reduce(mask, group, op=dist.ReduceOp.MAX)

@@ -22,8 +22,8 @@ def describe(root_module, units) -> list[str]:
     lines = []
     for u in units:
         path = "+".join(paths.get(id(m), u.name) for m in u.modules)
-        lines.append(f"unit {path} ({u.name}): {u.strategy.value}, "
-                     f"reshard_after_forward={u.reshard_after_forward}, use_symm_mem={u.use_symm_mem}")
+        lines.append(f"unit {path} ({u.name}): {u.config.strategy.value}, "
+                     f"reshard_after_forward={u.controls.reshard_after_forward}, comm=({u.config.comm.describe()})")
         for g in u.groups:
             params = ", ".join(f"{info.fqn}{tuple(info.shape)}" for info in g.infos)
             lines.append(f"  {path} group {g.dtype}->{g.compute_dtype} reduce {g.reduce_dtype}, requires_grad="

@@ -58,14 +58,14 @@ def plan(stepped: list["ParamGroup"]) -> NextForwardGather | None:
         if ctx is None or ctx in seen:
             continue
         seen.add(ctx)
-        order = ctx.forward_order or ctx.prev_forward_order  # the last iteration's
-        if ctx.graphed:
+        order = ctx.order.forward or ctx.order.prev_forward  # the last iteration's
+        if ctx.capture.graphed:
             # in mfsdp_ext.graphed's capture: the units its graph holds (their next replay reads them gathered);
             # any other captured forward gathers by itself at every replay: a gather ahead would be lost work
-            if ctx.in_graphed_capture is not None:
-                units += [u for u in ctx.units if u.is_held_by(ctx.in_graphed_capture)]
+            if ctx.capture.graphed_step is not None:
+                units += [u for u in ctx.units if u.is_held_by(ctx.capture.graphed_step)]
             continue
-        if ctx.in_backward or ctx.iteration_open or not order:
+        if ctx.iteration.in_backward or ctx.iteration.open or not order:
             continue
         if any(u.training_state is not TrainingState.IDLE for u in ctx.units):
             continue

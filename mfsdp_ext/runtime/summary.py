@@ -19,7 +19,7 @@ def unit_lines(root_module, units) -> list[str]:
     for unit in units:
         groups = "; ".join(_group_text(g) for g in unit.groups) or "no parameters of its own"
         lines.append(f"mfsdp_ext unit {'+'.join(paths.get(id(m), unit.name) for m in unit.modules)} ({unit.name}): "
-                     f"{unit.strategy.value} | {groups}")
+                     f"{unit.config.strategy.value} | {groups}")
     return lines
 
 
@@ -36,7 +36,8 @@ def _group_text(g) -> str:
     else:
         held = (f"sharded {_bytes(g.layout.shard_numel * g.dtype.itemsize)}/rank of "
                 f"{_bytes(numel * g.dtype.itemsize)} over {g.world} ranks")
-        comm = f"all-gather {'fp8 plain' if g.fp8 else g.all_gather_op.name}, reduce-scatter {g.reduce_scatter_op.name}"
+        ops = g.collectives
+        comm = f"all-gather {'fp8 plain' if g.fp8 else ops.all_gather.name}, reduce-scatter {ops.reduce_scatter.name}"
         if g.sums_on_arrival:
             comm += " (as all-to-all + sum)"
     return f"{len(g.infos)} params ({len(g.trainable())} trainable), {_count(numel)}, {dtypes}, {held}, {comm}"

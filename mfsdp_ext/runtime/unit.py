@@ -7,32 +7,31 @@ Lifecycle of a unit in one iteration (ZeRO-3), with the training state each hook
   pre-backward    PRE_BACKWARD: gather again, prefetch the next unit in backward order
   post-backward   POST_BACKWARD: reduce the gradients (reduction.py), free the gathered storage
   final callback  (root) finish units that had no post-backward, wait for the reduce stream, all back to IDLE
-A forward while the context is in backward is an activation-checkpoint recompute: gather, nothing else.
+A forward while the context is in backward is an activation-checkpoint recompute: gather, nothing else. What the root
+does for the whole tree (lazy init, the final callback) is in root.py; the inputs' and outputs' plumbing in unit_io.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import warnings
 import weakref
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
-from . import capture, finite_grads, same_model, summary
-from ..core import tensor_tree
 from ..comm.collectives import all_gather_together
-from ..comm.copy_engine import use_copy_engines
-from ..comm.native import use_native_collectives
-from ..comm.symmetric.choose import choose_symmetric
-from .context import FsdpContext
-from ..params import fp8_group
+from ..comm.policy import CommPolicy
 from ..core.mixed_precision import MixedPrecisionPolicy
-from ..params.group import ParamGroup
-from .reduction import GradReduction
 from ..core.states import ShardedState, Strategy, TrainingState
+from ..params import fp8_group
+from ..params.group import ParamGroup
+from . import capture, root, unit_io
+from .context import FsdpContext
+from .reduction import GradReduction
 
 
 def resolve_reshard_after_forward(value) -> bool:
@@ -52,18 +51,29 @@ def _autograd_is_running() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's forward inputs; its backward runs once the unit's own backward is complete."""
+@dataclass(frozen=True)
+class UnitConfig:
+    """What ``fully_shard`` fixed for a unit."""
 
-    @staticmethod
-    def forward(ctx, unit, *inputs):
-        ctx.unit = unit
-        return inputs
+    strategy: Strategy
+    mp_policy: MixedPrecisionPolicy
+    device: torch.device
+    comm: CommPolicy = CommPolicy()
+    verbose: bool = False  # the root prints the unit summary at its first forward
+    check_finite_grads: bool = False  # the root's applies to its whole tree
 
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.unit.post_backward()
-        return (None,) + grads
+
+@dataclass
+class UnitControls:
+    """FSDP2's per-module controls of the gather schedule (``FsdpModule.set_*``), read by the hooks; the reduction's
+    are on GradReduction."""
+
+    reshard_after_forward: bool = True
+    reshard_after_backward: bool = True  # False: keep the gathered storage after backward (show_sharded_params)
+    unshard_in_backward: bool = True  # False: its backward needs no weights (an embedding): no gather there
+    forward_prefetch: Optional[list] = None  # explicit prefetch lists replace the recorded order
+    backward_prefetch: Optional[list] = None
+    post_optim_event: Any = None  # set_post_optim_event: the root's next gathers wait for it
 
 
 class FsdpUnit:
@@ -72,92 +82,47 @@ class FsdpUnit:
 
     ``sharded_state`` changes in unshard() / reshard() only; ``training_state`` in the hooks, and back to IDLE
     when the root ends the iteration (in its final backward callback, or at the next forward after an
-    evaluation). The root also builds the context at its first forward (lazy_init).
+    evaluation). The root also builds the context at its first forward (root.lazy_init).
     """
 
-    def __init__(self, modules: list[nn.Module], groups: list[ParamGroup], strategy: Strategy,
-                 reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy, device: torch.device,
-                 use_symm_mem: bool | str = False, native_collectives: bool = False, verbose: bool = False,
-                 check_finite_grads: bool = False, copy_engine_all_gather: bool = False,
-                 copy_engine_reduce_scatter: bool = False):
+    def __init__(self, modules: list[nn.Module], groups: list[ParamGroup], *, config: UnitConfig,
+                 reshard_after_forward: bool = True):
         self.modules = modules
         self.module = modules[0]  # a root unit is over one module (lazy_init)
         self.name = "+".join(type(m).__name__ for m in modules)
         self.groups = groups
-        self.strategy = strategy
-        self.reshard_after_forward = reshard_after_forward and not strategy.keeps_weights_gathered
-        self.mp_policy = mp_policy
-        self.device = device
-        self.use_symm_mem = use_symm_mem  # False, True or "auto" (resolved at lazy init)
-        self.native_collectives = native_collectives  # the groups get the native transport at lazy init
-        # the groups get the copy-engine gather and gradient exchange at lazy init
-        self.copy_engine_all_gather, self.copy_engine_reduce_scatter = copy_engine_all_gather, copy_engine_reduce_scatter
-        self.verbose = verbose  # the root prints the unit summary at its first forward
-        self.check_finite_grads = check_finite_grads  # the root's applies to its whole tree
+        self.config = config
+        self.controls = UnitControls(reshard_after_forward=reshard_after_forward
+                                     and not config.strategy.keeps_weights_gathered)
         self.context: Optional[FsdpContext] = None
-        self.reduction = GradReduction(strategy)  # with FSDP2's controls of the reduction (FsdpModule.set_*)
-        # FSDP2's other per-module controls (FsdpModule.set_*)
-        self.reshard_after_backward = True
-        self.unshard_in_backward = True  # False: its backward needs no weights (an embedding): no gather there
+        self.reduction = GradReduction(config.strategy)  # with FSDP2's controls of the reduction (FsdpModule.set_*)
         self.forward_method_depth = 0  # inside a registered forward method (register_fsdp_forward_method)
-        self.post_optim_event = None  # FsdpModule.set_post_optim_event: the root's next gathers wait for it
-        self.forward_prefetch: Optional[list["FsdpUnit"]] = None  # explicit prefetch lists replace the recorded order
-        self.backward_prefetch: Optional[list["FsdpUnit"]] = None
         self.training_state = TrainingState.IDLE
         self.sharded_state = ShardedState.SHARDED
-        self.post_backward_hooked = False  # _PostBackward applied to this iteration's inputs
+        self.post_backward_hooked = False  # PostBackward applied to this iteration's inputs
         self.to_run: set[int] = set()  # this forward pass's modules (ids) that have not run yet
         self.output_hooked = False  # some module's output of this pass got the pre-backward hook
         self.unshard_event = None  # the all-gather stream's event after this unit's gather
         self.gathered_versions: list[Optional[tuple]] = [None] * len(groups)  # weights_version() gathered
         # mfsdp_ext.graphed: the step whose whole-step graph keeps this unit (a first unit of the forward) gathered
-        # across replays (its optimizer step gathers it for the next replay): never freed while that step lives
+        # across replays (its optimizer step gathers it for the next replay): [Note: held units] in root.py
         self.held_by: Optional[weakref.ref] = None
         self._warned_no_grad_output = False
         for g in groups:
             g.unit = weakref.ref(self)
-            if g.reduce_when_ready:
-                g.on_grads_ready = self._reduce_early
+            if g.grads.reduce_when_ready:
+                g.grads.on_ready = self._reduce_early
 
     @property
     def is_root(self) -> bool:
         return self.context is not None and self.context.root is self
 
-    # ------------------------------------------------------------------ lazy init
     def lazy_init(self) -> FsdpContext:
-        if self.context is not None:
-            return self.context
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise capture.CaptureError("mfsdp_ext: the first forward of a fully_shard model runs collectives and "
-                                       "host checks (lazy initialisation) and cannot be captured: run one training "
-                                       "step eagerly before capturing")
-        if len(self.modules) > 1:
-            raise RuntimeError(f"mfsdp_ext: the unit over several modules ({self.name}) ran before a unit that "
-                               "contains them: apply fully_shard to the module that contains them too (the root)")
-        units = list({id(m._mfsdp_unit): m._mfsdp_unit for m in self.module.modules()
-                      if hasattr(m, "_mfsdp_unit")}.values())
-        mesh = next((g.mesh for u in units for g in u.groups), None)
-        if mesh is not None:  # first: every rank reaches it, before any other collective of the units
-            same_model.check(self.module, units, mesh, self.device)
-        for unit in units:
-            for g in unit.groups:
-                if g.on_meta:
-                    raise RuntimeError(
-                        f"mfsdp_ext: unit '{unit.name}' still has parameters on the meta device. Materialize "
-                        "the model first: model.to_empty(device=...) then mfsdp_ext.reset_parameters(model).")
-        inner = [u.name for u in units if u.check_finite_grads and u is not self]
-        if inner and not self.check_finite_grads:
-            raise ValueError(f"mfsdp_ext: check_finite_grads=True was given to the inner unit '{inner[0]}'; it "
-                             "applies to a whole tree: pass it to fully_shard of the root module")
-        ctx = FsdpContext(self, units, self.device)
-        for unit in units:
-            unit.context = ctx
-        use_native_collectives(units)  # before the symmetric choice, which may replace them
-        ctx.symmetric = choose_symmetric(units)
-        ctx.copy_engines = use_copy_engines(units, ctx.device)
-        if summary.wanted(self.verbose):
-            summary.print_summary(self.module, units)
-        return ctx
+        return root.lazy_init(self)
+
+    def set_comm_policy(self, policy: CommPolicy) -> None:
+        """Before the first forward (the collectives are chosen there): this unit communicates per ``policy``."""
+        self.config = dataclasses.replace(self.config, comm=policy)
 
     # ------------------------------------------------------------------ unshard / reshard
     def unshard(self, *, after_step: bool = False) -> None:
@@ -168,10 +133,10 @@ class FsdpUnit:
         gathered = self.sharded_state is ShardedState.UNSHARDED
         if gathered and not ctx.weight_sync_allowed():
             return
-        # once per call: each walks the group's parameters (the epoch: FsdpContext._note_forward_mode)
-        versions = [g.weights_version(pending_step=after_step) + (ctx.weights_epoch,) for g in self.groups]
+        # once per call: each walks the group's parameters (the epoch: IterationRecord.note_forward_mode)
+        versions = [g.weights_version(pending_step=after_step) + (ctx.iteration.weights_epoch,) for g in self.groups]
         # (backward hooks run with grad mode off, and so does the optimizer step)
-        training = after_step or torch.is_grad_enabled() or ctx.in_backward
+        training = after_step or torch.is_grad_enabled() or ctx.iteration.in_backward
         if gathered and versions == self.gathered_versions:
             return
         with ctx.device.label(f"mfsdp.unshard {self.name}"), ctx.device.use_stream(ctx.ag_stream):
@@ -181,12 +146,12 @@ class FsdpUnit:
                     continue  # replicated groups stay gathered: refreshed only when their weights change
                 if training:
                     g.note_gather(versions[i])
-                if ctx.weight_sync_allowed() or g._synced_version is None:
-                    if g.fp8 and g._synced_version != versions[i]:
-                        self._sync_fp8_scales(g, versions[i], after_step)
+                if ctx.weight_sync_allowed() or g.cast.synced_version is None:
+                    if g.fp8 and g.cast.synced_version != versions[i]:
+                        _sync_fp8_scales(self, g, versions[i], after_step)
                     g.sync_model_weight(versions[i])
                 if g.joins_grouped_gather():
-                    together.setdefault((g.transport, g.shard_group), []).append(g)
+                    together.setdefault((g.collectives.transport, g.shard_group), []).append(g)
                 else:
                     g.all_gather()
                 self.gathered_versions[i] = versions[i]
@@ -194,25 +159,6 @@ class FsdpUnit:
                 all_gather_together(groups)
             self.unshard_event = ctx.device.record_event(ctx.ag_stream)
         self.sharded_state = ShardedState.UNSHARDED
-
-    def _sync_fp8_scales(self, g: ParamGroup, version: tuple, after_step: bool) -> None:
-        """The FP8 group ``g`` needs scales for a new weights version: sync those of every FP8 group of the tree that
-        shares its collectives and needs new ones too, in one all-reduce (fp8_group.sync_scales): once per step
-        rather than once per group. Every rank decides alike (the versions count the same ops on every rank); a
-        group whose weights change after this (a user's write) syncs again by itself at its gather. Inside an
-        optimizer step (``after_step``) only this unit's groups: the step has not yet updated the others."""
-        ctx = self.context
-        key = (g.shard_group, g.replicate_group, g.transport)
-        groups, versions = [g], [version]
-        for unit in [self] if after_step else ctx.units:
-            for other in unit.groups:
-                if other is g or not other.fp8 or (other.shard_group, other.replicate_group, other.transport) != key:
-                    continue
-                v = other.weights_version(pending_step=after_step) + (ctx.weights_epoch,)
-                if other._synced_version != v and (ctx.weight_sync_allowed() or other._synced_version is None):
-                    groups.append(other)
-                    versions.append(v)
-        fp8_group.sync_scales(groups, versions)
 
     def wait_unshard(self) -> None:
         """Make compute wait for this unit's all-gather only, then compute on the gathered parameters."""
@@ -224,7 +170,7 @@ class FsdpUnit:
     def reshard(self) -> None:
         """Back to sharded parameters and free the gathered storage. Freed in stream order: the next all-gather,
         which may reuse it, first waits for the compute stream (DeviceHandle.use_stream). A unit held for a graph
-        keeps its storage: the graph reads and writes it at every replay."""
+        keeps its storage: the graph reads and writes it at every replay ([Note: held units])."""
         if self.held_for_graph:
             for g in self.groups:
                 g.use_sharded_params()
@@ -246,13 +192,13 @@ class FsdpUnit:
 
     def current_versions(self) -> list[tuple]:
         """The weights version each group's gather would have now (unshard's key)."""
-        return [g.weights_version() + (self.context.weights_epoch,) for g in self.groups]
+        return [g.weights_version() + (self.context.iteration.weights_epoch,) for g in self.groups]
 
     def show_sharded_params(self) -> None:
         """The user sees the sharded parameters; the gathered storage is kept only where the strategy keeps it,
         set_reshard_after_backward(False) asked for it, or the next microbatch's forward needs it first (then
         that forward needs no all-gather)."""
-        if (self.strategy.keeps_weights_gathered or not self.reshard_after_backward
+        if (self.config.strategy.keeps_weights_gathered or not self.controls.reshard_after_backward
                 or self.context.needed_first_in_next_microbatch(self)):
             for g in self.groups:
                 g.use_sharded_params()
@@ -266,40 +212,44 @@ class FsdpUnit:
         ctx = self.lazy_init()
         if self.is_root:  # a new capture starts from rest, even one right after another (replays between)
             capture_id = ctx.device.capture_id()
-            if capture_id != ctx.capture_id:
+            if capture_id != ctx.capture.id:
                 capture.enter(ctx, capture_id) if capture_id else capture.leave(ctx)
-        if self.is_root and ctx.in_backward and not _autograd_is_running():
-            self.abandon_iteration()  # the last backward raised: its final callback never ran
-        if ctx.in_backward:  # activation-checkpoint recompute: gather if needed, no prefetch, no reshard
+        if self.is_root and ctx.iteration.in_backward and not _autograd_is_running():
+            root.abandon_iteration(self)  # the last backward raised: its final callback never ran
+        if ctx.iteration.in_backward:  # activation-checkpoint recompute: gather if needed, no prefetch, no reshard
             self.unshard()
             self.wait_unshard()
             return self._prepare_inputs(args, kwargs, cast=False)
         if self.to_run:  # another module of this unit already ran in this pass: the unit is gathered for it
             self.unshard()
             self.wait_unshard()
-            return self._prepare_inputs(args, kwargs, cast=self.mp_policy.cast_forward_inputs)
-        if self.is_root and ctx.iteration_open:
-            self.abandon_iteration()  # the last forward had no backward (evaluation) or raised
-        if self.is_root and ctx.explicit_microbatch and ctx.is_first_microbatch and ctx.grads_kept:
-            for unit in ctx.units:  # a new accumulation: nothing kept from a sequence that failed midway
-                for g in unit.groups:
-                    g.drop_unsharded_grads()
-            ctx.grads_kept = False
+            return self._prepare_inputs(args, kwargs, cast=self.config.mp_policy.cast_forward_inputs)
         if self.is_root:
-            ctx.begin_iteration(torch.is_grad_enabled())
-            ctx.device.wait_event(self.post_optim_event)
-            self.post_optim_event = None
+            self._begin_root_forward(ctx)
         self.to_run = {id(m) for m in self.modules}
-        ctx.record_forward(self)
+        ctx.order.record_forward(self)
         self.training_state = TrainingState.FORWARD
         self.unshard()
         self.wait_unshard()
-        args, kwargs = self._prepare_inputs(args, kwargs, cast=self.mp_policy.cast_forward_inputs)
+        args, kwargs = self._prepare_inputs(args, kwargs, cast=self.config.mp_policy.cast_forward_inputs)
         # Prefetch last, right before this unit computes: the next gather then overlaps this unit's kernels
         # rather than the host's work in this hook.
-        for nxt in self._prefetch_targets(self.forward_prefetch, ctx.next_in_forward(self)):
+        for nxt in self._prefetch_targets(self.controls.forward_prefetch, ctx.order.next_in_forward(self)):
             nxt.unshard()
         return args, kwargs
+
+    def _begin_root_forward(self, ctx: FsdpContext) -> None:
+        """The root's forward opens an iteration (after ending one the last forward left open)."""
+        if ctx.iteration.open:
+            root.abandon_iteration(self)  # the last forward had no backward (evaluation) or raised
+        if ctx.microbatch.explicit and ctx.microbatch.is_first and ctx.iteration.grads_kept:
+            for unit in ctx.units:  # a new accumulation: nothing kept from a sequence that failed midway
+                for g in unit.groups:
+                    g.grads.drop_unsharded()
+            ctx.iteration.grads_kept = False
+        ctx.begin_iteration(torch.is_grad_enabled())
+        ctx.device.wait_event(self.controls.post_optim_event)
+        self.controls.post_optim_event = None
 
     def _prefetch_targets(self, explicit: Optional[list["FsdpUnit"]], default: Optional["FsdpUnit"]) -> list:
         """The units to gather ahead: the explicit list (set_modules_to_*_prefetch) or the one the recorded order
@@ -316,10 +266,14 @@ class FsdpUnit:
         if self.forward_method_depth:
             return output
         ctx = self.context
-        if ctx.in_backward:
+        if ctx.iteration.in_backward:
             return output
         if torch.is_grad_enabled():
-            self.output_hooked |= self._hook_pre_backward(output)
+            # a call after the root's forward ended (a chunked loss's head, run and backpropagated chunk by chunk on
+            # detached hidden states) prefetches nothing in its backward: that backward does not reach the units
+            # before it, and a gather issued for them would be freed unused (FSDP2 prefetches none there either)
+            hook = functools.partial(self._pre_backward, prefetch=ctx.root not in ctx.order.forward_end)
+            self.output_hooked |= unit_io.hook_outputs(output, hook)
         self.to_run.discard(id(module))
         if not self.to_run:  # the last of the unit's modules in this pass
             self._end_forward(output)
@@ -328,8 +282,8 @@ class FsdpUnit:
                 if unit.to_run:
                     unit.to_run.clear()
                     unit._end_forward(output)
-        if self.mp_policy.output_dtype is not None:
-            output = _cast_floating(output, self.mp_policy.output_dtype)
+        if self.config.mp_policy.output_dtype is not None:
+            output = unit_io.cast_floating(output, self.config.mp_policy.output_dtype)
         return output
 
     def _end_forward(self, output) -> None:
@@ -338,12 +292,14 @@ class FsdpUnit:
         if not torch.is_grad_enabled():
             self.show_sharded_params()  # evaluation: nothing will need the gathered weights
             return
-        ctx.record_forward_end(self)
-        if self.reshard_after_forward and not self.is_root and not ctx.needed_first_in_backward(self):
-            if self.output_hooked or not self._has_trainable_params():
+        ctx.order.record_forward_end(self)
+        if (self.controls.reshard_after_forward and not self.is_root
+                and not ctx.order.needed_first_in_backward(self, ctx.root)):
+            if self.output_hooked or not any(g.requires_grad and g.trainable() for g in self.groups):
                 self.reshard()
-            else:  # keep the weights: this unit's backward may still need them, with no hook to gather them
-                self._warn_no_grad_output(output)
+            elif not self._warned_no_grad_output:  # this unit's backward may still need the weights, with no hook
+                self._warned_no_grad_output = True  # to gather them: keep them
+                unit_io.warn_no_grad_output(self, output)
         self.output_hooked = False
 
     def enter_forward_method(self, module, args, kwargs):
@@ -359,72 +315,32 @@ class FsdpUnit:
         return output if self.forward_method_depth else self.post_forward(module, args, output)
 
     def _prepare_inputs(self, args, kwargs, cast: bool):
-        """The forward inputs, floating-point ones cast to param_dtype (``cast``), and those that need grads routed
-        through _PostBackward once per iteration; one flatten of the inputs for both."""
-        dtype = self.mp_policy.param_dtype if cast else None
-        hook = torch.is_grad_enabled() and not self.post_backward_hooked
-        if dtype is None and not hook:
-            return args, kwargs
-        flat, rebuild = tensor_tree.flatten((args, kwargs))
-        if dtype is not None:
-            flat = [t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() and t.dtype != dtype else t
-                    for t in flat]
-        idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad] if hook else []
-        if idx:
-            outs = _PostBackward.apply(self, *[flat[i] for i in idx])
-            for i, t in zip(idx, outs):
-                flat[i] = t
-            self.post_backward_hooked = True
-        return rebuild(flat)
-
-    def _hook_pre_backward(self, output) -> bool:
-        """Hook the output tensors that require grad (gather again before this unit's backward); False if none.
-        A call after the root's forward ended (a chunked loss's head, run and backpropagated chunk by chunk on
-        detached hidden states) prefetches nothing in its backward: that backward does not reach the units before
-        it, and a gather issued for them would be freed unused when it ends (FSDP2 prefetches none there either)."""
-        ctx = self.context
-        hook = functools.partial(self._pre_backward, prefetch=ctx.root not in ctx.forward_end_order)
-        hooked = False
-        for t in tensor_tree.flatten(output)[0]:
-            if torch.is_tensor(t) and t.requires_grad:
-                t.register_hook(hook)
-                hooked = True
-        return hooked
-
-    def _has_trainable_params(self) -> bool:
-        return any(g.requires_grad and g.trainable() for g in self.groups)
-
-    def _warn_no_grad_output(self, output) -> None:
-        if self._warned_no_grad_output:
-            return
-        self._warned_no_grad_output = True
-        warnings.warn(
-            f"mfsdp_ext: unit '{self.name}' has trainable parameters but its output ({type(output).__name__}) holds "
-            "no tensor that requires grad where fully_shard looks (tensors in tuples, lists, dicts, dataclasses and "
-            "pytree-registered classes). If its output tensors are inside another class, the backward cannot "
-            "gather the weights again, so they stay gathered after this forward (more memory; gradients stay "
-            "right). Return a supported container, or register the class with torch.utils._pytree. (Warned once "
-            "per unit.)", stacklevel=2)
+        """The forward inputs, cast to param_dtype (``cast``) and routed through PostBackward once per iteration."""
+        dtype = self.config.mp_policy.param_dtype if cast else None
+        args, kwargs, hooked = unit_io.prepare_inputs(self, args, kwargs, dtype,
+                                                      torch.is_grad_enabled() and not self.post_backward_hooked)
+        self.post_backward_hooked |= hooked
+        return args, kwargs
 
     # ------------------------------------------------------------------ backward hooks
     def _pre_backward(self, grad, prefetch: bool = True):
         if self.training_state is TrainingState.PRE_BACKWARD:
             return grad
         # From POST_BACKWARD: a module called several times whose earlier call's inputs needed no grad carries its
-        # _PostBackward on a later call's inputs, and autograd runs that before the earlier call's backward (and
+        # PostBackward on a later call's inputs, and autograd runs that before the earlier call's backward (and
         # accumulates the parameters' gradients once, after all uses). Gather again; the final callback reduces.
         self.training_state = TrainingState.PRE_BACKWARD
         ctx = self.context
-        if not ctx.in_backward:
-            ctx.in_backward = True
-            Variable._execution_engine.queue_callback(ctx.root._final_callback)
-        if self.unshard_in_backward:
+        if not ctx.iteration.in_backward:
+            ctx.iteration.in_backward = True
+            Variable._execution_engine.queue_callback(functools.partial(root.final_callback, ctx.root))
+        if self.controls.unshard_in_backward:
             self.unshard()
             self.wait_unshard()
         if prefetch:
-            for prev in self._prefetch_targets(self.backward_prefetch, ctx.next_in_backward(self)):
-                if prev.unshard_in_backward and prev.training_state in (TrainingState.FORWARD,
-                                                                        TrainingState.PRE_BACKWARD):
+            for prev in self._prefetch_targets(self.controls.backward_prefetch, ctx.order.next_in_backward(self)):
+                if prev.controls.unshard_in_backward and prev.training_state in (TrainingState.FORWARD,
+                                                                                 TrainingState.PRE_BACKWARD):
                     prev.unshard()
         return grad
 
@@ -438,76 +354,36 @@ class FsdpUnit:
 
     def _reduce_early(self, g: ParamGroup) -> None:
         """A reduce_when_ready group has all its gradients: reduce it now, under the rest of the backward."""
-        if self.context is not None and self.context.in_backward and g.has_unsharded_grads():
+        if self.context is not None and self.context.iteration.in_backward and g.grads.has_unsharded():
             with self.context.device.label(f"mfsdp.reduce {self.name} (ready early)"):
                 self.reduction.reduce(self.context, g)
 
-    # ------------------------------------------------------------------ the root ends the iteration
-    def _final_callback(self) -> None:
-        """After the whole backward: finish every unit's reduction, wait for the streams, bring units to rest."""
-        ctx = self.context
-        # Freed in stream order below rather than by record_stream, whose lazy release would count the last
-        # reductions' grads (the root's embedding and head) in the optimizer step's peak.
-        ctx.grads_freed_at_end = []
-        for unit in ctx.units_in_finish_order():
-            state = unit.training_state
-            unreduced = state is not TrainingState.POST_BACKWARD and (
-                state is not TrainingState.IDLE or any(g.has_unsharded_grads() for g in unit.groups))
-            if unreduced:  # e.g. no input needed grads, so no _PostBackward ran; or grads from outside a forward
-                unit.post_backward()
-            else:
-                unit.show_sharded_params()
-        ctx.device.wait_stream(ctx.rs_stream)
-        if ctx.capturing:  # a gather issued ahead for a unit whose backward did not come still joins the capture
-            ctx.device.wait_stream(ctx.ag_stream)
-        self._end_iteration()
-        if self.check_finite_grads:  # after the iteration ended: a caught error leaves every unit at rest
-            finite_grads.check(self.module, ctx.units)
-
-    def abandon_iteration(self) -> None:
-        """End an iteration whose backward did not complete (evaluation, or a forward or backward that raised):
-        gradients not yet reduced are dropped (the training loop zeroes the rest, as after any failed step) and
-        every unit is brought to rest, so the next iteration starts as if this one had not happened."""
-        ctx = self.context
-        for unit in ctx.units:
-            if unit.training_state is TrainingState.PRE_BACKWARD:
-                for g in unit.groups:
-                    g.drop_unsharded_grads()
-            # a unit that stays gathered keeps the event of a gather the failed pass issued (e.g. a backward
-            # prefetch) and not yet waited for: its next forward waits for it instead of reading the buffer early
-            unit.show_sharded_params()
-        ctx.device.wait_stream(ctx.rs_stream)  # reductions the failed backward started
-        self._end_iteration()
-
-    def _end_iteration(self) -> None:
-        ctx = self.context
-        ctx.end_iteration()
-        for unit in ctx.units:
-            unit.training_state = TrainingState.IDLE
-            unit.post_backward_hooked = False
-            unit.to_run.clear()
-            unit.output_hooked = False
-            for g in unit.groups:
-                g.grads_ready = 0
+    def end_iteration(self) -> None:
+        """The root ended the iteration (root.py): this unit is at rest."""
+        self.training_state = TrainingState.IDLE
+        self.post_backward_hooked = False
+        self.to_run.clear()
+        self.output_hooked = False
+        for g in self.groups:
+            g.grads.ready = 0
 
 
-def eager_hook(hook: Callable) -> Callable:
-    """The hook, run outside any torch.compile'd region: ``torch.compile(module)`` traces the module's hooks too,
-    and ours (collectives, stream and state bookkeeping) must run eagerly around the compiled forward, as FSDP2's
-    do. Eager calls pay one flag read (no torch._dynamo import); ``FsdpModule.compile()`` swaps in the
-    dynamo-disabled hook itself, which dynamo skips without a graph break."""
-
-    @functools.wraps(hook)
-    def eager(*args, **kwargs):
-        if torch.compiler.is_compiling():
-            return torch._dynamo.disable(hook, recursive=True, reason="mfsdp_ext hooks run eagerly")(*args, **kwargs)
-        return hook(*args, **kwargs)
-
-    eager.mfsdp_hook = hook
-    return eager
-
-
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    flat, rebuild = tensor_tree.flatten(tree)
-    return rebuild([t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() and t.dtype != dtype else t
-                    for t in flat])
+def _sync_fp8_scales(unit: FsdpUnit, g: ParamGroup, version: tuple, after_step: bool) -> None:
+    """The FP8 group ``g`` needs scales for a new weights version: sync those of every FP8 group of the tree that
+    shares its collectives and needs new ones too, in one all-reduce (fp8_group.sync_scales): once per step rather
+    than once per group. Every rank decides alike (the versions count the same ops on every rank); a group whose
+    weights change after this (a user's write) syncs again by itself at its gather. Inside an optimizer step
+    (``after_step``) only this unit's groups: the step has not yet updated the others."""
+    ctx = unit.context
+    key = (g.shard_group, g.replicate_group, g.collectives.transport)
+    groups, versions = [g], [version]
+    for u in [unit] if after_step else ctx.units:
+        for other in u.groups:
+            if other is g or not other.fp8 or (other.shard_group, other.replicate_group,
+                                               other.collectives.transport) != key:
+                continue
+            v = other.weights_version(pending_step=after_step) + (ctx.iteration.weights_epoch,)
+            if other.cast.synced_version != v and (ctx.weight_sync_allowed() or other.cast.synced_version is None):
+                groups.append(other)
+                versions.append(v)
+    fp8_group.sync_scales(groups, versions)

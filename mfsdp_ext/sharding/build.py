@@ -10,28 +10,23 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..comm import dist_ops
-from ..core import placements
+from ..core import placements, registry
 from ..params import replaced
 from ..params.fp8_group import Fp8ParamGroup
 from ..fp8.linear import Fp8LinearConfig, Fp8LinearMixin, _fp8_class
 from .marks import is_marked
-from ..core.mixed_precision import MixedPrecisionPolicy
+from ..core.mixed_precision import GroupDtypes, MixedPrecisionPolicy
 from ..runtime.module import FsdpModule
 from ..core.states import Strategy
-from ..params.group import ParamGroup, ParamPlace
+from ..params.group import GroupMesh, ParamGroup, ParamPlace
 
 try:
     from torch.distributed.fsdp import FSDPModule as _FSDP2Module
 except ImportError:  # a torch without FSDP2
     _FSDP2Module = None
 
-_DEFAULT_MESH: dict[str, DeviceMesh] = {}
-# Parameters fully_shard has taken (the user's originals and our DTensor shards) -> the owning module's class
-# name: a later fully_shard that meets one outside its owner reports the tie instead of sharding it twice.
-_OWNER_NAMES = WeakIdKeyDictionary()
 
 
 def resolve_mesh(mesh: Optional[DeviceMesh], strategy: Strategy) -> tuple[DeviceMesh, torch.device, Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
@@ -76,11 +71,11 @@ def make_groups(modules: list[nn.Module], params, mesh: DeviceMesh, device: torc
                                       spmd_of.get(id(own)))
     owner = "+".join(type(m).__name__ for m in modules)
     for fqn, p, _ in params:
-        _OWNER_NAMES[p] = owner  # the original Parameter: a use of it outside this unit is caught later
+        registry.UNIT_OF_PARAM[p] = owner  # the original Parameter: a use of it outside this unit is caught later
         replaced.note_replaced(p, f"'{fqn}' of a {owner}", "before fully_shard")
     for g in groups:
         for info in g.infos:
-            _OWNER_NAMES[info.sharded] = owner
+            registry.UNIT_OF_PARAM[info.sharded] = owner
         g.use_sharded_params()
     return groups
 
@@ -99,19 +94,18 @@ def _groups_on_mesh(modules, params, mesh: DeviceMesh, device: torch.device, mp_
                    and _narrow_wire_wins(shard_group, device))
     for (dtype, requires_grad, marked, is_fp8, is_late), members in kinds.items():
         replicated = marked and shard_group is not None
-        kwargs = dict(compute_dtype=mp_policy.compute_dtype(dtype), reduce_dtype=mp_policy.reduction_dtype(dtype),
-                      reduce_comm_dtype=mp_policy.reduction_comm_dtype(dtype, narrow_wins and not replicated),
-                      main_grad_dtype=mp_policy.main_grad_dtype if dtype == torch.float32 else dtype, device=device,
-                      shard_group=None if replicated else shard_group, dims=dims, spmd=spmd,
-                      replicate_group=_whole_mesh_group(mesh) if replicated else replicate_group,
-                      reduce_when_ready=is_late)
+        dtypes = GroupDtypes(compute=mp_policy.compute_dtype(dtype), reduce=mp_policy.reduction_dtype(dtype),
+                             reduce_comm=mp_policy.reduction_comm_dtype(dtype, narrow_wins and not replicated),
+                             main_grad=mp_policy.main_grad_dtype if dtype == torch.float32 else dtype)
+        group_mesh = (GroupMesh(mesh, None, _whole_mesh_group(mesh)) if replicated else
+                      GroupMesh(mesh, shard_group, replicate_group))
+        kwargs = dict(mesh=group_mesh, dtypes=dtypes, device=device, dims=dims, spmd=spmd, reduce_when_ready=is_late)
         # a copy of the model weight (bf16 or FP8 shard) saves a cast per gather: none where weights stay gathered
         cache = False if strategy.keeps_weights_gathered or marked else mp_policy.cache_model_weight
         if is_fp8:
-            groups.append(Fp8ParamGroup(members, mesh, fp8_compute=mp_policy.fp8.compute, keep_fp8_shard=cache,
-                                        **kwargs))
+            groups.append(Fp8ParamGroup(members, fp8_compute=mp_policy.fp8.compute, keep_fp8_shard=cache, **kwargs))
         else:
-            groups.append(ParamGroup(members, mesh, **kwargs, cache_model_weight=cache))
+            groups.append(ParamGroup(members, **kwargs, cache_model_weight=cache))
     return groups
 
 
@@ -125,9 +119,9 @@ def _narrow_wire_wins(shard_group, device: torch.device) -> bool:
 
 def _default_mesh() -> DeviceMesh:
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    if device_type not in _DEFAULT_MESH:
-        _DEFAULT_MESH[device_type] = init_device_mesh(device_type, (dist.get_world_size(),))
-    return _DEFAULT_MESH[device_type]
+    if device_type not in registry.DEFAULT_MESHES:
+        registry.DEFAULT_MESHES[device_type] = init_device_mesh(device_type, (dist.get_world_size(),))
+    return registry.DEFAULT_MESHES[device_type]
 
 
 def _whole_mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
@@ -179,7 +173,7 @@ def owned_params(modules: list[nn.Module], ignored=frozenset()) -> list[tuple[st
 
 
 def _check_param(fqn: str, p: nn.Parameter, holder: nn.Module) -> None:
-    owner = _OWNER_NAMES.get(p)
+    owner = registry.UNIT_OF_PARAM.get(p)
     if owner is not None:
         raise ValueError(
             f"fully_shard: parameter '{fqn}' is shared with a module of an inner fully_shard unit "

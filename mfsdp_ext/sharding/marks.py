@@ -12,9 +12,9 @@ from typing import TypeVar
 
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.utils.weak import WeakIdKeyDictionary
 
-_MARKED = WeakIdKeyDictionary()  # parameter -> True
+from ..core import registry
+
 T = TypeVar("T", nn.Module, nn.Parameter)
 
 
@@ -29,9 +29,9 @@ def no_shard(obj: T) -> T:
     if any(isinstance(p, DTensor) for p in params):
         raise ValueError("no_shard: the parameters are already sharded; mark them before calling fully_shard")
     for p in params:
-        _MARKED[p] = True
+        registry.NO_SHARD_MARKS[p] = True
     return obj
 
 
 def is_marked(p: nn.Parameter) -> bool:
-    return p in _MARKED
+    return p in registry.NO_SHARD_MARKS

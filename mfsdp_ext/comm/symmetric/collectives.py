@@ -68,7 +68,7 @@ class SymmetricAllGather:
         stage, slot = self.stages.all_gather_buffers(g.layout.shard_numel, g.compute_dtype)
         g.write_shard(slot)
         self.stages.comm.all_gather_into(stage, slot)
-        _native.unpack(stage, g.rank_major_offsets, g.unsharded_pieces)
+        _native.unpack(stage, g.plan.rank_major_offsets, g.plan.unsharded_pieces)
 
 
 class SymmetricReduceScatter:
@@ -81,6 +81,6 @@ class SymmetricReduceScatter:
 
     def __call__(self, g: "ParamGroup", scale: float) -> torch.Tensor:
         packed, reduced = self.stages.reduce_scatter_buffers(g.layout.rank_major_numel, g.reduce_dtype)
-        g.pack_grads(packed, scale)
+        g.grads.pack(packed, scale)
         self.stages.comm.reduce_scatter_into(reduced, packed)
         return reduced
