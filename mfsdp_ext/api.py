@@ -11,10 +11,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-from torch.distributed.tensor import DTensor, Shard
 
 from .interop import checkpoint, dtensor_norms
-from .sharding import build, spmd_mesh
+from .sharding import groups as unit_groups, mesh as unit_mesh, params as unit_params, placement_fn
 from .sharding.marks import is_marked
 from .core.mixed_precision import MixedPrecisionPolicy, as_mfsdp_policy
 from .comm.policy import CommPolicy
@@ -25,8 +24,6 @@ from .runtime.unit_io import eager_hook
 from .params import rows
 from .params.group import ParamGroup
 from .core import registry
-from .core.placements import SpmdDims
-
 
 
 def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = None,
@@ -68,21 +65,21 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("fully_shard needs torch.distributed: call dist.init_process_group(...) first "
                            "(gloo on CPU, nccl with device_id=... on GPUs)")
-    mesh, strategy, spmd_of = _full_mesh(mesh, dp_mesh_dims, Strategy(sharding_strategy))
+    mesh, strategy, spmd_of = placement_fn.full_mesh(mesh, dp_mesh_dims, Strategy(sharding_strategy))
     dtensor_norms.install()  # clip_grad_norm_(norm_type=inf) on ranks with empty shards
-    mesh, device, shard_group, replicate_group = build.resolve_mesh(mesh, strategy)
-    params = build.owned_params(modules, ignored_params or ())
-    placed = _shard_placements(shard_placement_fn, params, mesh, spmd_of)
-    build.check_tensor_parallel(params, mesh, placed, spmd_of)
+    mesh, device, shard_group, replicate_group = unit_mesh.resolve_mesh(mesh, strategy)
+    params = unit_params.owned_params(modules, ignored_params or ())
+    placed = placement_fn.shard_placements(shard_placement_fn, params, mesh, spmd_of)
+    unit_params.check_tensor_parallel(params, mesh, placed, spmd_of)
     if params and all(is_marked(p) for _, p, _ in params):
         return module  # all no_shard: no unit, no hooks; the enclosing unit (the root's) holds them
-    build.check_devices(params, device)
-    build.move_buffers(modules, device)
+    unit_params.check_devices(params, device)
+    unit_params.move_buffers(modules, device)
     comm = CommPolicy.checked(shard_group, native=native_collectives, symm_mem=use_symm_mem,
                               copy_engine_all_gather=copy_engine_all_gather,
                               copy_engine_reduce_scatter=copy_engine_reduce_scatter,
                               several_meshes=any(own is not mesh for _, own in placed.values()))
-    groups = build.make_groups(modules, params, mesh, device, mp_policy, strategy, placed, spmd_of)
+    groups = unit_groups.make_groups(modules, params, mesh, device, mp_policy, strategy, placed, spmd_of)
     config = UnitConfig(strategy, mp_policy, device, comm, verbose=verbose, check_finite_grads=check_finite_grads)
     unit = FsdpUnit(modules, groups, config=config, reshard_after_forward=reshard_after_forward)
     for m in modules:
@@ -118,64 +115,6 @@ def _check_offload(offload_policy) -> None:
     raise TypeError(f"fully_shard: offload_policy must be torch's OffloadPolicy() or None, got {offload_policy!r}")
 
 
-def _full_mesh(mesh: Optional[DeviceMesh], dp_mesh_dims, strategy: Strategy
-               ) -> tuple[Optional[DeviceMesh], Strategy, dict[int, SpmdDims]]:
-    """``mesh`` and the strategy as the rest of fully_shard takes them: with FSDP2's ``dp_mesh_dims``, the
-    data-parallel mesh out of the full one (no shard dim: FSDP2's DDP form, every parameter replicated), and
-    id(that mesh) -> its SpmdDims."""
-    if dp_mesh_dims is None:
-        return mesh, strategy, {}
-    if not hasattr(dp_mesh_dims, "shard") or not hasattr(dp_mesh_dims, "replicate"):
-        raise TypeError(f"fully_shard: dp_mesh_dims must be torch's DataParallelMeshDims, got {dp_mesh_dims!r:.80}")
-    if mesh is None:
-        raise ValueError("fully_shard(dp_mesh_dims=...): pass the full mesh the parameters are DTensors on as mesh=")
-    spmd = spmd_mesh.resolve(mesh, dp_mesh_dims)
-    return spmd.dp_mesh, strategy if spmd.shard_dims else Strategy.NO_SHARD, {id(spmd.dp_mesh): spmd}
-
-
-def _shard_placements(shard_placement_fn: Optional[Callable], params, mesh: DeviceMesh,
-                      spmd_of: dict[int, SpmdDims]) -> dict[int, tuple]:
-    """FSDP2's shard_placement_fn, per parameter: None or Shard(0) (torch.chunk's rows), Shard(d) for another dim
-    (an even split, as FSDP2 requires), or FSDP2's ShardPlacementResult (a Shard on a mesh of its own: torchtitan's
-    experts on the expert-data-parallel mesh; a full SPMD mesh's is added to ``spmd_of``). Returns id(parameter)
-    -> (dim, mesh) where either differs from (0, ``mesh``)."""
-    if shard_placement_fn is None:
-        return {}
-    out = {}
-    for fqn, p, _ in params:
-        placement, own_mesh = _placement_and_mesh(fqn, shard_placement_fn(p), mesh, spmd_of)
-        dim = placement.dim % p.dim() if placement is not None else 0
-        world = own_mesh.size(own_mesh.ndim - 1)  # the shard dim: 1-D, or HSDP's (replicate, shard)
-        size = (p._local_tensor if isinstance(p, DTensor) else p).shape[dim]
-        if dim and size % world:
-            raise ValueError(f"fully_shard: shard_placement_fn places '{fqn}' as Shard({dim}), whose size {size} "
-                             f"does not divide by the {world} ranks of the mesh (sharding a dim other than 0 needs "
-                             "an even split, as in FSDP2)")
-        if dim or own_mesh is not mesh:
-            out[id(p)] = (dim, own_mesh)
-    return out
-
-
-def _placement_and_mesh(fqn: str, answer, mesh: DeviceMesh, spmd_of: dict[int, SpmdDims]
-                        ) -> tuple[Optional[Shard], DeviceMesh]:
-    if answer is None or type(answer) is Shard:
-        return answer, mesh
-    info = getattr(answer, "mesh_info", None)  # FSDP2's ShardPlacementResult(placement, mesh_info)
-    if info is not None and hasattr(answer, "placement") and (answer.placement is None or
-                                                              type(answer.placement) is Shard):
-        own = info.mesh
-        if getattr(info, "is_spmd_mesh", False) and id(own) not in spmd_of:
-            spmd_of[id(own)] = spmd_mesh.resolve(info.spmd_mesh, info.dp_mesh_dims, dp_mesh=own)
-        if own.ndim != (1 if getattr(info, "replicate_mesh_dim", None) is None else 2) or \
-                info.shard_mesh_dim != own.ndim - 1:
-            raise ValueError(f"fully_shard: shard_placement_fn places '{fqn}' on a mesh whose shard dim is "
-                             f"{info.shard_mesh_dim} of {own.ndim}; mfsdp_ext takes a 1-D mesh or a 2-D (replicate, "
-                             "shard) mesh")
-        return answer.placement, own
-    raise ValueError(f"fully_shard: shard_placement_fn places '{fqn}' as {answer!r}; mfsdp_ext takes None, "
-                     "Shard(dim) or FSDP2's ShardPlacementResult(Shard(dim) or None, mesh_info)")
-
-
 def _become_fsdp_module(module: nn.Module, unit: FsdpUnit) -> None:
     """Give the module the FsdpModule methods (a subclass made once per class) and the unit's hooks."""
     cls = module.__class__
@@ -186,7 +125,7 @@ def _become_fsdp_module(module: nn.Module, unit: FsdpUnit) -> None:
         registry.FSDP_CLASSES[cls] = fsdp_cls
     module.__class__ = registry.FSDP_CLASSES[cls]
     module._mfsdp_unit = unit
-    for _, managed in build.own_modules(module):  # as FSDP2 marks them (HF generate reads it; dynamo too)
+    for _, managed in unit_params.own_modules(module):  # as FSDP2 marks them (HF generate reads it; dynamo too)
         managed._is_fsdp_managed_module = True
         managed._fsdp_use_orig_params = True
     module.register_forward_pre_hook(eager_hook(unit.pre_forward), prepend=True, with_kwargs=True)

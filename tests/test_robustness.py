@@ -536,7 +536,7 @@ def test_parameters_on_another_device_refused():
     """The device check of fully_shard (no GPU here: the check on torch.device values, as fully_shard calls it)."""
     from types import SimpleNamespace
 
-    from mfsdp_ext.sharding.build import check_devices, device_problem
+    from mfsdp_ext.sharding.params import check_devices, device_problem
 
     cpu, cuda0, cuda1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
     for found in (torch.device("meta"), cpu, cuda0):

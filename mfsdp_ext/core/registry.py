@@ -24,7 +24,7 @@ REPLACED_PARAMS = WeakIdKeyDictionary()
 CHECKED_OPTIMIZERS: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 # sharding/marks.py: parameters marked no_shard(...) -> True
 NO_SHARD_MARKS = WeakIdKeyDictionary()
-# sharding/build.py: parameters a unit took (the user's originals and our shards) -> the owner's class names
+# sharding/groups.py (written) and sharding/params.py (read): parameters a unit took (the user's originals and our shards) -> the owner's class names
 UNIT_OF_PARAM = WeakIdKeyDictionary()
 # sharding/mesh.py: device type -> the default 1-D mesh over the world
 DEFAULT_MESHES: dict[str, Any] = {}

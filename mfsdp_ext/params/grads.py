@@ -75,7 +75,7 @@ class GroupGradients:
     def __init__(self, group: Any, *, reduce_when_ready: bool):
         """``group``: the ParamGroup (held weakly: it owns this object). ``reduce_when_ready``: reduce as soon as
         every trainable parameter has its gradient (the unit sets ``on_ready``), not at the unit's post-backward:
-        parameters used after the unit's inner units (sharding/build.py)."""
+        parameters used after the unit's inner units (sharding/groups.py)."""
         self._group = weakref.ref(group)
         self.reduce_when_ready = reduce_when_ready
         self.on_ready = None  # the unit's callback for a reduce_when_ready group

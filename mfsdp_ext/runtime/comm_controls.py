@@ -4,6 +4,7 @@ memory, custom collectives, the reduce-scatter's buffers and group. Each acts wi
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 from ..comm.policy import release_symmetric

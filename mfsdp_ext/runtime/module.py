@@ -9,14 +9,13 @@ answers only what torch's ``register_fsdp_forward_method`` needs.
 
 from __future__ import annotations
 
-import warnings
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
-from .comm_controls import CommControls, not_supported
+from .comm_controls import CommControls
 from . import root
 from .unit import FsdpUnit, resolve_reshard_after_forward
 
