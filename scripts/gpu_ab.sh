@@ -2,10 +2,10 @@
 # Ours at a reference commit vs ours in this tree, on the same machine, interleaved (ref, new, ref, new), so that
 # a code change is judged apart from the machine-to-machine spread of host-bound configs:
 #
-#   git archive -o ab_ref.tar <commit>        # on the CPU machine: the reference source (untracked, not ignored)
+#   git archive -o ab_ref.tar <commit>        # the reference source, as a tarball
 #   CONFIGS=2,3 ROUNDS=2 bash scripts/gpu_ab.sh ab_ref.tar
 #
-# Builds the reference in place under /tmp (the tree's own build is the installed one), runs benchmarks/step.py
+# Builds the reference in place in a temporary folder (the tree's own build is the installed one), runs benchmarks/step.py
 # with --impls ours --no-floor for each side, and prints the medians side by side (logs under $OUT/ab).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
@@ -17,7 +17,7 @@ STEPS=${STEPS:-10}
 NGPU=${NGPU:-2}
 IMPL=${AB_IMPL:-ours}  # the step.py variant both sides run (ours_fused: with mfsdp_ext.optim.AdamW)
 AB=$OUT/ab; mkdir -p "$AB"
-REF=$(mktemp -d /tmp/ab_ref.XXXX)
+REF=$(mktemp -d -t ab_ref.XXXX)
 tar xf "$REF_TAR" -C "$REF"
 (cd "$REF" && MAX_JOBS=16 python3 setup.py build_ext --inplace) > "$AB/build_ref.log" 2>&1 \
     || { echo "reference build failed:"; tail -20 "$AB/build_ref.log"; exit 1; }

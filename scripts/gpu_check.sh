@@ -1,25 +1,34 @@
 #!/usr/bin/env bash
-# The whole GPU check, in stages so one device call fits its 10-minute limit:
-#   scripts/gpu_check.sh build tests kernels symm units optim step step6 hostcost memory noshard fp8 fp8train jit hf mainjob
-#   (not in the default list: race: the failed-step race test, also with its fix undone; repeat: the main job
-#   run twice per mode with --deterministic, bit-identical; gpt200: 200 training steps, bf16 vs FP8; fp8step, fp8cache: FP8 step rows on any GPU
-#   count; fp8host: the FP8 layer's host time; step6ac: config 6 with less recomputation; ctas: NCCL_MAX_CTAS sweep; overlap: a matmul beside NCCL's all-gather vs copy engines; wire, wirefp8: the default bf16-sent, fp32-summed gradients vs the fp32 reduce-scatter; native: native_collectives
-#   against torch.distributed's collectives; timeline: where the GPU waits in each config's step; graphs: CUDA graph
-#   tests and captured step rows, bf16 and FP8 (GRAPH_PROBE=1: the per-feature probe too; GRAPH_GPUS=2: on 2 of the GPUs);
+# The whole GPU check on one GPU host, in stages run one after another:
+#
+#   bash scripts/gpu_check.sh [stage ...]
+#
+# Default stages: build tests kernels symm units optim step step6 hostcost memory noshard fp8 fp8train jit hf mainjob.
+#   Not in the default list: race: the failed-step race test, also with its fix undone; repeat: the main job
+#   run twice per mode with --deterministic, bit-identical; gpt200: 200 training steps, bf16 vs FP8; fp8step, fp8cache:
+#   FP8 step rows on any GPU count; fp8host: the FP8 layer's host time; step6ac: config 6 with less recomputation;
+#   ctas: NCCL_MAX_CTAS sweep; overlap: a matmul beside NCCL's all-gather vs copy engines; wire, wirefp8: the default
+#   bf16-sent, fp32-summed gradients vs the fp32 reduce-scatter; native: native_collectives against
+#   torch.distributed's collectives; timeline: where the GPU waits in each config's step; graphs: CUDA graph tests
+#   and captured step rows, bf16 and FP8 (GRAPH_PROBE=1: the per-feature probe too; GRAPH_GPUS=2: on 2 of the GPUs);
 #   graphhold: the whole-step graph with its first units held vs gathered per replay (GRAPH_CONFIGS, default 4);
-#   graphs6: config 6 with graphs; graphsx: configs 3 and 1 captured/graphed over symmetric memory and native collectives; graphsce: the copy-engine collectives under graphs, configs 1-5 (graphsce6: config 6; ceeager: the same without graphs); carveout: matmuls leaving SMs to NCCL; titan: torchtitan's
-#   Trainer at the 8B shape, see scripts/gpu_titan.sh;
-#   nd: N-D layouts on 4 GPUs: Shard(1) GPU tests, dp2 x tp2 step rows at configs 1 and 6)
-#   scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
-#   scripts/gpu_check.sh build fp8train FP8 weights in fully_shard: GPU tests + step.py's FP8 variants (2 GPUs)
-# Logs and result tables go to $OUT (the device runner's output folder; /tmp/out elsewhere).
+#   graphs6: config 6 with graphs; graphsx: configs 3 and 1 captured/graphed over symmetric memory and native
+#   collectives; graphsce: the copy-engine collectives under graphs, configs 1-5 (graphsce6: config 6; ceeager: the
+#   same without graphs); carveout: matmuls leaving SMs to NCCL; titan: torchtitan's Trainer at the 8B shape, see
+#   scripts/gpu_titan.sh; nd: N-D layouts on 4 GPUs: Shard(1) GPU tests, dp2 x tp2 step rows at configs 1 and 6.
+#   bash scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
+#   bash scripts/gpu_check.sh build fp8train FP8 weights in fully_shard: GPU tests + step.py's FP8 variants (2 GPUs)
+#
+# Each stage logs to $OUT/<name>.log and writes its result tables (markdown, JSON) under $OUT; OUT defaults to
+# ./gpu_check_out. PACK=1 also packs $OUT into $OUT.tgz at exit (also when interrupted). The script exits non-zero
+# if a stage failed. The fsdp2_float8 rows (stages fp8step, fp8cache, fp8train, native) need torchao: pip install
+# torchao first; without it those rows are skipped.
 set -uo pipefail
-# The device runner returns at most 8 files: work in a scratch folder, pack it into $OUT/gpu_check.tgz at exit.
-FINAL_OUT=${OUT:-/tmp/out}; mkdir -p "$FINAL_OUT"
-export OUT=$(mktemp -d /tmp/gpu_check.XXXX)
-trap 'tar czf "$FINAL_OUT/gpu_check.tgz" -C "$OUT" . && echo "logs: $FINAL_OUT/gpu_check.tgz"' EXIT
-trap 'exit 143' TERM INT   # a `timeout` around this script still packs the logs
-source "$(dirname "$0")/gpu_env.sh"   # NVLink multicast off, repository root, PYTHONPATH
+source "$(dirname "$0")/gpu_env.sh"   # NVLink multicast off, repository root, PYTHONPATH, $OUT
+if [ "${PACK:-0}" = 1 ]; then
+    trap 'tar czf "$OUT.tgz" -C "$OUT" . && echo "packed: $OUT.tgz"' EXIT
+    trap 'exit 143' TERM INT   # a `timeout` around this script still packs the logs
+fi
 stages=${*:-build tests kernels symm units optim step step6 hostcost memory noshard fp8 fp8train jit hf mainjob}
 status=0
 run() {  # run NAME CMD...: log to $OUT/NAME.log, remember failures, keep going
@@ -34,7 +43,7 @@ for stage in $stages; do
     case $stage in
     build)
         nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
-        # always: the machine keeps an older _C between calls, and the build is incremental
+        # always: an older _C may be left from an earlier build, and the build is incremental
         run build env MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e . ;;
     tests) run tests timeout -k 10 420 python3 -m pytest -m gpu -q -s tests/test_gpu.py tests/test_kernels.py tests/test_symm_mem.py tests/test_device.py \
                tests/test_optim.py tests/test_fp8_training.py ;;
@@ -84,9 +93,7 @@ for stage in $stages; do
         run fp8_host_cost timeout -k 10 90 python3 benchmarks/fp8_host_cost.py --out "$OUT" ;;
     fp8step)  # FP8 step rows on every GPU here: configs 1, 2 and 4; config 6 (8B shape, seq 8192) on one GPU at 16
               # of its 32 layers (8 below 100 GiB of GPU memory: ~80 GiB peak at 16)
-        # torchao for fsdp2_float8: the GPU machine cannot download; carry a wheel (`pip download --no-deps torchao
-        # -d .whl`, then the device call's carry [".whl"])
-        for w in .whl/torchao-*.whl; do [ -f "$w" ] && python3 -m pip install -q --no-deps "$w"; done
+        # fsdp2_float8 needs torchao (pip install torchao); without it step.py skips those rows with a note
         ngpu=$(nvidia-smi -L | wc -l)
         gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
         run fp8step124 timeout -k 10 240 torchrun --standalone --nproc-per-node "$ngpu" benchmarks/step.py \
@@ -97,7 +104,6 @@ for stage in $stages; do
     fp8cache)  # the FP8 shard: default (cache_model_weight=None: cast per gather, kept from a third gather on),
                # kept (True), cast per gather (False): peak and step time against FSDP2 + float8, configs 1, 4 and 5
                # (4 microbatches) on every GPU here (torchao: see fp8step)
-        for w in .whl/torchao-*.whl; do [ -f "$w" ] && python3 -m pip install -q --no-deps "$w"; done
         run fp8cache timeout -k 10 300 torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \
             benchmarks/step.py --configs 1,4,5 --impls ours_fp8,ours_fp8_fused,fsdp2_float8 --steps 14 --warmup 3 \
             --extra-ours-fp8 mp.cache_model_weight=True --extra-ours-fp8 mp.cache_model_weight=False \
@@ -110,7 +116,6 @@ for stage in $stages; do
             --configs 2,3 --impls ours,ours_fp8,fsdp2,fsdp2_float8 --out "$OUT/fp8_step" ;;
     native)  # native_collectives=True (our own NCCL communicator) vs torch.distributed's: GPU tests, steps of
              # configs 1-5 (bf16) and 1, 4 (FP8, with FSDP2 + torchao float8: see fp8step) with the fused optimizer
-        for w in .whl/torchao-*.whl; do [ -f "$w" ] && python3 -m pip install -q --no-deps "$w"; done
         run native_tests timeout -k 10 200 python3 -m pytest -m gpu -q -s tests/test_gpu.py -k "native or symm"
         run native_step timeout -k 10 300 torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \
             benchmarks/step.py --configs 1,4,2,3,5 --impls ours_fused,fsdp2 --extra-fused native_collectives=True \
@@ -136,7 +141,7 @@ for stage in $stages; do
         run wire_step timeout -k 10 300 torchrun --standalone --nproc-per-node "$n" benchmarks/step.py \
             --configs 4,1,5 --impls ours_fused,fsdp2 --extra-fused mp.reduce_comm_dtype=float32 --no-floor \
             --steps 10 --warmup 3 --out "$OUT/wire_step" ;;
-    wirefp8)  # the same with FP8 weights, configs 4 and 1 (a call of its own: with stage wire it passes 600 s)
+    wirefp8)  # the same with FP8 weights, configs 4 and 1 (a stage of its own, to keep each stage short)
         n=$(nvidia-smi -L | wc -l)
         run wire_fp8step timeout -k 10 200 torchrun --standalone --nproc-per-node "$n" benchmarks/step.py \
             --configs 4,1 --impls ours_fused,ours_fp8_fused --extra-fused mp.reduce_comm_dtype=float32 \
@@ -194,7 +199,7 @@ EOF
         [[ " $stages " == *" tests "* ]] ||
             run graph_tests timeout -k 10 200 python3 -m pytest -m gpu -q tests/test_gpu.py -k "captured or graphed or cuda_graph"
         [ -n "${GRAPH_PROBE:-}" ] &&
-            run graph_probe timeout -k 10 300 torchrun --standalone --nproc-per-node 2 scripts/graph_probe.py --main .
+            run graph_probe timeout -k 10 300 torchrun --standalone --nproc-per-node 2 scripts/graph_probe.py
         run graph_step timeout -k 10 420 torchrun --standalone --nproc-per-node "${GRAPH_GPUS:-$(nvidia-smi -L | wc -l)}" \
             benchmarks/step.py --configs 3,2,4,1,5 --impls fsdp2_fused,fsdp2_captured,ours_fused,ours_captured,\
 ours_graphed,ours_fp8_fused,ours_fp8_captured,ours_fp8_graphed --steps 10 --warmup 3 --out "$OUT/graph_step" ;;
@@ -258,7 +263,7 @@ ours_graphed,ours_fp8_fused,ours_fp8_captured,ours_fp8_graphed --steps 10 --warm
         run graph_hold timeout -k 10 150 torchrun --standalone --nproc-per-node "${GRAPH_GPUS:-$(nvidia-smi -L | wc -l)}" \
             benchmarks/step.py --configs "${GRAPH_CONFIGS:-4}" --impls fsdp2_captured,ours_graphed_unheld,ours_graphed,\
 ours_fp8_graphed_unheld,ours_fp8_graphed --no-floor --steps 10 --warmup 3 --out "$OUT/graph_hold" ;;
-    titan) run titan bash scripts/gpu_titan.sh ;;   # torchtitan at the 8B shape, FSDP2 vs ours vs ours FP8 (after gpu_titan.sh --setup; carry .whl)
+    titan) run titan bash scripts/gpu_titan.sh ;;   # torchtitan at the 8B shape, FSDP2 vs ours vs ours FP8 (torchtitan: gpu_titan.sh --setup)
     jit) run jit bash scripts/gpu_jit.sh ;;          # fresh venv, no ahead-of-time build: import compiles CUDA + NCCL
     hf) run hf bash scripts/gpu_hf.sh ;;             # train_hf.py: ours vs FSDP2 (fp32 1e-5), bf16, AC + compile
     mainjob) run mainjob bash scripts/gpu_mainjob.sh ;;  # main job x3 exits 0, kill-free resume from step 6

@@ -8,10 +8,10 @@
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 unset PYTHONPATH  # gpu_env.sh puts the checkout there: here the installed package must load
-T=$(mktemp -d /tmp/gpu_jit.XXXX)
+T=$(mktemp -d -t gpu_jit.XXXX)
 tar -C "$ROOT" --exclude=./.git --exclude=./build --exclude='*.egg-info' --exclude='*.so' -cf - . | (mkdir "$T/src" && tar -C "$T/src" -xf -)
 python3 -m venv --system-site-packages "$T/venv" || exit 1
-# torch may live outside the system site-packages (a user site or a PYTHONPATH entry, as on the GPU machine),
+# torch may live outside the system site-packages (a user site or a PYTHONPATH entry),
 # which a venv does not see: point the venv at the directory torch imports from
 TORCH_SITE=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))') || exit 1
 "$T/venv/bin/python" -c 'import torch' 2>/dev/null ||

@@ -7,7 +7,7 @@
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 D="$OUT/mainjob"; mkdir -p "$D"
-T=$(mktemp -d /tmp/gpu_mainjob.XXXX)
+T=$(mktemp -d -t gpu_mainjob.XXXX)
 ARGS=(--model "${MODEL:-small}" --steps 12 --ckpt-every 6)  # MODEL=tiny: a CPU dry run
 status=0
 for i in $(seq "${RUNS:-3}"); do  # RUNS=1: a shorter check

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # End-to-end numbers on a GPU machine: the step benchmark (ours vs FSDP2) on 2 GPUs and, when present, on 4,
-# then the example training job on all GPUs. Everything lands under $OUT (default benchmarks/results/gpu).
+# then the example training job on all GPUs. Everything lands under $OUT (default ./gpu_check_out).
 #
 #   bash scripts/gpu_step.sh
 #   EXTRA_OURS=use_symm_mem=auto bash scripts/gpu_step.sh        # + a column for ours with that keyword
 #   STEPS=20 CONFIGS=1,4 TRAIN_IMPLS=ours TRAIN_ARGS="--microbatches 2" bash scripts/gpu_step.sh
 #   BUILD=1 bash scripts/gpu_step.sh     # first: pip install --no-build-isolation --no-deps -e .
 #
-# Budget: about 2 minutes per world size with the defaults on H200s, well under 8 minutes in all; each
-# torchrun is capped by `timeout` so the whole script stays under 10 minutes even if something hangs.
+# Takes about 2 minutes per world size with the defaults on H200s; each torchrun is capped by `timeout`
+# (STEP_TIMEOUT, TRAIN_TIMEOUT), so a hang costs at most its cap.
 # step.py rewrites its report after every config, so a capped run still leaves the configs it finished.
 set -uo pipefail
 

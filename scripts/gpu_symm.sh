@@ -4,7 +4,7 @@
 # The extension must be built first (scripts/gpu_check.sh build, or pip install --no-build-isolation --no-deps -e .).
 # SKIP_PYTEST=1 runs the benchmark only.
 #
-#   bash scripts/gpu_symm.sh                 # results under $OUT (default benchmarks/results/gpu)
+#   bash scripts/gpu_symm.sh                 # results under $OUT (default ./gpu_check_out)
 #   SIZES=1,8 ITERS_SCALE=0.5 bash scripts/gpu_symm.sh
 #
 # Budget: about 3 minutes with 2 GPUs (pytest ~40 s, each torchrun ~40-60 s); every step is capped by

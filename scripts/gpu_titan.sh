@@ -4,13 +4,13 @@
 # tok/s/GPU and peak memory -> $OUT/titan_step_2gpu.{md,json} (benchmarks/titan_step.py), the runs' logs and
 # per-step metrics in $OUT/titan_step_logs.tgz.
 #
-# The GPU machines have no network: torchtitan 0.3.0 and the dependencies their image lacks come as wheels from
-# .whl/titan/ (made on a machine with network: bash scripts/gpu_titan.sh --download; about 2.6 MB; then the device
-# call's carry [".whl"]). torchtitan 0.3.0 targets torch >= 2.12; examples/frameworks/torchtitan_train.py covers the
-# one name it imports that torch 2.11 lacks.
-#   bash scripts/gpu_titan.sh --setup   install the wheels, build mfsdp_ext if needed, check that torchtitan imports
-#   bash scripts/gpu_titan.sh           the same, then the benchmark (about 5 minutes; 9.5 at most); FSDP2 runs first
-#                                       and again last (fsdp2_rerun): a first run on a fresh machine can be slower
+# Needs torchtitan 0.3.0 and the dependencies listed in WHEELS below: pip install them first, or let --setup do it
+# (pip install --no-deps of that list; from the wheels in $WHEELS_DIR without network when WHEELS_DIR is set: on a
+# host with network, WHEELS_DIR=DIR bash scripts/gpu_titan.sh --download fills it). torchtitan 0.3.0 targets
+# torch >= 2.12; examples/frameworks/torchtitan_train.py covers the one name it imports that torch 2.11 lacks.
+#   bash scripts/gpu_titan.sh --setup   install torchtitan if missing, build mfsdp_ext if needed, check the imports
+#   bash scripts/gpu_titan.sh           the same, then the benchmark (about 5 minutes); FSDP2 runs first and again
+#                                       last (fsdp2_rerun): a first run on a fresh machine can be slower
 #   bash scripts/gpu_titan.sh nd        the same, then torchtitan's 2-D layouts on 4 GPUs (about 6 minutes): Llama 3 8B
 #                                       shape (8 layers) with tensor parallel 2 x FSDP 2 (each implementation twice,
 #                                       alternating: their spread), and
@@ -23,28 +23,32 @@
 #                                       ours resumed from their own and each other's checkpoints
 #                                       (scripts/titan_resume_check.py; bound: FSDP2 resumed from itself; the MoE runs
 #                                       with torchtitan's --debug.deterministic: its token routing is otherwise not
-#                                       bit-reproducible on GPU); each of the
-#                                       two checks runs 6 torchtitan starts within 270 s (80 s a run), so the mode
-#                                       stays under 9.5 minutes after setup; tables and logs to $OUT as nd's
+#                                       bit-reproducible on GPU); each of the two checks runs 6 torchtitan starts,
+#                                       80 s at most each; tables and logs to $OUT as nd's
 #   TITAN_LAYERS (default 16; an out-of-memory run is retried with 4 fewer), TITAN_STEPS (10), TITAN_IMPLS,
 #   TITAN_ND=moe (nd: the MoE table only), TITAN_RESUME=tp2 or moe (resume: that check only), TITAN_AC=full (full activation checkpointing instead of torchtitan's selective one; tables get _fullac).
 set -uo pipefail
 WHEELS=(torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
         torchdata==0.11.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19)
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-if [ "${1:-}" = "--download" ]; then  # on a machine with network: the wheels for the GPU image (Python 3.12)
-    mkdir -p "$ROOT/.whl/titan"
+# WHEELS_DIR made absolute: the install below runs from the repository root
+[ -n "${WHEELS_DIR:-}" ] && WHEELS_DIR=$(mkdir -p "$WHEELS_DIR" && cd "$WHEELS_DIR" && pwd)
+if [ "${1:-}" = "--download" ]; then  # on a host with network: the wheels for a Python 3.12 GPU host
+    : "${WHEELS_DIR:?set WHEELS_DIR to the folder to download the wheels into}"
     exec python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
         --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --implementation cp \
-        -d "$ROOT/.whl/titan" "${WHEELS[@]}"
+        -d "$WHEELS_DIR" "${WHEELS[@]}"
 fi
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"   # NVLink multicast off, repository root, PYTHONPATH, $OUT
 # (found, not imported: torchtitan 0.3.0 itself does not import on torch 2.11 without the example's placeholder)
 if ! python3 -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('torchtitan', 'spmd_types',
         'tyro', 'docstring_parser', 'typeguard', 'torchdata', 'datasets', 'dill', 'multiprocess')))"; then
-    ls .whl/titan/*.whl >/dev/null 2>&1 || { echo "no .whl/titan/*.whl: run 'bash scripts/gpu_titan.sh --download' where there is network and carry .whl"; exit 2; }
-    echo "== installing torchtitan and its missing dependencies from .whl/titan (no network, --no-deps)"
-    python3 -m pip install -q --no-deps --no-index .whl/titan/*.whl || exit 2
+    if [ -n "${WHEELS_DIR:-}" ]; then
+        echo "== installing torchtitan and its missing dependencies from $WHEELS_DIR (--no-index --no-deps)"
+        python3 -m pip install -q --no-deps --no-index "$WHEELS_DIR"/*.whl || exit 2
+    else
+        echo "== installing torchtitan and its missing dependencies (--no-deps)"
+        python3 -m pip install -q --no-deps "${WHEELS[@]}" || exit 2
+    fi
 fi
 python3 -c "import mfsdp_ext; assert mfsdp_ext.build_info()['cuda']" 2>/dev/null ||
     env MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps -e . || exit 2
@@ -61,7 +65,7 @@ PY
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "${1:-}" = "nd" ]; then
     [ "$(nvidia-smi -L | wc -l)" -ge 4 ] || { echo "gpu_titan.sh nd needs 4 GPUs"; exit 2; }
-    WORK=$(mktemp -d /tmp/gpu_titan_nd.XXXX)
+    WORK=$(mktemp -d -t gpu_titan_nd.XXXX)
     trap 'cp "$WORK"/titan_step_*.md "$WORK"/titan_step_*.json "$OUT"/ 2>/dev/null;
           tar czf "$OUT/titan_nd_logs.tgz" -C "$WORK" --exclude "dump_*" --exclude titan_assets . ' EXIT
     rc=0
@@ -77,11 +81,11 @@ if [ "${1:-}" = "nd" ]; then
 fi
 if [ "${1:-}" = "resume" ]; then
     [ "$(nvidia-smi -L | wc -l)" -ge 4 ] || { echo "gpu_titan.sh resume needs 4 GPUs"; exit 2; }
-    WORK=$(mktemp -d /tmp/gpu_titan_resume.XXXX)
+    WORK=$(mktemp -d -t gpu_titan_resume.XXXX)
     trap 'cp "$WORK"/titan_resume_*.md "$WORK"/titan_resume_*.json "$OUT"/ 2>/dev/null;
           tar czf "$OUT/titan_resume_logs.tgz" -C "$WORK" --exclude resume_dumps --exclude titan_assets . ' EXIT
     rc=0
-    [ "${TITAN_RESUME:-}" = moe ] || {  # TITAN_RESUME=tp2 / moe: that check only (one device call each)
+    [ "${TITAN_RESUME:-}" = moe ] || {  # TITAN_RESUME=tp2 / moe: that check only
     timeout -k 10 270 python3 scripts/titan_resume_check.py --out "$WORK" --nproc 4 --config llama3_debug_gpu \
         --tag tp2 --run-timeout 80 -- --parallelism.tensor_parallel_degree 2
     rc=$?; }
@@ -91,8 +95,8 @@ if [ "${1:-}" = "resume" ]; then
     exit $(( rc || $? ))
 fi
 N=$(nvidia-smi -L | wc -l); N=$(( N > 2 ? 2 : N ))
-# the device runner returns few files: the tables go to $OUT, the runs' logs and metrics packed into one archive
-FINAL_OUT=$OUT; WORK=$(mktemp -d /tmp/gpu_titan.XXXX)
+# the tables go to $OUT, the runs' logs and per-step metrics into one archive next to them
+FINAL_OUT=$OUT; WORK=$(mktemp -d -t gpu_titan.XXXX)
 trap 'cp "$WORK"/titan_step_*.md "$WORK"/titan_step_*.json "$FINAL_OUT"/ 2>/dev/null;
       tar czf "$FINAL_OUT/titan_step_logs.tgz" -C "$WORK" --exclude "dump_*" --exclude titan_assets . ' EXIT
 timeout -k 10 570 python3 benchmarks/titan_step.py --out "$WORK" --nproc "$N" --layers "${TITAN_LAYERS:-16}" \

@@ -1,12 +1,13 @@
 """Which parts of a training step under mfsdp_ext's fully_shard break CUDA graph capture, or replay wrongly.
 
-    torchrun --nproc-per-node 2 /work/notes/graph_probe.py                  # every case, one report
-    torchrun --nproc-per-node 2 /work/notes/graph_probe.py --cases base,fp8  # a few cases
-    python /work/notes/graph_probe.py --list                                 # the cases and what each expects
-    torchrun --nproc-per-node 2 /work/notes/graph_probe.py --cpu-smoke       # the harness on CPU/gloo (no capture)
+    torchrun --nproc-per-node 2 scripts/graph_probe.py                  # every case, one report
+    torchrun --nproc-per-node 2 scripts/graph_probe.py --cases base,fp8  # a few cases
+    python scripts/graph_probe.py --list                                 # the cases and what each expects
+    torchrun --nproc-per-node 2 scripts/graph_probe.py --cpu-smoke       # the harness on CPU/gloo (no capture)
 
-Needs the mfsdp_ext checkout (``--main``, default $MFSDP_MAIN, /work/main, or the current directory) for
-``mfsdp_ext`` and ``examples/gpt.py``. Notes: /work/notes/graphs.md (the inventory the "expect" column cites).
+Imports ``mfsdp_ext`` and ``examples/gpt.py`` from the mfsdp_ext checkout: ``--root PATH``, by default the
+repository this script lives in (then the current directory). The "expect" column says what each case is expected
+to do (docs/cuda_graphs.md describes the limits it probes).
 
 For each case (a model config x an optimizer x a capture recipe), on every rank:
   1. build two identical sharded GPTs (same seed): ``model`` (to be graphed) and ``twin`` (eager throughout);
@@ -68,7 +69,7 @@ class Case:
     mp: dict = dataclasses.field(default_factory=dict)  # MixedPrecisionPolicy keywords ("float32" -> torch.float32)
     no_shard_norm: bool = False  # mfsdp_ext.no_shard(model.norm): a replicated group in the root
     unused_false: bool = False  # model.set_reduce_scatter_unused_params(False)
-    expect: str = ""  # what the inventory (graphs.md) predicts
+    expect: str = ""  # what the case is expected to do
 
 
 CASES = [
@@ -76,10 +77,10 @@ CASES = [
                         "zero_grad(set_to_none=False)); replays bit-exact. If not: see the culprit"),
     Case("base_set_to_none", zero_to_none=True,
          expect="captures; replays WRONG: zero_grad(set_to_none=True) drops the .grad views of the graph-owned "
-                "main_grad, the optimizer skips every parameter (silent no-training) [C3]"),
+                "main_grad, the optimizer skips every parameter (silent no-training)"),
     Case("ours_adamw", optim="ours_adamw",
          expect="capture FAILS (isolation/invalidated): the captured forward waits on the all-gather event that "
-                "step_prefetch issued eagerly inside optimizer.step (unit.wait_unshard) [B1]"),
+                "step_prefetch issued eagerly inside optimizer.step (unit.wait_unshard)"),
     Case("ours_adamw_noprefetch", optim="ours_adamw_noprefetch",
          expect="captures (optimizer eager, gather_next_forward=False); replays bit-exact"),
     Case("fp32_wire", mp={"reduce_comm_dtype": "float32"},
@@ -87,7 +88,7 @@ CASES = [
     Case("fp8", fp8=True, expect="captures (two-pass quantizer + per-call cuBLASLt workspace under capture)"),
     Case("micro2", micro=2, expect="captures 2 microbatches in one graph; bit-exact"),
     Case("ac", ac="rng", expect="capture FAILS in torch.utils.checkpoint: get_rng_state() under capture "
-                                "(preserve_rng_state=True) [I1]"),
+                                "(preserve_rng_state=True)"),
     Case("ac_norng", ac="norng", expect="captures (checkpoint(preserve_rng_state=False)); bit-exact"),
     Case("native", shard={"native_collectives": True}, expect="captures (own NCCL communicator on our streams)"),
     Case("symm", shard={"use_symm_mem": True}, expect="captures if NCCL windows are set up at lazy init "
@@ -95,19 +96,19 @@ CASES = [
     Case("no_shard", no_shard_norm=True, expect="captures (replicated group refreshed inside the graph)"),
     Case("hsdp", mesh="hsdp", expect="captures (replicate all-reduce through ProcessGroupNCCL)"),
     Case("finite", root={"check_finite_grads": True},
-         expect="capture FAILS: finite_grads.check: torch.tensor(ordinals, device=cuda) and first.item() [A1]"),
+         expect="capture FAILS: finite_grads.check: torch.tensor(ordinals, device=cuda) and first.item()"),
     Case("unused_false", unused_false=True,
-         expect="capture FAILS: GradReduction._params_given_a_grad: torch.tensor(list, device=cuda), .tolist() [A2]"),
+         expect="capture FAILS: GradReduction._params_given_a_grad: torch.tensor(list, device=cuda), .tolist()"),
     Case("whole_ours_adamw", recipe="whole", optim="ours_adamw_noprefetch",
          expect="captures (prefetch off, so B1 is out of the way), replays WRONG from the 2nd replay: AdamW's host "
                 "step count and coefficients are frozen at capture in the kernel's inline parameters [G1, E2]"),
     Case("whole_ours_sgd", recipe="whole", optim="ours_sgd_noprefetch",
          expect="SGD(momentum) has no host step counter: if this is bit-exact and whole_ours_adamw is not, the "
-                "AdamW host state is the cause [G1]"),
+                "AdamW host state is the cause"),
     Case("whole_torch_capturable", recipe="whole", optim="torch_capturable",
          expect="torch AdamW(capturable=True) on our DTensor shards: step on device; bit-exact if the rest is"),
     Case("whole_fp8_micro2", recipe="whole", optim="torch_capturable", fp8=True, micro=2,
-         expect="FP8 + microbatches in one whole-step graph (cache_model_weight auto flips at the 3rd gather) [D4]"),
+         expect="FP8 + microbatches in one whole-step graph (cache_model_weight auto flips at the 3rd gather)"),
 ]
 
 
@@ -313,15 +314,16 @@ def sync_scan(records: list):
 
 
 # ---------------------------------------------------------------------------------------------- model and step
-def setup_paths(main: str | None) -> str:
-    candidates = [main, os.environ.get("MFSDP_MAIN"), "/work/main", os.getcwd()]
+def setup_paths(root: str | None) -> str:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository holding scripts/
+    candidates = [root, here, os.getcwd()]
     for c in candidates:
         if c and os.path.isdir(os.path.join(c, "mfsdp_ext")) and os.path.isfile(os.path.join(c, "examples", "gpt.py")):
             for p in (c, os.path.join(c, "examples")):
                 if p not in sys.path:
                     sys.path.insert(0, p)
             return c
-    raise SystemExit(f"graph_probe: no mfsdp_ext checkout found (tried {candidates}); pass --main PATH")
+    raise SystemExit(f"graph_probe: no mfsdp_ext checkout found (tried {candidates}); pass --root PATH")
 
 
 def _dtype(v):
@@ -640,7 +642,8 @@ def summarize(case: Case, per_rank: list[dict]) -> tuple[str, list[str]]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--main", default=None, help="the mfsdp_ext checkout (default: $MFSDP_MAIN, /work/main, cwd)")
+    p.add_argument("--root", "--main", dest="root", default=None,
+                   help="the mfsdp_ext checkout (default: the repository of this script, then the current directory)")
     p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="replays compared with eager steps")
@@ -657,7 +660,7 @@ def main(argv=None) -> None:
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("graph_probe: no CUDA device here; run it with torchrun on a GPU machine (or --cpu-smoke / --list)")
         return
-    main_dir = setup_paths(args.main)
+    main_dir = setup_paths(args.root)
     warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what the project needs and builds the native extension in place.
-# CPU machine / CI: torch 2.13.0 (CPU build) from pip. GPU machine: uses the torch already installed there.
+# Without torch: torch 2.13.0 from pip (CPU machines, CI). With torch installed (GPU hosts): uses that torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if python3 -c "import torch" 2>/dev/null; then
@@ -15,9 +15,9 @@ fi
 python3 -c "import pybind11, ninja, pytest, numpy, transformers, wheel, setuptools; assert int(setuptools.__version__.split('.')[0]) >= 64" 2>/dev/null ||
     python3 -m pip install -q pybind11 ninja pytest numpy transformers wheel "setuptools>=64"
 # The training frameworks of tests/test_frameworks.py and examples/frameworks/ (pinned; torch itself is pinned to the
-# installed build by a constraints file, so nothing here replaces it). Only with a CPU build of torch (CI and the
-# developers' machines, which reach PyPI): the GPU machines have no network and their own torch, and the tests skip
-# a framework that is not installed. MFSDP_FRAMEWORKS=0 skips this, =1 forces it.
+# installed build by a constraints file, so nothing here replaces it). By default only with a CPU build of torch (CI
+# and development machines); on a GPU host they are optional, and the tests skip a framework that is not installed.
+# MFSDP_FRAMEWORKS=0 skips this, =1 forces it.
 #   torchtitan 0.3.0 is installed without its dependencies (it asks for wandb and torch_checkpointing, which its
 #   train path does not import, and for datasets<4.8): what it imports is listed here instead; triton is imported at
 #   load (torchtitan/distributed/minimal_async_ep/kernels.py), tensorboard by torch.utils.tensorboard.

@@ -61,7 +61,7 @@ def run(args, name: str, impl: str, dump: str, timeout: float) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
     ap.add_argument("--config", default="llama3_8b_gpu")
     ap.add_argument("--nproc", type=int, default=0, help="ranks (default: every GPU, or 2 CPU ranks)")
     ap.add_argument("--steps", type=int, default=4)
