@@ -1,15 +1,15 @@
 """mfsdp_ext: fully sharded data parallel (ZeRO) for PyTorch, a drop-in for FSDP2's ``fully_shard``."""
 
+from . import optim  # mfsdp_ext.optim.AdamW / SGD: flat fused optimizers
 from .api import fully_shard, microbatch, register_fsdp_forward_method, reset_parameters
 from .as_fsdp2 import use_as_fsdp2
+from .core.mixed_precision import Fp8Policy, MixedPrecisionPolicy
+from .core.states import Strategy
+from .fp8.linear import Fp8Linear, Fp8LinearConfig, to_fp8_linear
 from .graphs import graphed
 from .runtime.finite_grads import NonFiniteGradError
-from .fp8.linear import Fp8Linear, Fp8LinearConfig, to_fp8_linear
-from .sharding.marks import no_shard
-from .core.mixed_precision import Fp8Policy, MixedPrecisionPolicy
-from . import optim  # mfsdp_ext.optim.AdamW / SGD: flat fused optimizers
 from .runtime.module import FsdpModule
-from .core.states import Strategy
+from .sharding.marks import no_shard
 
 
 def build_info() -> dict:

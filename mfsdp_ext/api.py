@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, Iterator, Optional, Union
+from collections.abc import Callable, Iterator
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -12,23 +13,28 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-from .interop import checkpoint, dtensor_norms
-from .sharding import groups as unit_groups, mesh as unit_mesh, params as unit_params, placement_fn
-from .sharding.marks import is_marked
-from .core.mixed_precision import MixedPrecisionPolicy, as_mfsdp_policy
 from .comm.policy import CommPolicy
-from .runtime.module import FsdpModule
+from .core import registry
+from .core.mixed_precision import MixedPrecisionPolicy, as_mfsdp_policy
 from .core.states import Strategy
-from .runtime.unit import FsdpUnit, UnitConfig, resolve_reshard_after_forward
-from .runtime.unit_io import eager_hook
+from .interop import checkpoint, dtensor_norms
 from .params import rows
 from .params.group import ParamGroup
-from .core import registry
+from .runtime.module import FsdpModule
+from .runtime.unit import FsdpUnit, UnitConfig, resolve_reshard_after_forward
+from .runtime.unit_io import eager_hook
+from .sharding import groups as unit_groups
+from .sharding import mesh as unit_mesh
+from .sharding import params as unit_params
+from .sharding import placement_fn
+from .sharding.marks import is_marked
+
+_DEFAULT_MP_POLICY = MixedPrecisionPolicy()  # frozen: one instance serves as the default
 
 
 def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = None,
                 reshard_after_forward: Optional[bool] = None, shard_placement_fn: Optional[Callable] = None,
-                mp_policy=MixedPrecisionPolicy(), offload_policy=None, ignored_params: Optional[set] = None,
+                mp_policy=_DEFAULT_MP_POLICY, offload_policy=None, ignored_params: Optional[set] = None,
                 dp_mesh_dims=None, sharding_strategy: Union[str, Strategy] = Strategy.OPTIM_GRADS_PARAMS,
                 use_symm_mem: Union[bool, str] = False, native_collectives: bool = False, verbose: bool = False,
                 check_finite_grads: bool = False, copy_engine_all_gather: bool = False,
@@ -121,10 +127,10 @@ def _become_fsdp_module(module: nn.Module, unit: FsdpUnit) -> None:
     if cls not in registry.FSDP_CLASSES:
         # torch's FSDPModule.__new__ builds the original class, which it finds at this index of the MRO
         fsdp_cls = type(f"FSDP{cls.__name__}", (FsdpModule, cls), {})
-        fsdp_cls._orig_cls_mro_index = fsdp_cls.__mro__.index(cls)
+        fsdp_cls._orig_cls_mro_index = fsdp_cls.__mro__.index(cls)  # type: ignore[attr-defined]
         registry.FSDP_CLASSES[cls] = fsdp_cls
     module.__class__ = registry.FSDP_CLASSES[cls]
-    module._mfsdp_unit = unit
+    module._mfsdp_unit = unit  # type: ignore[assignment]
     for _, managed in unit_params.own_modules(module):  # as FSDP2 marks them (HF generate reads it; dynamo too)
         managed._is_fsdp_managed_module = True
         managed._fsdp_use_orig_params = True
@@ -195,8 +201,8 @@ def microbatch(module: nn.Module, is_first: bool = True, is_last: bool = True) -
             c.microbatch.is_first, c.microbatch.is_last, c.microbatch.explicit = is_first, is_last, True
         yield
     finally:
-        for c, (f, l, e) in zip(contexts, saved):
-            c.microbatch.is_first, c.microbatch.is_last, c.microbatch.explicit = f, l, e
+        for c, (first, last, explicit) in zip(contexts, saved):
+            c.microbatch.is_first, c.microbatch.is_last, c.microbatch.explicit = first, last, explicit
 
 
 # ---------------------------------------------------------------------------------------------- meta init
@@ -229,7 +235,7 @@ def reset_parameters(module: nn.Module, init_fn: Optional[Callable[[nn.Module], 
                                     requires_grad=p.requires_grad)
             m._parameters[n] = temps[n]
         try:
-            (init_fn or type(m).reset_parameters)(m)
+            (init_fn or type(m).reset_parameters)(m)  # type: ignore[attr-defined]
         finally:
             for n, p in direct:
                 g, i = owners[id(p)]

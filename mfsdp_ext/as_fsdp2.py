@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import runpy
 import sys
+from collections.abc import Callable
 from types import ModuleType
-from typing import Callable
 
 from .api import fully_shard, register_fsdp_forward_method
 
@@ -43,7 +43,7 @@ class Fsdp2Switch:
             setattr(module, name, original)
         self.replaced = []
 
-    def __enter__(self) -> "Fsdp2Switch":
+    def __enter__(self) -> Fsdp2Switch:
         return self
 
     def __exit__(self, *exc) -> None:

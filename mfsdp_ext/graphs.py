@@ -23,7 +23,8 @@ from __future__ import annotations
 import warnings
 import weakref
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,12 +32,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
 from .core import registry
+from .optim.base import FlatOptimizerMixin
 from .runtime import step_prefetch
 from .runtime.context import FsdpContext
-from .optim.base import FlatOptimizerMixin
 
 
-def graphed(train_step: Callable, *, warmup: int = 2) -> "GraphedStep":
+def graphed(train_step: Callable, *, warmup: int = 2) -> GraphedStep:
     """``train_step`` as a callable whose calls after the first ``warmup`` replay one CUDA graph of the whole step
     (see the module docstring). ``warmup`` >= 1: the first call of a fully_shard model initialises it eagerly."""
     if warmup < 1:
@@ -51,7 +52,7 @@ class GraphedStep:
         self.warmup = warmup
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.pool = None  # the graph's memory pool, kept across captures
+        self.pool: Any = None  # the graph's memory pool, kept across captures
         self.key: tuple | None = None
         self.static_leaves: list = []  # the capture's tensor arguments (replays copy new ones into them)
         self.static_out: Any = None
@@ -131,8 +132,8 @@ class GraphedStep:
                 unit.held_by = None
                 if not unit.config.strategy.keeps_weights_gathered:
                     unit.reshard()
-        for ctx in self.contexts:
-            ctx().graph_steps.add(self)  # release_symmetric_memory() lets the graph go first
+        for ref in self.contexts:
+            ref().capture.graph_steps.add(self)  # release_symmetric_memory() lets the graph go first
         self.graph, self.static_out = graph, out
         self.steps_at_capture = registry.optimizer_steps()
         self.key = self._key(leaves, spec)  # with the models and optimizers the step was seen to use

@@ -125,11 +125,10 @@ import importlib.util
 import os
 import sys
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
-
 
 _PACKAGE = __package__.rpartition(".")[0]  # mfsdp_ext: the extension is mfsdp_ext._C
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
@@ -160,7 +159,7 @@ def _load_extension():
             raise ImportError(f"{exc}\n(the ahead-of-time build did not load either: {aot_error})") from exc
         raise
     sys.modules[f"{_PACKAGE}._C"] = module  # `from mfsdp_ext import _C` finds it, as an installed _C
-    setattr(sys.modules[_PACKAGE], "_C", module)
+    sys.modules[_PACKAGE]._C = module
     return module, "just-in-time", module.__file__
 
 

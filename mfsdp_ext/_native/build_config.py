@@ -8,7 +8,8 @@ same flags:
     bindings, build_info, {pack,cast,quantize,optim}.cpp and *_cpu.cpp, symm_offset_allocator, symm_comm);
   * CUDA kernels (csrc/*_cuda.cu, -DMFSDP_WITH_CUDA) when torch has CUDA and nvcc is found (CUDA_HOME);
   * NCCL code (in symm_comm.cpp and build_info.cpp, -DMFSDP_WITH_NCCL, linked with -l:libnccl.so.2) when, in
-    addition, nccl.h is found: $NCCL_INCLUDE_DIR, $NCCL_HOME, the ``nvidia.nccl`` Python package, CUDA_HOME, then the system.
+    addition, nccl.h is found: $NCCL_INCLUDE_DIR, $NCCL_HOME, the ``nvidia.nccl`` Python package, CUDA_HOME, then
+    the system.
   * fp8_gemm on cuBLASLt (fp8_gemm.cpp, -DMFSDP_WITH_CUBLASLT, linked with libcublasLt.so.N) when, with CUDA,
     cublasLt.h is found in torch's ``nvidia`` wheels or CUDA_HOME; otherwise fp8_gemm runs torch._scaled_mm.
 

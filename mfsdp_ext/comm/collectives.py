@@ -17,6 +17,7 @@ group gets its pair once, at lazy init (``comm/policy.py``; plain over torch.dis
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -39,7 +40,6 @@ class ParamGroup(Protocol):
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
     reduce_comm_dtype: torch.dtype
-    sums_on_arrival: bool
     fp8: bool
     main_weight: FlatBuffer
     unsharded: FlatBuffer
@@ -47,6 +47,9 @@ class ParamGroup(Protocol):
     grads: Any  # its GroupGradients: pack(out, scale)
     collectives: GroupCollectives
     stats: Any  # its GroupStats: the counters tests and benchmarks read
+
+    @property
+    def sums_on_arrival(self) -> bool: ...
 
     def gather_targets(self) -> tuple[torch.Tensor, ...]: ...
 
@@ -61,21 +64,21 @@ class GroupCollectives(NamedTuple):
     """A group's collectives: the transport of its plain ones (and of its FP8 scale all-reduce), its all-gather and
     its reduce-scatter. Given once, at lazy init, by comm/policy.py's ``assign_collectives``."""
 
-    transport: "TorchTransport"
-    all_gather: "AllGather"
-    reduce_scatter: "ReduceScatter"
+    transport: TorchTransport
+    all_gather: AllGather
+    reduce_scatter: ReduceScatter
 
 
 class AllGather(Protocol):
     name: str
 
-    def __call__(self, g: "ParamGroup") -> None: ...
+    def __call__(self, g: ParamGroup) -> None: ...
 
 
 class ReduceScatter(Protocol):
     name: str
 
-    def __call__(self, g: "ParamGroup", scale: float) -> "torch.Tensor | ArrivedShards": ...
+    def __call__(self, g: ParamGroup, scale: float) -> torch.Tensor | ArrivedShards: ...
 
 
 @dataclass
@@ -127,7 +130,7 @@ class PlainAllGather:
         self.transport = transport
         self.name = transport.name
 
-    def __call__(self, g: "ParamGroup") -> None:
+    def __call__(self, g: ParamGroup) -> None:
         if g.unsharded is g.main_weight:  # replicated, no cast: the module computes on the main weight
             return
         if g.world == 1:  # one rank or replicated: the shard layout is the unsharded layout
@@ -136,7 +139,7 @@ class PlainAllGather:
             self.transport.all_gather_into(*g.gather_begin(), g.shard_group)
 
 
-def all_gather_together(groups: list["ParamGroup"]) -> None:
+def all_gather_together(groups: Sequence[ParamGroup]) -> None:
     """The plain all-gathers of several groups (``joins_grouped_gather``; one transport, one shard group) as one
     call of the transport (one NCCL group; FP8 weights travel as uint8): each group's work before the collective
     (allocation, casts), the collective, each group's work after it (dequantize, FP8 views, stats)."""
@@ -159,7 +162,7 @@ class PlainReduceScatter:
         self.transport = transport
         self.name = transport.name
 
-    def __call__(self, g: "ParamGroup", scale: float) -> torch.Tensor | ArrivedShards:
+    def __call__(self, g: ParamGroup, scale: float) -> torch.Tensor | ArrivedShards:
         if g.sums_on_arrival:
             return self._sum_on_arrival(g, scale)
         packed = self.pack(g, scale)
@@ -170,13 +173,13 @@ class PlainReduceScatter:
         return reduced
 
     @staticmethod
-    def pack(g: "ParamGroup", scale: float) -> torch.Tensor:
+    def pack(g: ParamGroup, scale: float) -> torch.Tensor:
         """The flat reduce-scatter's input: the grads times ``scale``, rank-major, in the reduce dtype."""
         packed = torch.empty(g.layout.rank_major_numel, dtype=g.reduce_dtype, device=g.device)
         g.grads.pack(packed, scale)
         return packed
 
-    def _sum_on_arrival(self, g: "ParamGroup", scale: float) -> ArrivedShards:
+    def _sum_on_arrival(self, g: ParamGroup, scale: float) -> ArrivedShards:
         """The grads packed in their own dtype (a copy, no rounding), exchanged by one all-to-all (half the bytes
         of a float32 reduce-scatter for bf16): this rank's W shards, to be summed in the reduce dtype in rank order
         (ArrivedShards). Every rank adds the same way, and on 2 ranks ``fma(s, b, s * a)`` is the float32
@@ -188,7 +191,7 @@ class PlainReduceScatter:
         return ArrivedShards(received.view(g.world, g.layout.shard_numel), scale)
 
 
-def reduce_scatter_together(groups: list["ParamGroup"], scales: list[float]) -> list[torch.Tensor]:
+def reduce_scatter_together(groups: Sequence[ParamGroup], scales: list[float]) -> list[torch.Tensor]:
     """The plain reduce-scatters of several groups (``joins_grouped_reduce_scatter``; one transport, shard group
     and reduce dtype) as one call of the transport, as all_gather_together: each group's grads packed (times its
     scale), one grouped reduce-scatter. Returns each group's reduced shard."""

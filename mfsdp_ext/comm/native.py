@@ -30,7 +30,6 @@ from .collectives import PlainAllGather, PlainReduceScatter
 from .symmetric.comm import _exchange_unique_id, _native_reason
 
 
-
 def unavailable_reason(group: dist.ProcessGroup) -> Optional[str]:
     """Why the native transport cannot run over ``group`` (CUDA and NCCL, the extension built with NCCL, a recent
     enough NCCL library), or None when it can."""
@@ -69,7 +68,7 @@ class NcclTransport:
         self.comm.all_to_all(input, output)
 
 
-def transport_for(group: dist.ProcessGroup, device: torch.device) -> "NcclTransport":
+def transport_for(group: dist.ProcessGroup, device: torch.device) -> NcclTransport:
     """The native transport over ``group``: made (collectively: every rank asks in the same order) the first time,
     then the same one for every unit of every model in this process."""
     transport = registry.NATIVE_TRANSPORTS.get(group)

@@ -50,7 +50,7 @@ class CommPolicy:
     @classmethod
     def checked(cls, shard_group: Optional[dist.ProcessGroup], *, native: bool = False, symm_mem: SymmMem = False,
                 copy_engine_all_gather: bool = False, copy_engine_reduce_scatter: bool = False,
-                several_meshes: bool = False) -> "CommPolicy":
+                several_meshes: bool = False) -> CommPolicy:
         """The policy for a unit sharded over ``shard_group`` (None: no_shard), checked.
 
         Args:
@@ -79,7 +79,7 @@ class CommPolicy:
                     "torch.distributed's collectives)")
         return dataclasses.replace(policy, symm_mem=_resolve_symm_mem(symm_mem, shard_group, several_meshes))
 
-    def with_symmetric_memory(self, shard_group: Optional[dist.ProcessGroup]) -> "CommPolicy":
+    def with_symmetric_memory(self, shard_group: Optional[dist.ProcessGroup]) -> CommPolicy:
         """This policy with ``use_symm_mem=True`` (FSDP2's ``set_symm_mem_for_comm``), checked.
 
         Raises:

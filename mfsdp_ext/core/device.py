@@ -12,8 +12,8 @@ import contextlib
 from typing import Optional
 
 import torch
-from torch.profiler import record_function
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
 from .._native import current_capture_id
 

@@ -20,8 +20,8 @@ all-gather lands there and one native copy puts each rank's columns in place (FS
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -16,7 +16,6 @@ flattened into one; the module computes with the parameter's own DTensor, Replic
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -76,8 +75,11 @@ def _spmd_sharded_spec(spmd: SpmdDims, replicated: bool, own: DTensorSpec, meta:
     if replicated or not spmd.shard_dims:
         return DTensorSpec(mesh, tuple(out), tensor_meta=meta)
     first = spmd.shard_dims[0]
-    split = math.prod(mesh.size(j) for j in range(first + 1, mesh.ndim)
-                      if isinstance(out[j], (Shard, _StridedShard)) and out[j].dim == dim)
+    split = 1
+    for j in range(first + 1, mesh.ndim):
+        placement = out[j]
+        if isinstance(placement, (Shard, _StridedShard)) and placement.dim == dim:
+            split *= mesh.size(j)
     out[first] = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
     if len(spmd.shard_dims) == 1:
         return DTensorSpec(mesh, tuple(out), tensor_meta=meta)

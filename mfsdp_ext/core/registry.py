@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
@@ -21,10 +22,11 @@ GROUP_OF_PARAM = WeakIdKeyDictionary()
 # params/replaced.py: a parameter fully_shard (or to_empty) replaced -> (its name, when it was the model's)
 REPLACED_PARAMS = WeakIdKeyDictionary()
 # params/replaced.py: optimizer -> how many parameters it held when checked for replaced ones
-CHECKED_OPTIMIZERS: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+CHECKED_OPTIMIZERS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 # sharding/marks.py: parameters marked no_shard(...) -> True
 NO_SHARD_MARKS = WeakIdKeyDictionary()
-# sharding/groups.py (written) and sharding/params.py (read): parameters a unit took (the user's originals and our shards) -> the owner's class names
+# sharding/groups.py (written) and sharding/params.py (read): parameters a unit took (the user's originals and our
+# shards) -> the owner's class names
 UNIT_OF_PARAM = WeakIdKeyDictionary()
 # sharding/mesh.py: device type -> the default 1-D mesh over the world
 DEFAULT_MESHES: dict[str, Any] = {}
@@ -35,9 +37,9 @@ FSDP_CLASSES: dict[type, type] = {}
 # comm/native.py: shard process group -> its NcclTransport (one NCCL communicator per group and process)
 NATIVE_TRANSPORTS: dict[Any, Any] = {}
 # params/grads.py: groups holding gradient buffers a captured CUDA graph writes
-GRAPH_GRAD_GROUPS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+GRAPH_GRAD_GROUPS: weakref.WeakSet[Any] = weakref.WeakSet()
 # runtime/context.py: the contexts of the live roots, and their serial numbers (oldest first)
-LIVE_CONTEXTS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+LIVE_CONTEXTS: weakref.WeakSet[Any] = weakref.WeakSet()
 CONTEXT_SERIALS = itertools.count()
 
 
@@ -47,7 +49,7 @@ class _Counters:
 
 
 # optimizer -> optimizer_steps() after its last step
-_LAST_STEP: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+_LAST_STEP: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _HOOKS: dict[str, Any] = {}  # name -> the handle of a global optimizer hook, registered once
 
 

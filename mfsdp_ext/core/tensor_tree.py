@@ -8,7 +8,8 @@ from it would not be gathered again for its backward.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -59,7 +60,7 @@ def _flatten_tensor_args(args: Any) -> tuple[list, Callable[[list], tuple]] | No
     """A tuple of tensors and tuples of tensors as (leaves, rebuild), in pytree's order; None for anything else."""
     if type(args) is not tuple:
         return None
-    sizes = []  # per argument: None for a tensor, the length of a tuple of tensors
+    sizes: list[Optional[int]] = []  # per argument: None for a tensor, the length of a tuple of tensors
     for a in args:
         if isinstance(a, torch.Tensor):
             sizes.append(None)

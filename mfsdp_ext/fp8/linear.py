@@ -29,8 +29,9 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -89,7 +90,7 @@ class Fp8LinearConfig:
 # ----------------------------------------------------------------------------------------------
 # eligibility
 # ----------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_capability(index: int) -> tuple:
     return torch.cuda.get_device_capability(index)
 
@@ -140,7 +141,7 @@ def _check_fp8_weight(fp8_weight: Fp8Tensor, weight: torch.Tensor) -> None:
 
 
 def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                fp8_weight: Optional[Fp8Tensor], cfg: "Fp8LinearConfig") -> torch.Tensor:
+                fp8_weight: Optional[Fp8Tensor], cfg: Fp8LinearConfig) -> torch.Tensor:
     """fp8_linear once fp8_weight is checked (Fp8Linear checks it in set_fp8_weight, not at every forward)."""
     grad = torch.is_grad_enabled()
     need_dx = grad and x.requires_grad
@@ -174,7 +175,7 @@ class _LastInput:
     def __init__(self):
         self.entry: Optional[_QuantizedInput] = None
 
-    def quantized(self, x: torch.Tensor, need_t: bool, cfg: "Fp8LinearConfig"):
+    def quantized(self, x: torch.Tensor, need_t: bool, cfg: Fp8LinearConfig):
         """(x8, x_scale_inv, x8t or None) of ``x``: the last one when it is this x's and has what is needed, else
         made now and remembered."""
         stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
@@ -228,6 +229,11 @@ class Fp8LinearMixin:
     # True where the weight's values live only in _fp8_weight (fully_shard's FP8 groups with compute=True: the
     # gathered weight is FP8 and the parameter only receives the gradient): the fallback dequantizes it
     _fp8_weight_only: bool = False
+    if TYPE_CHECKING:  # a mixin: the nn.Linear it is mixed into has these
+        weight: torch.Tensor
+        bias: Any
+        in_features: int
+        out_features: int
 
     def set_fp8_weight(self, fp8_weight: Optional[Fp8Tensor]) -> None:
         """Use this FP8 form of the weight (e.g. gathered in FP8) instead of quantizing the weight on every call;
@@ -268,7 +274,8 @@ class Fp8LinearMixin:
 
     def extra_repr(self) -> str:
         c = self.fp8_config
-        return (super().extra_repr() + f", fp8(grad={str(c.grad_dtype).replace('torch.', '')}, wgrad={c.wgrad})")
+        return (super().extra_repr()  # type: ignore[misc]
+                + f", fp8(grad={str(c.grad_dtype).replace('torch.', '')}, wgrad={c.wgrad})")
 
 
 class Fp8Linear(Fp8LinearMixin, nn.Linear):
@@ -290,7 +297,7 @@ def _fp8_class(cls: type) -> type:
     return registry.FP8_CLASSES[cls]
 
 
-def default_fp8_filter(fqn: str, module: nn.Module) -> bool:
+def default_fp8_filter(fqn: str, module: nn.Linear) -> bool:
     """Linear layers whose feature dims fit FP8 GEMMs (multiples of 16)."""
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
@@ -309,7 +316,8 @@ def to_fp8_linear(module: nn.Module, filter_fn: Optional[Callable[[str, nn.Modul
             continue
         if not chosen(fqn, m):
             continue
-        m._fp8_name = fqn or type(m).__name__  # the root itself: its class name
         m.__class__ = _fp8_class(type(m))
-        m.fp8_config = cfg
+        fp8: Any = m
+        fp8._fp8_name = fqn or type(m).__name__  # the root itself: its class name
+        fp8.fp8_config = cfg
     return module

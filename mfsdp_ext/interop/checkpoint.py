@@ -18,9 +18,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..core.flat_buffer import FlatBuffer
-from ..runtime.module import FsdpModule
 from ..params import rows
 from ..params.group import ParamGroup
+from ..runtime.module import FsdpModule
 
 
 def register_state_dict_hooks(modules: list[nn.Module], groups: list[ParamGroup]) -> None:
@@ -65,10 +65,10 @@ def _take_assigned(groups: list[ParamGroup]) -> None:
         if not assigned:
             continue
         g.materialize(g.device)  # no-op unless on meta (it makes new parameters: taken below)
-        for i, place, new in assigned:
+        for i, _, new in assigned:
             info = g.infos[i]
             value = new.to_local() if isinstance(new, DTensor) else rows.local_of_full(g, i, new)
-            info.sharded._local_tensor.copy_(value)
+            info.sharded._local_tensor.copy_(value)  # type: ignore[attr-defined]
             if info.sharded.requires_grad != new.requires_grad:
                 info.sharded.requires_grad_(new.requires_grad)
         g.use_sharded_params()

@@ -22,8 +22,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import _native
-from ..runtime import step_prefetch
 from ..params.group import owner_of
+from ..runtime import step_prefetch
 from .flat_state import FlatState, build_runs, flat_owner
 
 
@@ -167,9 +167,9 @@ class FlatOptimizerMixin:
                 loss = closure()
         flat_work, torch_work, adopt_after = self._split()
         if capturing and any(torch_work):
-            raise RuntimeError(f"mfsdp_ext.optim.{type(self).__name__}: in a CUDA graph it steps fully_shard parameters "
-                               "only (with their gradient shards); step the others with a torch optimizer built "
-                               "with capturable=True")
+            raise RuntimeError(f"mfsdp_ext.optim.{type(self).__name__}: in a CUDA graph it steps fully_shard "
+                               "parameters only (with their gradient shards); step the others with a torch "
+                               "optimizer built with capturable=True")
         for group, params in zip(self.param_groups, torch_work):
             # DTensors and plain tensors apart: torch's foreach kernels (its CUDA default) refuse a mix
             for kind in (True, False):

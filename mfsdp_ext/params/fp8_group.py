@@ -21,6 +21,8 @@ Buffers, beside ParamGroup's main_weight (fp32 shard) and main_grad:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -29,7 +31,6 @@ from ..comm import dist_ops
 from ..core.flat_buffer import FlatBuffer
 from ..fp8.tensor import E4M3, Fp8Tensor
 from .group import ParamGroup
-
 
 SCALE_ROW = 64  # floats: each GEMM scale 256-byte aligned
 
@@ -180,19 +181,24 @@ class Fp8ParamGroup(ParamGroup):
         if self.fp8_compute and self.fp8_views is not None:
             # views of the parameters' own slots (their shape, e4m3, contiguous): no check needed
             for info, fp8 in zip(self.infos, self.fp8_views):
-                info.places[0].module._use_fp8_weight(fp8)
+                _fp8_layer(info)._use_fp8_weight(fp8)
 
     def use_sharded_params(self) -> None:
         super().use_sharded_params()
         if self.fp8_compute:
             for info in self.infos:
-                info.places[0].module._use_fp8_weight(None)
+                _fp8_layer(info)._use_fp8_weight(None)
 
     def write_shard(self, out: torch.Tensor) -> None:
         raise RuntimeError("mfsdp_ext: FP8 groups gather with their own plain all-gather (no symmetric staging)")
 
     def cast_into_own_slots(self) -> None:
         raise RuntimeError("mfsdp_ext: FP8 groups keep their FP8 shard; nothing is cast into the gathered slots")
+
+
+def _fp8_layer(info) -> Any:
+    """The Fp8Linear whose weight parameter ``info`` is (FP8 weights are never tied: one place)."""
+    return info.places[0].module
 
 
 def sync_scales(groups: list[Fp8ParamGroup], versions: list[tuple]) -> None:

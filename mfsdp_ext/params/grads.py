@@ -20,6 +20,7 @@ stream (runtime/root.py), so the optimizer step can reuse the memory of the last
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -78,7 +79,7 @@ class GroupGradients:
         parameters used after the unit's inner units (sharding/groups.py)."""
         self._group = weakref.ref(group)
         self.reduce_when_ready = reduce_when_ready
-        self.on_ready = None  # the unit's callback for a reduce_when_ready group
+        self.on_ready: Optional[Callable] = None  # the unit's callback for a reduce_when_ready group
         self.ready = 0  # gradients accumulated in this backward (reduce_when_ready)
         self._main_grad_ref: Optional[weakref.ref] = None  # weak: see [Note: main-grad references]
         self.graph_buffers: list = []  # gradient buffers a captured CUDA graph writes: kept here
@@ -182,7 +183,8 @@ class GroupGradients:
                 # added to main_grad as one reduce-dtype sum, as a reduce-scatter's output is: the same bits
                 reduced = reduced.summed(g.reduce_dtype)
             else:  # a fresh main_grad of the reduce dtype: the shards are summed straight into it
-                reduced, scale = reduced.parts, scale * reduced.scale
+                scale *= reduced.scale
+                reduced = reduced.parts
         _native.grad_accumulate(main_grad.data, reduced, scale, accumulate)
         self.attach(with_grad)
 

@@ -2,8 +2,9 @@
 
 Buffers (laid out by FlatLayout: every parameter split as torch.chunk splits it, so its DTensors are truthful):
   main_weight      shard        the optimizer's weights; module.parameters() are DTensor views of it while at rest
-  model_weight     shard        compute-dtype copy, written by the fused cast once per optimizer step (cache_model_weight;
-                                by default made only when the same weights are gathered a third time: microbatches)
+  model_weight     shard        compute-dtype copy, written by the fused cast once per optimizer step
+                                (cache_model_weight; by default made only when the same weights are gathered a third
+                                time: microbatches)
   unsharded        param-major  gathered compute-dtype weights; the module's parameters are views into it in compute
   main_grad        shard        the optimizer's gradients (grads.py: the group's ``grads``)
 
@@ -21,6 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
@@ -37,7 +39,7 @@ from .grads import GroupGradients
 from .versions import WeightVersions
 
 
-def owner_of(param: torch.Tensor) -> Optional[tuple["ParamGroup", int]]:
+def owner_of(param: torch.Tensor) -> Optional[tuple[ParamGroup, int]]:
     """(group, index) when ``param`` is (or was: check ``group.infos[index].sharded is param``) the sharded
     parameter of a live ParamGroup; None for any other tensor."""
     entry = registry.GROUP_OF_PARAM.get(param)
@@ -89,7 +91,7 @@ class GroupMesh:
     """The mesh a group is sharded over and its process groups: ``shard`` (None: replicated, no_shard) and
     ``replicate`` (HSDP's replicas, or a replicated group's whole mesh; None otherwise)."""
 
-    mesh: object
+    mesh: DeviceMesh
     shard: Optional[dist.ProcessGroup]
     replicate: Optional[dist.ProcessGroup] = None
 

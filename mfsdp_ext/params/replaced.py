@@ -14,7 +14,6 @@ import torch
 from ..core import registry
 
 
-
 def note_replaced(original: torch.Tensor, name: str, when: str) -> None:
     """``original`` is no longer the module's parameter (fully_shard made a shard of it, or to_empty() gave a
     meta shard real storage)."""

@@ -16,9 +16,9 @@ at capture as it must be at every replay:
 
 from __future__ import annotations
 
-from .context import FsdpContext
-from ..fp8.linear import forget_last_input
 from ..core.states import ShardedState
+from ..fp8.linear import forget_last_input
+from .context import FsdpContext
 
 
 class CaptureError(RuntimeError):

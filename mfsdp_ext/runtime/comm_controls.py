@@ -5,7 +5,8 @@ memory, custom collectives, the reduce-scatter's buffers and group. Each acts wi
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..comm.policy import release_symmetric
 

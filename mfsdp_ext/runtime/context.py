@@ -82,7 +82,7 @@ class CaptureState:
 
 class FsdpContext:
     @classmethod
-    def live(cls) -> list["FsdpContext"]:
+    def live(cls) -> list[FsdpContext]:
         """The contexts of the roots alive in this process, oldest first (mfsdp_ext.graphed watches their modes and
         gathers their first units: in the same order on every rank, as a set's order is not)."""
         return sorted(registry.LIVE_CONTEXTS, key=lambda ctx: ctx.serial)
@@ -90,7 +90,7 @@ class FsdpContext:
     def __init__(self, root: Unit, units: list, device: torch.device):
         self.serial = next(registry.CONTEXT_SERIALS)
         registry.LIVE_CONTEXTS.add(self)
-        self.root = root
+        self.root: Any = root  # the root FsdpUnit
         self.units = units
         self.device = DeviceHandle(device)
         self.ag_stream = self.device.new_stream()  # None on CPU: program order

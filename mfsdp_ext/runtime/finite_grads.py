@@ -28,7 +28,8 @@ def check(root_module, units) -> None:
     for unit in units:
         for g in unit.groups:
             for i, info in enumerate(g.infos):
-                if g.grads.main_grad is not None and info.sharded.requires_grad and g.grads.main_grad.param_view(i).numel():
+                main_grad = g.grads.main_grad
+                if main_grad is not None and info.sharded.requires_grad and main_grad.param_view(i).numel():
                     ordinals.append(total)
                     views.append(g.grads.main_grad.param_view(i))
                 total += 1

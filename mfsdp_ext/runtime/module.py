@@ -9,14 +9,16 @@ answers only what torch's ``register_fsdp_forward_method`` needs.
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Optional
 
 import torch
+import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
-from .comm_controls import CommControls
 from . import root
+from .comm_controls import CommControls
 from .unit import FsdpUnit, resolve_reshard_after_forward
 
 
@@ -59,8 +61,12 @@ class FsdpModule(CommControls, _TorchFSDPModule):
     controls, over this module's unit."""
 
     _mfsdp_unit: FsdpUnit
+    if TYPE_CHECKING:  # a mixin: the nn.Module it is mixed into has these
+        modules: Callable[[], Iterator[nn.Module]]
+        _forward_pre_hooks: dict
+        _forward_hooks: dict
 
-    def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """Gather this unit's weights (FSDP2's call). ``async_op=True`` returns a handle whose ``wait()`` makes the
         current stream wait for the gather; a forward waits by itself."""
         unit = self._mfsdp_unit
@@ -98,7 +104,8 @@ class FsdpModule(CommControls, _TorchFSDPModule):
         for unit in self._units(recurse):
             unit.reduction.requires_gradient_sync = requires_gradient_sync
 
-    def set_reshard_after_forward(self, reshard_after_forward: Optional[bool], *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(  # type: ignore[override]  # FSDP2's int form is refused
+            self, reshard_after_forward: Optional[bool], *, recurse: bool = True) -> None:
         reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward)
         for unit in self._units(recurse):
             unit.controls.reshard_after_forward = (reshard_after_forward
@@ -162,7 +169,7 @@ class FsdpModule(CommControls, _TorchFSDPModule):
         step, as for FSDP2."""
         self._mfsdp_unit.controls.post_optim_event = event
 
-    def _get_fsdp_state(self) -> _Fsdp2StateView:
+    def _get_fsdp_state(self) -> _Fsdp2StateView:  # type: ignore[override]
         return _Fsdp2StateView(self._mfsdp_unit)
 
     def _units(self, recurse: bool) -> list[FsdpUnit]:
@@ -180,7 +187,7 @@ class FsdpModule(CommControls, _TorchFSDPModule):
                 if hasattr(hook, "mfsdp_hook"):
                     hooks[key] = torch._dynamo.disable(hook.mfsdp_hook, recursive=True,
                                                        reason="mfsdp_ext hooks run eagerly")
-        super().compile(*args, **kwargs)
+        super().compile(*args, **kwargs)  # type: ignore[misc]  # the module's own class has it
 
     def _apply(self, fn, recurse=True):
         """Keep the flat-buffer parameters out of nn.Module._apply; materialize meta groups on to_empty()."""

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from ..comm import dist_ops
-from ..comm.collectives import reduce_scatter_together
-from .context import FsdpContext
-from ..params.group import ParamGroup
+from ..comm.collectives import ArrivedShards, reduce_scatter_together
 from ..core.states import Strategy
+from ..params.group import ParamGroup
+from .context import FsdpContext
 
 
 class GradReduction:
@@ -46,7 +46,7 @@ class GradReduction:
         for g in groups:
             if g.grads.joins_grouped_reduce_scatter() and self.reduces_now(ctx, g):
                 together.setdefault((g.collectives.transport, g.shard_group, g.reduce_dtype), []).append(g)
-        scattered = {}
+        scattered: dict[ParamGroup, torch.Tensor] = {}
         for members in together.values():
             if len(members) > 1:
                 scales = [self.grad_scale(g) for g in members]
@@ -66,7 +66,7 @@ class GradReduction:
         replicas = dist.get_world_size(g.replicate_group) if g.replicate_group is not None else 1
         return 1.0 / (self.gradient_divide_factor or g.world * replicas)
 
-    def reduce(self, ctx: FsdpContext, g: ParamGroup, reduced: torch.Tensor | None = None) -> None:
+    def reduce(self, ctx: FsdpContext, g: ParamGroup, reduced: torch.Tensor | ArrivedShards | None = None) -> None:
         """Reduce-scatter the group's gradients into main_grad on the reduce-scatter stream (``reduced``: already
         reduce-scattered with other groups'), or keep them accumulating locally (reduces_now)."""
         if not self.reduces_now(ctx, g):

@@ -49,7 +49,7 @@ def check(root_module, units, mesh, device: torch.device) -> None:
             differing.append(group)
     found = []
     for group in differing:  # every differing group's exchange runs before any rank raises
-        every = [None] * dist.get_world_size(group)
+        every: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(every, lines, group=group)
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(every)))
         found.append(_first_difference(every, ranks))

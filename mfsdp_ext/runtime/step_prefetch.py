@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 from ..core.states import TrainingState
 
 if TYPE_CHECKING:
-    from .unit import FsdpUnit
     from ..params.group import ParamGroup
+    from .unit import FsdpUnit
 
 FIRST_UNITS = 2  # the root and the unit its forward prefetches
 
@@ -32,11 +32,11 @@ FIRST_UNITS = 2  # the root and the unit its forward prefetches
 class NextForwardGather:
     """The units whose gathers a step issues, and their groups (stepped first)."""
 
-    def __init__(self, units: list["FsdpUnit"]):
+    def __init__(self, units: list[FsdpUnit]):
         self.units = units
         self.groups = {g for u in units for g in u.groups}
 
-    def order(self, stepped: list["ParamGroup"]) -> tuple[list["ParamGroup"], list["ParamGroup"]]:
+    def order(self, stepped: list[ParamGroup]) -> tuple[list[ParamGroup], list[ParamGroup]]:
         """(the first units' groups, the others), each in the given order."""
         return [g for g in stepped if g in self.groups], [g for g in stepped if g not in self.groups]
 
@@ -47,7 +47,7 @@ class NextForwardGather:
             unit.unshard(after_step=True)
 
 
-def plan(stepped: list["ParamGroup"]) -> NextForwardGather | None:
+def plan(stepped: list[ParamGroup]) -> NextForwardGather | None:
     """The gathers to issue in a step over ``stepped`` groups, or None when the step covers no root's whole tree
     or a tree is not between iterations (the first forward has not run, or a backward is under way)."""
     covered = set(stepped)

@@ -102,7 +102,7 @@ class FsdpUnit:
         self.post_backward_hooked = False  # PostBackward applied to this iteration's inputs
         self.to_run: set[int] = set()  # this forward pass's modules (ids) that have not run yet
         self.output_hooked = False  # some module's output of this pass got the pre-backward hook
-        self.unshard_event = None  # the all-gather stream's event after this unit's gather
+        self.unshard_event: Any = None  # the all-gather stream's event after this unit's gather
         self.gathered_versions: list[Optional[tuple]] = [None] * len(groups)  # weights_version() gathered
         # mfsdp_ext.graphed: the step whose whole-step graph keeps this unit (a first unit of the forward) gathered
         # across replays (its optimizer step gathers it for the next replay): [Note: held units] in root.py
@@ -251,7 +251,7 @@ class FsdpUnit:
         ctx.device.wait_event(self.controls.post_optim_event)
         self.controls.post_optim_event = None
 
-    def _prefetch_targets(self, explicit: Optional[list["FsdpUnit"]], default: Optional["FsdpUnit"]) -> list:
+    def _prefetch_targets(self, explicit: Optional[list[FsdpUnit]], default: Any) -> list:
         """The units to gather ahead: the explicit list (set_modules_to_*_prefetch) or the one the recorded order
         names. An explicit unit must be under this unit's root (its gathers use this root's streams)."""
         if explicit is None:
@@ -376,7 +376,8 @@ def _sync_fp8_scales(unit: FsdpUnit, g: ParamGroup, version: tuple, after_step: 
     (``after_step``) only this unit's groups: the step has not yet updated the others."""
     ctx = unit.context
     key = (g.shard_group, g.replicate_group, g.collectives.transport)
-    groups, versions = [g], [version]
+    groups: list = [g]
+    versions = [version]
     for u in [unit] if after_step else ctx.units:
         for other in u.groups:
             if other is g or not other.fp8 or (other.shard_group, other.replicate_group,

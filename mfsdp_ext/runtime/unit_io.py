@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Any, Optional, Protocol
 
 import torch
 

@@ -3,7 +3,6 @@ FP8, used after the inner units). No collective: ranks that disagree are found a
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -11,20 +10,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import dist_ops
 from ..core import placements, registry
+from ..core.mixed_precision import GroupDtypes, MixedPrecisionPolicy
+from ..core.states import Strategy
 from ..params import replaced
 from ..params.fp8_group import Fp8ParamGroup
+from ..params.group import GroupMesh, ParamGroup
+from ..runtime.module import FsdpModule
 from .fp8_weights import choose_fp8_weights
 from .marks import is_marked
 from .mesh import resolve_mesh, whole_mesh_group
-from ..core.mixed_precision import GroupDtypes, MixedPrecisionPolicy
-from ..runtime.module import FsdpModule
-from ..core.states import Strategy
-from ..params.group import GroupMesh, ParamGroup
-
-try:
-    from torch.distributed.fsdp import FSDPModule as _FSDP2Module
-except ImportError:  # a torch without FSDP2
-    _FSDP2Module = None
 
 
 def make_groups(modules: list[nn.Module], params, mesh: DeviceMesh, device: torch.device,
@@ -71,11 +65,11 @@ def _groups_on_mesh(modules, params, mesh: DeviceMesh, device: torch.device, mp_
         raise ValueError(f"fully_shard: shard_placement_fn gives a mesh on {mesh_device}, the module's mesh is on "
                          f"{device}; every mesh of one module is on one device type")
     late = set().union(*(_used_after_inner_units(m, params) for m in modules))
-    groups = []
+    groups: list[ParamGroup] = []
     kinds = _group_by_kind(params, fp8, late)
     narrow_wins = (any(mp_policy.sends_narrow_by_default(dtype) for dtype, *_ in kinds)
                    and _narrow_wire_wins(shard_group, device))
-    for (dtype, requires_grad, marked, is_fp8, is_late), members in kinds.items():
+    for (dtype, _, marked, is_fp8, is_late), members in kinds.items():
         replicated = marked and shard_group is not None
         dtypes = GroupDtypes(compute=mp_policy.compute_dtype(dtype), reduce=mp_policy.reduction_dtype(dtype),
                              reduce_comm=mp_policy.reduction_comm_dtype(dtype, narrow_wins and not replicated),

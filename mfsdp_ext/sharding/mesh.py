@@ -13,7 +13,8 @@ from ..core import registry
 from ..core.states import Strategy
 
 
-def resolve_mesh(mesh: Optional[DeviceMesh], strategy: Strategy) -> tuple[DeviceMesh, torch.device, Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
+def resolve_mesh(mesh: Optional[DeviceMesh], strategy: Strategy
+                 ) -> tuple[DeviceMesh, torch.device, Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
     """(mesh, device, shard group, replicate group) for the strategy: 1-D shard, 2-D (replicate, shard) HSDP,
     or no_shard's replicate-only group."""
     mesh = mesh if mesh is not None else _default_mesh()

@@ -8,16 +8,12 @@ from typing import Optional
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule as _FSDP2Module
 from torch.distributed.tensor import DTensor
 
 from ..core import placements, registry
 from ..params.group import ParamPlace
 from ..runtime.module import FsdpModule
-
-try:
-    from torch.distributed.fsdp import FSDPModule as _FSDP2Module
-except ImportError:  # a torch without FSDP2
-    _FSDP2Module = None
 
 
 def owned_params(modules: list[nn.Module], ignored=frozenset()) -> list[tuple[str, nn.Parameter, list[ParamPlace]]]:
@@ -110,7 +106,7 @@ def device_problem(fqn: str, found: torch.device, device: torch.device) -> Optio
 
 def _is_fsdp2_module(m: nn.Module) -> bool:
     """Sharded by torch's fully_shard (ours are torch FSDPModules too, with a unit of their own)."""
-    return _FSDP2Module is not None and isinstance(m, _FSDP2Module) and not isinstance(m, FsdpModule)
+    return isinstance(m, _FSDP2Module) and not isinstance(m, FsdpModule)
 
 
 def move_buffers(modules: list[nn.Module], device: torch.device) -> None:

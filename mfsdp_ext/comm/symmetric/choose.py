@@ -82,5 +82,5 @@ def _measure(stages: SymmetricStages, g, transport) -> tuple[bool, bool]:
                   cuda_median_ms(lambda: stages.comm.reduce_scatter_into(s_reduced, s_packed))]
     t = torch.tensor(times, dtype=torch.float64, device=g.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g.shard_group)  # slowest rank: every rank decides alike
-    t = t.tolist()
-    return t[1] < AUTO_MARGIN * t[0], len(t) == 4 and t[3] < AUTO_MARGIN * t[2]
+    ms = t.tolist()
+    return ms[1] < AUTO_MARGIN * ms[0], len(ms) == 4 and ms[3] < AUTO_MARGIN * ms[2]

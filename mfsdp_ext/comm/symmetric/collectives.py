@@ -64,7 +64,7 @@ class SymmetricAllGather:
     def __init__(self, stages: SymmetricStages):
         self.stages = stages
 
-    def __call__(self, g: "ParamGroup") -> None:
+    def __call__(self, g: ParamGroup) -> None:
         stage, slot = self.stages.all_gather_buffers(g.layout.shard_numel, g.compute_dtype)
         g.write_shard(slot)
         self.stages.comm.all_gather_into(stage, slot)
@@ -79,7 +79,7 @@ class SymmetricReduceScatter:
     def __init__(self, stages: SymmetricStages):
         self.stages = stages
 
-    def __call__(self, g: "ParamGroup", scale: float) -> torch.Tensor:
+    def __call__(self, g: ParamGroup, scale: float) -> torch.Tensor:
         packed, reduced = self.stages.reduce_scatter_buffers(g.layout.rank_major_numel, g.reduce_dtype)
         g.grads.pack(packed, scale)
         self.stages.comm.reduce_scatter_into(reduced, packed)

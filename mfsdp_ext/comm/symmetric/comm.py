@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -121,7 +121,8 @@ def _group_reason(group, check_hosts: bool) -> Optional[str]:
     local = torchrun_local_world_size()
     single_node_world = local is not None and dist.get_world_size() <= local
     if local is not None and size > local:
-        return f"the group spans several nodes: {size} ranks > LOCAL_WORLD_SIZE {local} (symmetric kernels are single-node)"
+        return (f"the group spans several nodes: {size} ranks > LOCAL_WORLD_SIZE {local} (symmetric kernels are "
+                "single-node)")
     ndev = torch.cuda.device_count()
     if not single_node_world and not check_hosts and size > ndev:
         return (
@@ -135,7 +136,7 @@ def _group_reason(group, check_hosts: bool) -> Optional[str]:
     return None
 
 
-def is_available(group=None, *, check_hosts: bool = False, allow_nvls: bool = False) -> Tuple[bool, str]:
+def is_available(group=None, *, check_hosts: bool = False, allow_nvls: bool = False) -> tuple[bool, str]:
     """Whether the native symmetric path can be used, and why not.
 
     Returns ``(True, "ok: ...")`` or ``(False, reason)``. Cheap and local unless ``check_hosts=True``, which
@@ -359,7 +360,7 @@ class SymmetricComm:
             return
         n.close()
 
-    def __enter__(self) -> "SymmetricComm":
+    def __enter__(self) -> SymmetricComm:
         return self
 
     def __exit__(self, *exc) -> None:
