@@ -13,7 +13,12 @@ from .sharding.marks import no_shard
 
 
 def build_info() -> dict:
-    """What the native extension was built with (CPU kernels, CUDA kernels, NCCL symmetric memory)."""
+    """What the native extension was built with.
+
+    Returns:
+        a dict: ``native``, ``cpu``, ``cuda``, ``cuda_arch``, ``fp8_gemm``, ``nccl``, ``nccl_version``, ``build``
+        (ahead-of-time or just-in-time) and ``path``.
+    """
     from . import _native
 
     return _native.build_info()

@@ -44,25 +44,44 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
     Apply bottom-up (blocks first, then the root). Afterwards ``module.parameters()`` are fp32 DTensor shards
     split as torch.chunk splits them, exactly as FSDP2's (``Shard(0)``; ``Replicate()`` for ``no_shard``;
     ``(Replicate(), Shard(0))`` on a 2-D HSDP mesh), so any ``torch.optim`` optimizer, DCP and
-    ``torch.distributed.checkpoint.state_dict`` work. Returns the same module, which is now also a
-    ``torch.distributed.fsdp.FSDPModule`` (an ``mfsdp_ext.FsdpModule``). A list of modules (FSDP2's form, e.g.
-    torchtitan's ``[model.norm, model.output]``) is one unit over all of them, as FSDP2's: one gather and one
-    reduction, a weight tied between two of them held once; the list is returned.
+    ``torch.distributed.checkpoint.state_dict`` work. The module is now also a ``torch.distributed.fsdp.FSDPModule``
+    (an ``mfsdp_ext.FsdpModule``).
 
-    FSDP2's keywords take FSDP2's values: ``mp_policy`` may be torch's ``MixedPrecisionPolicy`` (mapped onto
-    ours field by field) or ``mfsdp_ext.MixedPrecisionPolicy``; ``offload_policy`` torch's ``OffloadPolicy()``
-    (no offload; ``CPUOffloadPolicy`` is refused); ``shard_placement_fn`` may answer None or ``Shard(d)``
-    per parameter (d > 0: an even split, as FSDP2's) or FSDP2's ``ShardPlacementResult`` (a mesh of its own);
-    ``ignored_params`` stay as they are (not sharded, not moved, gradients not reduced). ``dp_mesh_dims`` (FSDP2's
-    full-SPMD form): ``mesh`` holds every parallel dim, the parameters are DTensors on it, Replicate() on the dims
-    it names, and fully_shard shards and replicates over those (spmd_mesh.py). ``verbose=True`` on the root
-    (or ``MFSDP_EXT_SUMMARY=1``) prints one line per unit at the first forward (rank 0). ``check_finite_grads=True``
-    on the root: after each backward, raise NonFiniteGradError on every rank naming the first parameter whose
-    reduced gradient holds NaN or inf. ``native_collectives=True`` (NCCL only) issues the unit's collectives
-    through mfsdp_ext's own NCCL communicator instead of ProcessGroupNCCL: less host time per collective, but no
-    watchdog timeout (see ``mfsdp_ext.comm.native``). ``copy_engine_all_gather`` / ``copy_engine_reduce_scatter=True``
-    (GPUs of one host) move the unit's weights / bf16 gradients with the copy engines through peer-mapped memory
-    instead of NCCL's kernels, leaving every SM to the compute beside them (see ``mfsdp_ext.comm.copy_engine``).
+    Args:
+        module: the module, or FSDP2's list of modules (e.g. torchtitan's ``[model.norm, model.output]``): one
+            unit over all of them, one gather and one reduction, a weight tied between two of them held once.
+        mesh: a 1-D mesh (shard) or a 2-D HSDP mesh (replicate, shard); default: one dim over the world.
+        reshard_after_forward: FSDP2's: True (None) frees the gathered weights after forward, False keeps them.
+        shard_placement_fn: FSDP2's, per parameter: None or ``Shard(d)`` (d > 0: an even split) or a
+            ``ShardPlacementResult`` (a mesh of its own).
+        mp_policy: torch's ``MixedPrecisionPolicy`` (mapped field by field) or ``mfsdp_ext.MixedPrecisionPolicy``.
+        offload_policy: torch's ``OffloadPolicy()`` (no offload); ``CPUOffloadPolicy`` is refused.
+        ignored_params: left as they are (not sharded, not moved, gradients not reduced).
+        dp_mesh_dims: FSDP2's full-SPMD form: ``mesh`` holds every parallel dim, the parameters are DTensors on
+            it, Replicate() on the dims this names, and fully_shard shards and replicates over those.
+        sharding_strategy: ``"optim_grads_params"`` (ZeRO-3, default), ``"optim_grads"``, ``"optim"`` or
+            ``"no_shard"``.
+        use_symm_mem: NCCL symmetric memory for the collectives: True, "auto" (per size, where it times faster)
+            or False.
+        native_collectives: issue the collectives through mfsdp_ext's own NCCL communicator instead of
+            ProcessGroupNCCL: less host time per collective, but no watchdog timeout (``mfsdp_ext.comm.native``).
+        verbose: on the root (or ``MFSDP_EXT_SUMMARY=1``): one line per unit at the first forward (rank 0).
+        check_finite_grads: on the root: after each backward, raise ``NonFiniteGradError`` on every rank naming
+            the first parameter whose reduced gradient holds NaN or inf.
+        copy_engine_all_gather: move the weights with the copy engines through peer-mapped memory (GPUs of one
+            host) instead of NCCL's kernels, leaving every SM to the compute beside them.
+        copy_engine_reduce_scatter: the same for the bf16 gradients' exchange.
+
+    Returns:
+        ``module`` (the list, for the list form).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised, or an option this build, backend or machine cannot
+            give (the message names it).
+        ValueError: a module sharded twice, by FSDP2 already, nested in the list; a 0-d, integer or sparse
+            parameter; a parameter tied across units or on the wrong device; a mesh or placement fully_shard does
+            not take.
+        TypeError: arguments of the wrong kind (a module, a policy).
     """
     modules = _modules_of(module)
     mp_policy = as_mfsdp_policy(mp_policy)
@@ -146,7 +165,15 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     method that uses the module's own parameters outside ``forward``) run between the unit's forward hooks, so
     its weights are gathered for the call and gradients flow back as through ``forward``. A ``forward`` the
     method calls inside finds the unit gathered and leaves it so until the method returns; the units inside
-    gather and reshard as in any forward."""
+    gather and reshard as in any forward.
+
+    Args:
+        module: a ``fully_shard``ed module.
+        method_name: the name of one of its methods.
+
+    Raises:
+        ValueError: ``module`` is not sharded, or has no such method.
+    """
     if not isinstance(module, FsdpModule):
         raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} is not fully_shard'ed; call "
                          "mfsdp_ext.fully_shard(module) first")
@@ -182,11 +209,16 @@ def _roots(module: nn.Module) -> list[FsdpUnit]:
 
 @contextlib.contextmanager
 def microbatch(module: nn.Module, is_first: bool = True, is_last: bool = True) -> Iterator[None]:
-    """Mark the forward/backward inside as one microbatch of a gradient-accumulation step.
+    """Mark the forward/backward inside as one microbatch of a gradient-accumulation step. Previous flags are
+    restored on exit, also on exceptions.
 
-    is_first=False: skip the main->model weight sync (weights only change at the optimizer step).
-    is_last=False: strategies that defer a reduction (no_shard, optim, HSDP) accumulate locally.
-    Previous flags are restored on exit, also on exceptions.
+    Args:
+        module: a sharded root, or a module holding sharded roots.
+        is_first: False skips the main->model weight cast (weights only change at the optimizer step).
+        is_last: False lets strategies that defer a reduction (no_shard, optim, HSDP) accumulate locally.
+
+    Raises:
+        ValueError: no ``fully_shard`` module under ``module``.
     """
     contexts = []
     for unit in _roots(module):
@@ -211,9 +243,16 @@ def reset_parameters(module: nn.Module, init_fn: Optional[Callable[[nn.Module], 
     """Initialise sharded parameters so every rank's shard is a slice of one consistent full tensor.
 
     Walks ``module.modules()`` in order (the order a single process initialises them in its constructor) and
-    for each module with parameters of its own runs ``init_fn(m)`` (default: ``m.reset_parameters()``) on
-    full-size temporaries of just that module's parameters, then keeps this rank's rows. Every rank draws the
-    same random numbers, and no rank holds more than one module's full parameters at a time.
+    for each module with parameters of its own runs ``init_fn(m)`` on full-size temporaries of just that module's
+    parameters, then keeps this rank's rows. Every rank draws the same random numbers, and no rank holds more than
+    one module's full parameters at a time.
+
+    Args:
+        module: the sharded model (after ``to_empty(device=...)`` for a meta-built one).
+        init_fn: ``init_fn(m)`` initialises module ``m``'s own parameters; default ``m.reset_parameters()``.
+
+    Raises:
+        ValueError: a module with parameters has no ``reset_parameters()`` and no ``init_fn`` was given.
     """
     owners: dict[int, tuple[ParamGroup, int]] = {}
     for m in module.modules():

@@ -53,7 +53,11 @@ class Fsdp2Switch:
 def use_as_fsdp2() -> Fsdp2Switch:
     """Make FSDP2's ``fully_shard`` and ``register_fsdp_forward_method`` resolve to mfsdp_ext's: in torch's public
     namespaces and in every module already imported that holds torch's functions (except torch's own internals,
-    which keep FSDP2). Returns an ``Fsdp2Switch`` whose ``undo()`` restores them."""
+    which keep FSDP2).
+
+    Returns:
+        an ``Fsdp2Switch`` whose ``undo()`` restores them (also usable as a context manager).
+    """
     import torch.distributed._composable.fsdp  # noqa: F401  (both namespaces exist before they are switched)
     from torch.distributed.fsdp._fully_shard import _fully_shard as torch_impl  # FSDP2's own, never switched
 

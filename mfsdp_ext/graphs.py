@@ -39,7 +39,19 @@ from .runtime.context import FsdpContext
 
 def graphed(train_step: Callable, *, warmup: int = 2) -> GraphedStep:
     """``train_step`` as a callable whose calls after the first ``warmup`` replay one CUDA graph of the whole step
-    (see the module docstring). ``warmup`` >= 1: the first call of a fully_shard model initialises it eagerly."""
+    (see the module docstring).
+
+    Args:
+        train_step: the step: forward, backward and optimizer step, taking tensors (static shapes) and returning
+            tensors.
+        warmup: eager calls before the capture, at least 1 (the first call of a fully_shard model initialises it).
+
+    Returns:
+        a ``GraphedStep``, called like ``train_step``.
+
+    Raises:
+        ValueError: ``warmup`` < 1.
+    """
     if warmup < 1:
         raise ValueError(f"mfsdp_ext.graphed: warmup must be at least 1 (the first step initialises the model "
                          f"eagerly), got {warmup}")

@@ -306,9 +306,17 @@ def to_fp8_linear(module: nn.Module, filter_fn: Optional[Callable[[str, nn.Modul
                   config: Optional[Fp8LinearConfig] = None) -> nn.Module:
     """Make the chosen ``nn.Linear`` layers of ``module`` (itself included) compute in FP8, in place: each one's
     class becomes an FP8 subclass of its own class, so parameters, state dict, hooks and ``reset_parameters``
-    stay as they are. ``filter_fn(fqn, linear) -> bool`` chooses (default: in and out features multiples of 16;
-    the output head usually stays out: pass a filter). Layers with their own ``forward`` (not nn.Linear's) are
-    never converted. Returns ``module``."""
+    stay as they are. Layers with their own ``forward`` (not nn.Linear's) are never converted.
+
+    Args:
+        module: the model (or one layer).
+        filter_fn: ``filter_fn(fqn, linear) -> bool`` chooses the layers; default: in and out features multiples of
+            16 (the output head usually stays out: pass a filter).
+        config: the layers' ``Fp8LinearConfig`` (default: ``Fp8LinearConfig()``).
+
+    Returns:
+        ``module``.
+    """
     cfg = config or Fp8LinearConfig()
     chosen = filter_fn or default_fp8_filter
     for fqn, m in module.named_modules():

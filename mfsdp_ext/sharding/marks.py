@@ -19,7 +19,19 @@ T = TypeVar("T", nn.Module, nn.Parameter)
 
 
 def no_shard(obj: T) -> T:
-    """Mark ``obj`` (a module: all its parameters; or one parameter) to stay replicated. Call it before fully_shard."""
+    """Mark ``obj`` to stay replicated (no all-gather, gradients all-reduced once per step). Call it before
+    fully_shard.
+
+    Args:
+        obj: a module (all its parameters) or one parameter.
+
+    Returns:
+        ``obj``.
+
+    Raises:
+        TypeError: not a module or a parameter.
+        ValueError: the parameters are already sharded.
+    """
     if isinstance(obj, nn.Parameter):
         params = [obj]
     elif isinstance(obj, nn.Module):
