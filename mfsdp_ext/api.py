@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Optional, Union
 
@@ -20,6 +21,7 @@ from .core.states import Strategy
 from .interop import checkpoint, dtensor_norms
 from .params import rows
 from .params.group import ParamGroup
+from .runtime.fsdp2_state import state as fsdp2_state
 from .runtime.module import FsdpModule
 from .runtime.unit import FsdpUnit, UnitConfig, resolve_reshard_after_forward
 from .runtime.unit_io import eager_hook
@@ -113,6 +115,9 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
     return module
 
 
+fully_shard.state = fsdp2_state  # type: ignore[attr-defined]  # FSDP2's fully_shard.state(module)
+
+
 def _modules_of(module) -> list[nn.Module]:
     """The modules of one fully_shard call: ``module``, or FSDP2's list of modules that do not contain each other."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
@@ -156,8 +161,10 @@ def _become_fsdp_module(module: nn.Module, unit: FsdpUnit) -> None:
     module.register_forward_pre_hook(eager_hook(unit.pre_forward), prepend=True, with_kwargs=True)
     module.register_forward_hook(eager_hook(unit.post_forward), prepend=False)
     for m in module.modules():  # inner units now belong to this subtree's context (built at the first forward)
-        if isinstance(m, FsdpModule):
-            m._mfsdp_unit.context = None
+        inner = m._mfsdp_unit if isinstance(m, FsdpModule) else None
+        if inner is not None and inner is not unit:
+            inner.context = None
+            inner.parent = weakref.ref(unit)  # bottom-up: the last to set it is the outermost unit
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

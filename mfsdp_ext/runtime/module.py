@@ -19,6 +19,7 @@ from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
 from . import root
 from .comm_controls import CommControls
+from .fsdp2_state import Fsdp2StateView
 from .unit import FsdpUnit, resolve_reshard_after_forward
 
 
@@ -35,27 +36,6 @@ class UnshardHandle(_TorchUnshardHandle):
         self._unit = None
 
 
-class _Fsdp2StateView:
-    """What torch's own code reads of an FSDP2 unit's state (``FSDPModule._get_fsdp_state()``), for ours: the
-    forward hooks that torch's ``register_fsdp_forward_method`` wraps a method with. Anything else of FSDP2's
-    internal state does not exist here, and asking for it says so."""
-
-    def __init__(self, unit: FsdpUnit):
-        self._unit = unit
-
-    def _pre_forward(self, module, args, kwargs):
-        return self._unit.enter_forward_method(module, args, kwargs)
-
-    def _post_forward(self, module, args, output):
-        return self._unit.exit_forward_method(module, args, output)
-
-    def __getattr__(self, name: str):
-        raise AttributeError(
-            f"mfsdp_ext: '{self._unit.name}' is sharded by mfsdp_ext.fully_shard, which has no FSDP2 state "
-            f"(asked for '{name}'); code that reaches into FSDP2's internals (fully_shard.state(module), "
-            "_get_fsdp_state()) needs torch.distributed.fsdp.fully_shard")
-
-
 class FsdpModule(CommControls, _TorchFSDPModule):
     """Mixin that ``fully_shard`` adds to a module's class (``FSDP<Cls>(FsdpModule, Cls)``): FSDP2's per-module
     controls, over this module's unit."""
@@ -70,7 +50,7 @@ class FsdpModule(CommControls, _TorchFSDPModule):
         """Gather this unit's weights (FSDP2's call). ``async_op=True`` returns a handle whose ``wait()`` makes the
         current stream wait for the gather; a forward waits by itself."""
         unit = self._mfsdp_unit
-        unit.lazy_init()
+        root.lazy_init_tree(unit)
         unit.unshard()
         if not async_op:
             unit.wait_unshard()
@@ -79,7 +59,7 @@ class FsdpModule(CommControls, _TorchFSDPModule):
 
     def reshard(self) -> None:
         unit = self._mfsdp_unit
-        unit.lazy_init()
+        root.lazy_init_tree(unit)
         unit.reshard()
 
     def reset_iter_state(self) -> None:
@@ -169,8 +149,8 @@ class FsdpModule(CommControls, _TorchFSDPModule):
         step, as for FSDP2."""
         self._mfsdp_unit.controls.post_optim_event = event
 
-    def _get_fsdp_state(self) -> _Fsdp2StateView:  # type: ignore[override]
-        return _Fsdp2StateView(self._mfsdp_unit)
+    def _get_fsdp_state(self) -> Fsdp2StateView:  # type: ignore[override]
+        return Fsdp2StateView(self._mfsdp_unit)
 
     def _units(self, recurse: bool) -> list[FsdpUnit]:
         units = [m._mfsdp_unit for m in (self.modules() if recurse else [self]) if isinstance(m, FsdpModule)]

@@ -51,6 +51,18 @@ def lazy_init(unit) -> FsdpContext:
     return ctx
 
 
+def lazy_init_tree(unit) -> FsdpContext:
+    """The context of ``unit``'s tree, initialised from its outermost unit when the first call comes before any
+    forward (FSDP2's ``unshard()`` / ``reshard()`` may come first, on any unit: pipelining unshards every unit of a
+    stage before its first forward): the unit joins its root's context instead of starting one of its own."""
+    if unit.context is None:
+        top = unit
+        while top.parent is not None and top.parent() is not None:
+            top = top.parent()
+        lazy_init(top)
+    return unit.context
+
+
 def final_callback(root) -> None:
     """After the whole backward: finish every unit's reduction, wait for the streams, bring units to rest."""
     ctx = root.context

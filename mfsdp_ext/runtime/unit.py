@@ -107,6 +107,7 @@ class FsdpUnit:
         # mfsdp_ext.graphed: the step whose whole-step graph keeps this unit (a first unit of the forward) gathered
         # across replays (its optimizer step gathers it for the next replay): [Note: held units] in root.py
         self.held_by: Optional[weakref.ref] = None
+        self.parent: Optional[weakref.ref] = None  # the unit of the closest enclosing fully_shard (api.py sets it)
         self._warned_no_grad_output = False
         for g in groups:
             g.unit = weakref.ref(self)
@@ -195,11 +196,14 @@ class FsdpUnit:
         return [g.weights_version() + (self.context.iteration.weights_epoch,) for g in self.groups]
 
     def show_sharded_params(self) -> None:
-        """The user sees the sharded parameters; the gathered storage is kept only where the strategy keeps it,
-        set_reshard_after_backward(False) asked for it, or the next microbatch's forward needs it first (then
-        that forward needs no all-gather)."""
-        if (self.config.strategy.keeps_weights_gathered or not self.controls.reshard_after_backward
-                or self.context.needed_first_in_next_microbatch(self)):
+        """After backward (or an evaluation forward): FSDP2's set_reshard_after_backward(False) keeps the gathered
+        parameters the module's, as FSDP2 does (pipelining's split backward computes the weight gradients later,
+        from the parameters the module holds then). Otherwise the user sees the sharded parameters, and the gathered
+        storage is kept only where the strategy keeps it or the next microbatch's forward needs it first (then that
+        forward needs no all-gather)."""
+        if not self.controls.reshard_after_backward:
+            return
+        if self.config.strategy.keeps_weights_gathered or self.context.needed_first_in_next_microbatch(self):
             for g in self.groups:
                 g.use_sharded_params()
         elif self.sharded_state is ShardedState.UNSHARDED:

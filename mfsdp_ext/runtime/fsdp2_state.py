@@ -1,0 +1,98 @@
+"""What torch's own code reads of FSDP2's private state, answered for mfsdp_ext's units.
+
+Two places in torch reach into an FSDP2 unit's state, and both work on ours through this view:
+
+  * ``register_fsdp_forward_method`` wraps a method with ``state._pre_forward`` / ``state._post_forward``;
+  * ``torch.distributed.pipelining`` (stage.py, ``perform_reduce_grad``), after the last microbatch of a step::
+
+        state = fully_shard.state(stage_module)
+        for s in state._state_ctx.all_states:
+            for group in s._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+
+    with ``set_requires_gradient_sync(False)`` during the microbatches, so this is where the step's gradients are
+    reduced. A unit's ``post_backward`` reduces all its groups at once (FSDP2 calls it once per group; the first
+    call does the unit's work and the others find it done).
+
+Anything else of FSDP2's private state does not exist here, and asking for it says so by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import root
+
+
+class _StateContext:
+    """FSDP2's ``_state_ctx``: the states of every unit under a root."""
+
+    def __init__(self, unit: Any):
+        ctx = unit.lazy_init()
+        self.all_states = [Fsdp2StateView(u) for u in ctx.units]
+
+
+class _UnitReduction:
+    """One entry of FSDP2's ``_fsdp_param_groups``: ``post_backward()`` reduces the unit's accumulated gradients."""
+
+    def __init__(self, unit: Any):
+        self._unit = unit
+
+    def post_backward(self) -> None:
+        self._unit.post_backward()
+
+
+class Fsdp2StateView:
+    """FSDP2's ``FSDPState`` surface that torch's own code uses (the module docstring), over one unit."""
+
+    def __init__(self, unit: Any):
+        self._unit = unit
+
+    def _pre_forward(self, module, args, kwargs):
+        return self._unit.enter_forward_method(module, args, kwargs)
+
+    def _post_forward(self, module, args, output):
+        return self._unit.exit_forward_method(module, args, output)
+
+    @property
+    def _state_ctx(self) -> _StateContext:
+        return _StateContext(self._unit)
+
+    @property
+    def _fsdp_param_groups(self) -> list[_UnitReduction]:
+        return [_UnitReduction(self._unit)] if self._unit.groups else []
+
+    def _root_post_backward_final_callback(self) -> None:
+        """The end of a step's backward driven from outside autograd (pipelining's REDUCE_GRAD): wait for the
+        reductions, bring every unit to rest."""
+        unit = self._unit
+        unit.lazy_init()
+        if not unit.is_root:
+            raise RuntimeError(f"mfsdp_ext: _root_post_backward_final_callback() on the inner unit '{unit.name}'; "
+                               "call it on the root's state")
+        root.final_callback(unit)
+
+    def __getattr__(self, name: str):
+        raise AttributeError(
+            f"mfsdp_ext: '{self._unit.name}' is sharded by mfsdp_ext.fully_shard, which has no FSDP2 state "
+            f"'{name}'; mfsdp_ext answers what torch's own code reads (pipelining, register_fsdp_forward_method): "
+            "see mfsdp_ext/runtime/fsdp2_state.py")
+
+
+def state(module) -> Fsdp2StateView:
+    """FSDP2's ``fully_shard.state(module)``, for a module sharded by ``mfsdp_ext.fully_shard``.
+
+    Args:
+        module: a ``fully_shard``ed module.
+
+    Returns:
+        the view of its unit's state that torch's own code reads.
+
+    Raises:
+        ValueError: the module is not sharded by mfsdp_ext.
+    """
+    unit = getattr(module, "_mfsdp_unit", None)
+    if unit is None:
+        raise ValueError(f"fully_shard.state: {type(module).__name__} is not sharded by mfsdp_ext.fully_shard")
+    return Fsdp2StateView(unit)
