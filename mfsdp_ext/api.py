@@ -95,7 +95,8 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
     mesh, strategy, spmd_of = placement_fn.full_mesh(mesh, dp_mesh_dims, Strategy(sharding_strategy))
     dtensor_norms.install()  # clip_grad_norm_(norm_type=inf) on ranks with empty shards
     mesh, device, shard_group, replicate_group = unit_mesh.resolve_mesh(mesh, strategy)
-    params = unit_params.owned_params(modules, ignored_params or ())
+    tied_elsewhere: list[str] = []
+    params = unit_params.owned_params(modules, ignored_params or (), tied_elsewhere)
     placed = placement_fn.shard_placements(shard_placement_fn, params, mesh, spmd_of)
     unit_params.check_tensor_parallel(params, mesh, placed, spmd_of)
     if params and all(is_marked(p) for _, p, _ in params):
@@ -109,6 +110,7 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
     groups = unit_groups.make_groups(modules, params, mesh, device, mp_policy, strategy, placed, spmd_of)
     config = UnitConfig(strategy, mp_policy, device, comm, verbose=verbose, check_finite_grads=check_finite_grads)
     unit = FsdpUnit(modules, groups, config=config, reshard_after_forward=reshard_after_forward)
+    unit.refusal = tied_elsewhere[0] if tied_elsewhere else None  # raised at the first forward, as FSDP2
     for m in modules:
         _become_fsdp_module(m, unit)
     checkpoint.register_state_dict_hooks(modules, groups)

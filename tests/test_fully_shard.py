@@ -454,7 +454,9 @@ def _case_ignored_params():
             "placement": _expect(ValueError, "Shard(dim)",
                                  lambda: fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Replicate())),
             "uneven": _expect(ValueError, "even split",
-                              lambda: fully_shard(nn.Linear(3, 3), shard_placement_fn=lambda p: Shard(1)))}
+                              lambda: fully_shard(nn.Linear(3, 3), shard_placement_fn=lambda p: Shard(1))),
+            "dim_out_of_range": _expect(AssertionError, "Shard dim 1 is invalid for 1D tensor",
+                                        lambda: fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1)))}
     # FSDP2's default placement asked for explicitly is what mfsdp_ext does
     fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(0) if p.dim() == 2 else None)
     return msgs
@@ -505,7 +507,7 @@ def _case_errors():
             super().__init__()
             self.s = nn.Parameter(torch.tensor(1.0))
 
-    msgs["scalar"] = _expect(ValueError, "0-d", lambda: fully_shard(Scalar()))
+    msgs["scalar"] = _expect(ValueError, "to a 1D tensor with numel equal to 1", lambda: fully_shard(Scalar()))
 
     class IntParam(nn.Module):
         def __init__(self):
@@ -515,11 +517,13 @@ def _case_errors():
     msgs["int"] = _expect(ValueError, "non-floating", lambda: fully_shard(IntParam()))
     world = dist.get_world_size()
     mesh3 = init_device_mesh(rank_device().type, (1, 1, world))
-    msgs["mesh"] = _expect(ValueError, "1-D mesh", lambda: fully_shard(nn.Linear(4, 4), mesh=mesh3))
+    msgs["mesh"] = _expect(ValueError, "expects a 1D or 2D DeviceMesh", lambda: fully_shard(nn.Linear(4, 4), mesh=mesh3))
     rank_dependent = nn.Linear(4, 4 + dist.get_rank())
     fully_shard(rank_dependent)  # no collective here: found at the first forward (tests/test_same_model.py)
     msgs["mismatch"] = _expect(RuntimeError, "different models", lambda: rank_dependent(torch.randn(2, 4)))
-    msgs["half"] = _expect(RuntimeError, "cannot be moved", lambda: m.half())
+    other = "meta" if rank_device().type == "cpu" else "cpu"
+    msgs["move"] = _expect(RuntimeError, "cannot be moved to another device", lambda: m.to(other))
+    assert all(p.dtype == torch.float16 and p.to_local().dtype == torch.float16 for p in m.half().parameters())
     with torch.device("meta"):
         meta = nn.Linear(4, 4)
     fully_shard(meta)
@@ -530,12 +534,15 @@ def _case_errors():
             super().__init__()
             self.w = w
 
-    shared = nn.Parameter(torch.randn(4, 4))
-    outer = nn.Module()
-    outer.a, outer.b = Inner(shared), Inner(shared)
-    fully_shard(outer.a)
-    msgs["tied_across_units"] = _expect(ValueError, "tied parameters must belong to one unit",
-                                        lambda: fully_shard(outer))
+        def forward(self, x):
+            return x @ self.w
+
+    shared = nn.Parameter(torch.randn(4, 4, device=rank_device()))
+    outer = nn.Sequential(Inner(shared), Inner(shared))
+    fully_shard(outer[0])
+    fully_shard(outer)  # as FSDP2: accepted here, refused at the first forward
+    msgs["tied_across_units"] = _expect(ValueError, "already managed by another FSDP group",
+                                        lambda: outer(torch.randn(2, 4, device=rank_device())))
     if dist.get_backend() == "gloo":  # no NCCL here: True is an error, "auto" warns once and falls back
         msgs["symm_true"] = _expect(RuntimeError, "symmetric memory is unavailable",
                                     lambda: fully_shard(nn.Linear(4, 4), use_symm_mem=True))

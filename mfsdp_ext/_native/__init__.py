@@ -130,6 +130,8 @@ from collections.abc import Sequence
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import float64
+
 _PACKAGE = __package__.rpartition(".")[0]  # mfsdp_ext: the extension is mfsdp_ext._C
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 
@@ -233,19 +235,27 @@ def _check_cuda_segments(segments: torch.Tensor, total: int) -> None:
 # kernels
 # ----------------------------------------------------------------------------------------------
 def pack(tensors: Sequence[torch.Tensor], offsets: Sequence[int], out: torch.Tensor, scale: float = 1.0) -> None:
+    if float64.involves(out, tensors):
+        return float64.pack(tensors, offsets, out, scale)
     _C.pack(tensors, offsets, out, float(scale))
 
 
 def pack_pieces(tensors: Sequence[torch.Tensor | None], pieces: torch.Tensor, out: torch.Tensor,
                 scale: float = 1.0) -> None:
+    if float64.involves(out, tensors):
+        return float64.pack_pieces(tensors, pieces, out, scale)
     _C.pack_pieces(tensors, pieces, out, float(scale))
 
 
 def unpack(flat: torch.Tensor, offsets: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
+    if float64.involves(flat, outs):
+        return float64.unpack(flat, offsets, outs)
     _C.unpack(flat, offsets, outs)
 
 
 def cast(src: torch.Tensor, dst: torch.Tensor) -> None:
+    if float64.involves(src, dst):
+        return float64.cast(src, dst)
     _C.cast(src, dst)
 
 
@@ -323,6 +333,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def grad_accumulate(main_grad: torch.Tensor, reduced: torch.Tensor, scale: float, accumulate: bool) -> None:
+    if float64.involves(main_grad, reduced):
+        return float64.grad_accumulate(main_grad, reduced, scale, accumulate)
     _C.grad_accumulate(main_grad, reduced, float(scale), bool(accumulate))
 
 

@@ -134,6 +134,12 @@ class MixedPrecisionPolicy:
             return self.compute_dtype(main_dtype)
         return self.reduction_dtype(main_dtype)
 
+    def group_dtypes(self, main_dtype: torch.dtype, narrow_wins: bool = False) -> GroupDtypes:
+        """The dtypes of a group of ``main_dtype`` parameters (``narrow_wins``: see reduction_comm_dtype)."""
+        return GroupDtypes(compute=self.compute_dtype(main_dtype), reduce=self.reduction_dtype(main_dtype),
+                           reduce_comm=self.reduction_comm_dtype(main_dtype, narrow_wins),
+                           main_grad=self.main_grad_dtype if main_dtype == torch.float32 else main_dtype)
+
     def sends_narrow_by_default(self, main_dtype: torch.dtype) -> bool:
         """Whether the default (reduce_comm_dtype=None) sends this group's gradients in their own, narrower dtype
         on a shard group where that wins: bf16 / fp16 gradients summed in float32."""

@@ -64,7 +64,7 @@ def _take_assigned(groups: list[ParamGroup]) -> None:
                     if new is not None and new is not g.infos[i].sharded and new is not g.infos[i].unsharded]
         if not assigned:
             continue
-        g.materialize(g.device)  # no-op unless on meta (it makes new parameters: taken below)
+        g.rebuild(g.device)  # no-op unless on meta (it makes new parameters: taken below)
         for i, _, new in assigned:
             info = g.infos[i]
             value = new.to_local() if isinstance(new, DTensor) else rows.local_of_full(g, i, new)

@@ -204,19 +204,32 @@ class ParamGroup:
     def _bind_plan(self) -> None:
         self.plan.bind(self.gather_source(), self.unsharded)
 
-    def materialize(self, device: torch.device) -> None:
-        """Give a meta-device group real (uninitialised) storage on ``device``; values come from init."""
-        if not self.main_weight.data.is_meta:
+    def rebuild(self, device: torch.device, dtype: Optional[torch.dtype] = None,
+                dtypes: Optional[GroupDtypes] = None) -> None:
+        """New flat buffers and parameters: real (uninitialised) storage on ``device`` for a group still on meta
+        (``to_empty``: values come from init), or the main weights cast to ``dtype`` with the group's dtypes now
+        ``dtypes`` (``module.to(dtype)`` after fully_shard, as FSDP2 casts its sharded parameters). Gradients and
+        casts of the old buffers are dropped; an optimizer holding the old parameters is refused at its step."""
+        on_meta = self.main_weight.data.is_meta
+        if not on_meta and dtype is None:
             return
-        self.device = device
+        old = self.main_weight
+        self.device, self.dtype = device, dtype or self.dtype
         self.main_weight = FlatBuffer(self.layout, self.dtype, device, rank=self.rank)
-        self.main_weight.data.zero_()
+        self.main_weight.data.zero_() if on_meta else self.main_weight.data.copy_(old.data)
+        if dtypes is not None:
+            self.compute_dtype, self.reduce_dtype = dtypes.compute, dtypes.reduce
+            self.reduce_comm_dtype, self.main_grad_dtype = dtypes.reduce_comm or dtypes.reduce, dtypes.main_grad
+            self.cast = CastState(in_slot=self.compute_dtype != self.dtype, keep=False, keep_when_regathered=False)
+            self.grads.replica_summed = False  # the new parameters have no .grad: the next reduction starts afresh
         self.model_weight = self._make_model_weight(device)
         self.versions.forget_gathers()
         self.unsharded = self._make_unsharded(device)
         self.cast.synced_version = None
-        for info in self.infos:  # the meta parameters are replaced: an optimizer holding them is caught at its step
-            replaced.note_replaced(info.sharded, f"'{info.fqn}'", "on the meta device, before to_empty()")
+        when = "on the meta device, before to_empty()" if on_meta else f"in {old.dtype}, before .to({self.dtype})"
+        for info in self.infos:  # the parameters are replaced: an optimizer holding them is caught at its step
+            replaced.note_replaced(info.sharded, f"'{info.fqn}'", when)
+            info.specs.clear()
         self._make_params()
         self.free_unsharded()
 

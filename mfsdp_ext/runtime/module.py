@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
+from ..core.states import ShardedState
 from . import root
 from .comm_controls import CommControls
 from .fsdp2_state import Fsdp2StateView
@@ -170,18 +171,22 @@ class FsdpModule(CommControls, _TorchFSDPModule):
         super().compile(*args, **kwargs)  # type: ignore[misc]  # the module's own class has it
 
     def _apply(self, fn, recurse=True):
-        """Keep the flat-buffer parameters out of nn.Module._apply; materialize meta groups on to_empty()."""
+        """Keep the flat-buffer parameters out of nn.Module._apply: materialize meta groups on to_empty(), cast them on
+        .to(dtype) / .half() / .double() (as FSDP2 casts its sharded parameters); a move to another device is
+        refused."""
         unit = self._mfsdp_unit
         probe = torch.zeros(1)
         moved = fn(probe)
         for g in unit.groups:
-            same_device = moved.device.type == g.device.type and moved.device.index in (None, g.device.index)
-            if not same_device or moved.dtype != probe.dtype:
+            if moved.device.type != g.device.type or moved.device.index not in (None, g.device.index):
                 raise RuntimeError(
-                    "mfsdp_ext: a sharded module cannot be moved to another device or cast with .to()/.cuda()/"
-                    f".half() (unit '{unit.name}' lives on {g.device}); build it on the target device, or on meta "
-                    "and call to_empty(device=...), before fully_shard, and choose dtypes with MixedPrecisionPolicy.")
-            g.materialize(g.device)  # no-op unless the group is still on meta
+                    "mfsdp_ext: a sharded module cannot be moved to another device with .to()/.cuda() (unit "
+                    f"'{unit.name}' lives on {g.device}); build it on the target device, or on meta and call "
+                    "to_empty(device=...), before fully_shard")
+        if moved.dtype != probe.dtype:
+            _cast_groups(unit, moved.dtype)
+        for g in unit.groups:
+            g.rebuild(g.device)  # no-op unless the group is still on meta
         owned = [(place.module, place.name) for g in unit.groups for info in g.infos for place in info.places]
         for m, n in owned:
             m._parameters[n] = None  # nn.Module._apply skips None entries; the order of _parameters is kept
@@ -192,6 +197,22 @@ class FsdpModule(CommControls, _TorchFSDPModule):
             for g in unit.groups:
                 g.use_sharded_params()
         return self
+
+
+def _cast_groups(unit: FsdpUnit, dtype: torch.dtype) -> None:
+    """``module.to(dtype)`` after fully_shard: each floating group's main weights in ``dtype``, its dtypes derived
+    from the unit's MixedPrecisionPolicy for that dtype (a float64 model computes in float64 unless the policy says
+    otherwise), as FSDP2 casts its sharded parameters."""
+    fp8 = [g for g in unit.groups if g.fp8]
+    if fp8:
+        raise RuntimeError(f"mfsdp_ext: unit '{unit.name}' holds FP8 weights, which are cast from float32 main "
+                           f"weights: it cannot be cast to {dtype}; choose dtypes with MixedPrecisionPolicy")
+    if unit.sharded_state is ShardedState.UNSHARDED:
+        unit.reshard()
+    for g in unit.groups:
+        narrow = g.reduce_comm_dtype != g.reduce_dtype  # the wire fully_shard chose for this shard group
+        g.rebuild(g.device, dtype, unit.config.mp_policy.group_dtypes(dtype, narrow))
+    unit.gathered_versions = [None] * len(unit.groups)
 
 
 def _units_of(modules: list, what: str) -> list[FsdpUnit]:

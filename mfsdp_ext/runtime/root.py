@@ -27,10 +27,22 @@ def lazy_init(unit) -> FsdpContext:
                                    "host checks (lazy initialisation) and cannot be captured: run one training "
                                    "step eagerly before capturing")
     if len(unit.modules) > 1:
-        raise RuntimeError(f"mfsdp_ext: the unit over several modules ({unit.name}) ran before a unit that "
-                           "contains them: apply fully_shard to the module that contains them too (the root)")
-    units = list({id(m._mfsdp_unit): m._mfsdp_unit for m in unit.module.modules()
-                  if hasattr(m, "_mfsdp_unit")}.values())
+        raise RuntimeError(f"FSDP requires a single root module but got {unit.name}: the unit over several modules "
+                           "ran before a unit that contains them; apply fully_shard to the module that contains them "
+                           "too (the root)")
+    units, seen = [], set()
+    for name, m in unit.module.named_modules():
+        u = getattr(m, "_mfsdp_unit", None)
+        if u is None or id(u) in seen:
+            continue
+        if u is not unit and u.context is not None:  # FSDP2's refusal: an inner unit already ran as a root
+            raise RuntimeError(f"FSDP state has already been lazily initialized for {name}\nFSDP requires running "
+                               "forward through the root module first")
+        seen.add(id(u))
+        units.append(u)
+    refused = [u.refusal for u in units if u.refusal is not None]
+    if refused:  # before any collective: every rank raises alike
+        raise ValueError(refused[0])
     mesh = next((g.mesh for u in units for g in u.groups), None)
     if mesh is not None:  # first: every rank reaches it, before any other collective of the units
         same_model.check(unit.module, units, mesh, unit.config.device)

@@ -108,6 +108,7 @@ class FsdpUnit:
         # across replays (its optimizer step gathers it for the next replay): [Note: held units] in root.py
         self.held_by: Optional[weakref.ref] = None
         self.parent: Optional[weakref.ref] = None  # the unit of the closest enclosing fully_shard (api.py sets it)
+        self.refusal: Optional[str] = None  # what the first forward raises (a weight tied across two units)
         self._warned_no_grad_output = False
         for g in groups:
             g.unit = weakref.ref(self)

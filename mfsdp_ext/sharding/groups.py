@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import dist_ops
 from ..core import placements, registry
-from ..core.mixed_precision import GroupDtypes, MixedPrecisionPolicy
+from ..core.mixed_precision import MixedPrecisionPolicy
 from ..core.states import Strategy
 from ..params import replaced
 from ..params.fp8_group import Fp8ParamGroup
@@ -71,9 +71,7 @@ def _groups_on_mesh(modules, params, mesh: DeviceMesh, device: torch.device, mp_
                    and _narrow_wire_wins(shard_group, device))
     for (dtype, _, marked, is_fp8, is_late), members in kinds.items():
         replicated = marked and shard_group is not None
-        dtypes = GroupDtypes(compute=mp_policy.compute_dtype(dtype), reduce=mp_policy.reduction_dtype(dtype),
-                             reduce_comm=mp_policy.reduction_comm_dtype(dtype, narrow_wins and not replicated),
-                             main_grad=mp_policy.main_grad_dtype if dtype == torch.float32 else dtype)
+        dtypes = mp_policy.group_dtypes(dtype, narrow_wins and not replicated)
         group_mesh = (GroupMesh(mesh, None, whole_mesh_group(mesh)) if replicated else
                       GroupMesh(mesh, shard_group, replicate_group))
         kwargs = dict(mesh=group_mesh, dtypes=dtypes, device=device, dims=dims, spmd=spmd, reduce_when_ready=is_late)

@@ -19,7 +19,11 @@ def resolve_mesh(mesh: Optional[DeviceMesh], strategy: Strategy
     or no_shard's replicate-only group."""
     mesh = mesh if mesh is not None else _default_mesh()
     if mesh.ndim not in (1, 2):
-        raise ValueError(f"fully_shard supports a 1-D mesh (shard) or a 2-D mesh (replicate, shard); got {mesh.ndim}-D")
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: a 1-D mesh (shard) or a 2-D "
+                         "mesh (replicate, shard)")
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:  # FSDP2's refusal (an AssertionError there too)
+        raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified, e.g. "
+                             "init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))")
     if mesh.ndim == 2 and strategy is Strategy.NO_SHARD:
         raise ValueError("no_shard takes a 1-D mesh (the data-parallel group)")
     if mesh.ndim == 2:

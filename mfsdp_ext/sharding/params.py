@@ -16,10 +16,13 @@ from ..params.group import ParamPlace
 from ..runtime.module import FsdpModule
 
 
-def owned_params(modules: list[nn.Module], ignored=frozenset()) -> list[tuple[str, nn.Parameter, list[ParamPlace]]]:
+def owned_params(modules: list[nn.Module], ignored=frozenset(), tied_elsewhere: Optional[list[str]] = None
+                 ) -> list[tuple[str, nn.Parameter, list[ParamPlace]]]:
     """Unique parameters of the subtrees of ``modules`` (one module, or FSDP2's list) not owned by an inner unit,
     with every place they appear (a weight tied between two of the modules has a place in each); the ``ignored``
-    ones (FSDP2's ignored_params) are left as they are, unchecked."""
+    ones (FSDP2's ignored_params) are left as they are, unchecked. A parameter another unit already took (a weight
+    tied across two fully_shard calls) is left out and described in ``tied_elsewhere``: as FSDP2, the unit refuses
+    at the first forward (lazy init), not here."""
     ignored_ids = {id(p) for p in ignored}
     found: dict[int, tuple[str, nn.Parameter, list[ParamPlace]]] = {}
     for holder in modules:
@@ -34,6 +37,14 @@ def owned_params(modules: list[nn.Module], ignored=frozenset()) -> list[tuple[st
                 if p is None or id(p) in ignored_ids:
                     continue
                 fqn = f"{prefix}{name}"
+                owner = registry.UNIT_OF_PARAM.get(p)
+                if owner is not None:
+                    if tied_elsewhere is not None:
+                        tied_elsewhere.append(
+                            f"Parameter '{fqn}' is shared with a parameter already managed by another FSDP group "
+                            f"({owner}). For shared/tied parameters, use fully_shard([module_a, module_b]) to "
+                            "place them in the same FSDP group (one unit over both modules)")
+                    continue
                 _check_param(fqn, p, m)
                 place = ParamPlace(m, name, fqn, holder)
                 if id(p) in found:
@@ -47,15 +58,13 @@ def owned_params(modules: list[nn.Module], ignored=frozenset()) -> list[tuple[st
 
 
 def _check_param(fqn: str, p: nn.Parameter, holder: nn.Module) -> None:
-    owner = registry.UNIT_OF_PARAM.get(p)
-    if owner is not None:
-        raise ValueError(
-            f"fully_shard: parameter '{fqn}' is shared with a module of an inner fully_shard unit "
-            f"({owner}); tied parameters must belong to one unit: shard the module that "
-            "contains every use of it, not the inner one")
+    """FSDP2's refusals, with its exception types and messages (PyTorch's own FSDP2 tests check them)."""
     if p.dim() == 0:
-        raise ValueError(f"fully_shard: parameter '{fqn}' is a 0-d scalar; rows cannot be sharded. "
-                         "Store it with shape (1,) instead")
+        raise ValueError(f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor with numel "
+                         "equal to 1.")
+    if not p.is_contiguous():
+        raise NotImplementedError(f"FSDP does not support non-contiguous parameters yet: '{fqn}' {tuple(p.shape)} "
+                                  f"stride {p.stride()} (e.g. channels_last): make it contiguous before fully_shard")
     if not p.is_floating_point():
         raise ValueError(f"fully_shard: parameter '{fqn}' has non-floating dtype {p.dtype}; only floating "
                          "parameters can be sharded (make it a buffer)")

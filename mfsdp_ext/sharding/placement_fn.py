@@ -40,6 +40,9 @@ def shard_placements(shard_placement_fn: Optional[Callable], params, mesh: Devic
     out = {}
     for fqn, p, _ in params:
         placement, own_mesh = placement_and_mesh(fqn, shard_placement_fn(p), mesh, spmd_of)
+        if placement is not None and not -p.dim() <= placement.dim < p.dim():  # FSDP2's refusal and its type
+            raise AssertionError(f"Shard dim {placement.dim} is invalid for {p.dim()}D tensor: {tuple(p.shape)} "
+                                 f"('{fqn}': shard_placement_fn placed it so)")
         dim = placement.dim % p.dim() if placement is not None else 0
         world = own_mesh.size(own_mesh.ndim - 1)  # the shard dim: 1-D, or HSDP's (replicate, shard)
         size = (p._local_tensor if isinstance(p, DTensor) else p).shape[dim]
