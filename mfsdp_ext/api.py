@@ -21,6 +21,7 @@ from .core.states import Strategy
 from .interop import checkpoint, dtensor_norms
 from .params import rows
 from .params.group import ParamGroup
+from .runtime import post_forward
 from .runtime.fsdp2_state import state as fsdp2_state
 from .runtime.module import FsdpModule
 from .runtime.unit import FsdpUnit, UnitConfig, resolve_reshard_after_forward
@@ -35,7 +36,7 @@ _DEFAULT_MP_POLICY = MixedPrecisionPolicy()  # frozen: one instance serves as th
 
 
 def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = None,
-                reshard_after_forward: Optional[bool] = None, shard_placement_fn: Optional[Callable] = None,
+                reshard_after_forward: Optional[bool | int] = None, shard_placement_fn: Optional[Callable] = None,
                 mp_policy=_DEFAULT_MP_POLICY, offload_policy=None, ignored_params: Optional[set] = None,
                 dp_mesh_dims=None, sharding_strategy: Union[str, Strategy] = Strategy.OPTIM_GRADS_PARAMS,
                 use_symm_mem: Union[bool, str] = False, native_collectives: bool = False, verbose: bool = False,
@@ -53,7 +54,9 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
         module: the module, or FSDP2's list of modules (e.g. torchtitan's ``[model.norm, model.output]``): one
             unit over all of them, one gather and one reduction, a weight tied between two of them held once.
         mesh: a 1-D mesh (shard) or a 2-D HSDP mesh (replicate, shard); default: one dim over the world.
-        reshard_after_forward: FSDP2's: True (None) frees the gathered weights after forward, False keeps them.
+        reshard_after_forward: FSDP2's: True (None) frees the gathered weights after forward, False keeps them, an
+            int N keeps them sharded over groups of N ranks (a factor of the shard dim's size), whose backward
+            gathers within the group.
         shard_placement_fn: FSDP2's, per parameter: None or ``Shard(d)`` (d > 0: an even split) or a
             ``ShardPlacementResult`` (a mesh of its own).
         mp_policy: torch's ``MixedPrecisionPolicy`` (mapped field by field) or ``mfsdp_ext.MixedPrecisionPolicy``.
@@ -87,7 +90,7 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
     """
     modules = _modules_of(module)
     mp_policy = as_mfsdp_policy(mp_policy)
-    reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward)
+    reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, allow_int=True)
     _check_offload(offload_policy)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("fully_shard needs torch.distributed: call dist.init_process_group(...) first "
@@ -108,6 +111,7 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
                               copy_engine_reduce_scatter=copy_engine_reduce_scatter,
                               several_meshes=any(own is not mesh for _, own in placed.values()))
     groups = unit_groups.make_groups(modules, params, mesh, device, mp_policy, strategy, placed, spmd_of)
+    reshard_after_forward = post_forward.check(reshard_after_forward, mesh, groups)
     config = UnitConfig(strategy, mp_policy, device, comm, verbose=verbose, check_finite_grads=check_finite_grads)
     unit = FsdpUnit(modules, groups, config=config, reshard_after_forward=reshard_after_forward)
     unit.refusal = tied_elsewhere[0] if tied_elsewhere else None  # raised at the first forward, as FSDP2

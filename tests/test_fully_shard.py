@@ -438,7 +438,7 @@ def _case_ignored_params():
     torch.manual_seed(8)
     model = _WithScale().to(rank_device())
     ref = copy.deepcopy(model)
-    _expect(ValueError, "0-d", lambda: fully_shard(copy.deepcopy(model)))
+    _expect(ValueError, "scalar parameters", lambda: fully_shard(copy.deepcopy(model)))
     fully_shard(model, ignored_params={model.scale})
     assert not isinstance(model.scale, DTensor) and isinstance(model.lin.weight, DTensor)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -497,10 +497,11 @@ def _case_errors():
     outer_inner = nn.Sequential(nn.Linear(4, 4))
     msgs["nested_list"] = _expect(ValueError, "do not contain each other", lambda: fully_shard([outer_inner,
                                                                                               outer_inner[0]]))
-    msgs["int_reshard"] = _expect(ValueError, "smaller group",
-                                  lambda: fully_shard(nn.Linear(4, 4), reshard_after_forward=2))
-    msgs["int_set_reshard"] = _expect(ValueError, "smaller group", lambda: m.set_reshard_after_forward(2))
-    assert fully_shard(nn.Linear(4, 4), reshard_after_forward=None)._mfsdp_unit.controls.reshard_after_forward  # FSDP2's
+    msgs["int_reshard"] = _expect(ValueError, "it should be a factor of",
+                                  lambda: fully_shard(nn.Linear(4, 4), reshard_after_forward=3 * dist.get_world_size()))
+    msgs["int_set_reshard"] = _expect(ValueError, "should be a bool", lambda: m.set_reshard_after_forward(2))
+    unit = fully_shard(nn.Linear(4, 4), reshard_after_forward=None)._mfsdp_unit
+    assert unit.controls.reshard_after_forward  # FSDP2's None
 
     class Scalar(nn.Module):
         def __init__(self):

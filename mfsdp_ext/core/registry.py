@@ -34,6 +34,8 @@ DEFAULT_MESHES: dict[str, Any] = {}
 FP8_CLASSES: dict[type, type] = {}
 # api.py: a module class -> its FSDP<Cls>(FsdpModule, Cls) subclass
 FSDP_CLASSES: dict[type, type] = {}
+# runtime/post_forward.py: (id(mesh), N) -> the mesh viewed as (-1, N): reshard_after_forward=N's groups
+POST_FORWARD_MESHES: dict[tuple, Any] = {}
 # comm/native.py: shard process group -> its NcclTransport (one NCCL communicator per group and process)
 NATIVE_TRANSPORTS: dict[Any, Any] = {}
 # params/grads.py: groups holding gradient buffers a captured CUDA graph writes

@@ -16,6 +16,7 @@ class ShardedState(Enum):
     """Which parameters the module computes with."""
 
     SHARDED = auto()  # the DTensor shards (the main weights): at rest
+    SHARDED_POST_FORWARD = auto()  # reshard_after_forward=N: sharded params, the gathered weights kept over N ranks
     UNSHARDED = auto()  # views into the gathered compute-dtype buffer
 
 

@@ -45,7 +45,7 @@ def enter(ctx: FsdpContext, capture_id: int) -> None:
         for g in unit.groups:
             g.grads.keep_for_graph()  # gradients kept from before the capture: the graph accumulates into them
         unit.unshard_event = None
-        if unit.sharded_state is ShardedState.UNSHARDED and not unit.config.strategy.keeps_weights_gathered:
+        if unit.sharded_state is not ShardedState.SHARDED and not unit.config.strategy.keeps_weights_gathered:
             unit.reshard()
     ctx.iteration.weights_epoch += 1  # every cast and gather is captured ...
     for unit, versions in held.items():  # ... but the held units': they hold this epoch's weights already

@@ -87,10 +87,12 @@ class FsdpModule(CommControls, _TorchFSDPModule):
 
     def set_reshard_after_forward(  # type: ignore[override]  # FSDP2's int form is refused
             self, reshard_after_forward: Optional[bool], *, recurse: bool = True) -> None:
-        reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward)
+        value = bool(resolve_reshard_after_forward(reshard_after_forward))
         for unit in self._units(recurse):
-            unit.controls.reshard_after_forward = (reshard_after_forward
-                                                   and not unit.config.strategy.keeps_weights_gathered)
+            if unit.sharded_state is ShardedState.SHARDED_POST_FORWARD:
+                unit.reshard()
+            unit.post_forward_shards = None  # a bool replaces fully_shard's int, as in FSDP2
+            unit.controls.reshard_after_forward = value and not unit.config.strategy.keeps_weights_gathered
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """FSDP2's: False keeps the gathered weights after backward, so the next forward (the next microbatch) needs
@@ -207,7 +209,7 @@ def _cast_groups(unit: FsdpUnit, dtype: torch.dtype) -> None:
     if fp8:
         raise RuntimeError(f"mfsdp_ext: unit '{unit.name}' holds FP8 weights, which are cast from float32 main "
                            f"weights: it cannot be cast to {dtype}; choose dtypes with MixedPrecisionPolicy")
-    if unit.sharded_state is ShardedState.UNSHARDED:
+    if unit.sharded_state is not ShardedState.SHARDED:
         unit.reshard()
     for g in unit.groups:
         narrow = g.reduce_comm_dtype != g.reduce_dtype  # the wire fully_shard chose for this shard group

@@ -31,18 +31,20 @@ from ..params import fp8_group
 from ..params.group import ParamGroup
 from . import capture, root, unit_io
 from .context import FsdpContext
+from .post_forward import PostForwardShards
 from .reduction import GradReduction
 
 
-def resolve_reshard_after_forward(value) -> bool:
-    """FSDP2's values: True / False, and None (FSDP2's default: reshard every unit but the root, which ours never
-    reshards after forward anyway) as True. An int (FSDP2: reshard to a smaller group) is refused."""
+def resolve_reshard_after_forward(value, allow_int: bool = False) -> bool | int:
+    """FSDP2's values: True / False, None (FSDP2's default: reshard every unit but the root, which ours never
+    reshards after forward anyway) as True, and where ``allow_int`` (fully_shard; not the setter, as FSDP2) an int:
+    reshard to groups of that many ranks (post_forward.py; checked against the mesh there)."""
     if value is None:
         return True
-    if not isinstance(value, bool):
-        raise ValueError(f"reshard_after_forward must be True, False or None, got {value!r}; resharding to a "
-                         "smaller group after forward (FSDP2's int form) is not supported")
-    return value
+    if isinstance(value, bool) or (allow_int and isinstance(value, int)):
+        return value
+    raise ValueError(f"reshard_after_forward should be a bool{' or an int' if allow_int else ''}, got {value!r}"
+                     f"{'' if allow_int else ' (an int, resharding to a smaller group, is given to fully_shard)'}")
 
 
 def _autograd_is_running() -> bool:
@@ -86,14 +88,18 @@ class FsdpUnit:
     """
 
     def __init__(self, modules: list[nn.Module], groups: list[ParamGroup], *, config: UnitConfig,
-                 reshard_after_forward: bool = True):
+                 reshard_after_forward: bool | int = True):
         self.modules = modules
         self.module = modules[0]  # a root unit is over one module (lazy_init)
         self.name = "+".join(type(m).__name__ for m in modules)
         self.groups = groups
         self.config = config
-        self.controls = UnitControls(reshard_after_forward=reshard_after_forward
-                                     and not config.strategy.keeps_weights_gathered)
+        keeps = config.strategy.keeps_weights_gathered
+        self.controls = UnitControls(reshard_after_forward=bool(reshard_after_forward) and not keeps)
+        # FSDP2's int: the forward's gathered weights kept sharded over groups of N ranks (post_forward.py)
+        self.post_forward_shards: Optional[PostForwardShards] = None
+        if not keeps and not isinstance(reshard_after_forward, bool):
+            self.post_forward_shards = PostForwardShards(groups, reshard_after_forward)
         self.context: Optional[FsdpContext] = None
         self.reduction = GradReduction(config.strategy)  # with FSDP2's controls of the reduction (FsdpModule.set_*)
         self.forward_method_depth = 0  # inside a registered forward method (register_fsdp_forward_method)
@@ -135,6 +141,8 @@ class FsdpUnit:
         gathered = self.sharded_state is ShardedState.UNSHARDED
         if gathered and not ctx.weight_sync_allowed():
             return
+        if self.sharded_state is ShardedState.SHARDED_POST_FORWARD and self._gather_post_forward(after_step):
+            return
         # once per call: each walks the group's parameters (the epoch: IterationRecord.note_forward_mode)
         versions = [g.weights_version(pending_step=after_step) + (ctx.iteration.weights_epoch,) for g in self.groups]
         # (backward hooks run with grad mode off, and so does the optimizer step)
@@ -162,6 +170,21 @@ class FsdpUnit:
             self.unshard_event = ctx.device.record_event(ctx.ag_stream)
         self.sharded_state = ShardedState.UNSHARDED
 
+    def _gather_post_forward(self, after_step: bool) -> bool:
+        """reshard_after_forward=N: gather the weights kept after forward within the small group, if they are still
+        the current ones (else the full gather follows). True when gathered."""
+        ctx = self.context
+        versions = [g.weights_version(pending_step=after_step) + (ctx.iteration.weights_epoch,) for g in self.groups]
+        if versions != self.gathered_versions:
+            self.post_forward_shards.drop()
+            self.sharded_state = ShardedState.SHARDED
+            return False
+        with ctx.device.label(f"mfsdp.unshard {self.name} (post-forward)"), ctx.device.use_stream(ctx.ag_stream):
+            self.post_forward_shards.gather(ctx.device)
+            self.unshard_event = ctx.device.record_event(ctx.ag_stream)
+        self.sharded_state = ShardedState.UNSHARDED
+        return True
+
     def wait_unshard(self) -> None:
         """Make compute wait for this unit's all-gather only, then compute on the gathered parameters."""
         self.context.device.wait_event(self.unshard_event)
@@ -169,19 +192,26 @@ class FsdpUnit:
         for g in self.groups:
             g.use_unsharded_params()
 
-    def reshard(self) -> None:
+    def reshard(self, keep_post_forward: bool = False) -> None:
         """Back to sharded parameters and free the gathered storage. Freed in stream order: the next all-gather,
         which may reuse it, first waits for the compute stream (DeviceHandle.use_stream). A unit held for a graph
-        keeps its storage: the graph reads and writes it at every replay ([Note: held units])."""
+        keeps its storage: the graph reads and writes it at every replay ([Note: held units]).
+        ``keep_post_forward``: after a forward with reshard_after_forward=N, keep this rank's part first."""
         if self.held_for_graph:
             for g in self.groups:
                 g.use_sharded_params()
             return
+        kept = (keep_post_forward and self.post_forward_shards is not None
+                and self.sharded_state is ShardedState.UNSHARDED)
         with self.context.device.label(f"mfsdp.reshard {self.name}"):
+            if kept:
+                self.post_forward_shards.keep()
+            elif self.post_forward_shards is not None:
+                self.post_forward_shards.drop()
             for g in self.groups:
                 g.use_sharded_params()
                 g.free_unsharded()
-        self.sharded_state = ShardedState.SHARDED
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD if kept else ShardedState.SHARDED
         self.unshard_event = None
 
     @property
@@ -207,7 +237,7 @@ class FsdpUnit:
         if self.config.strategy.keeps_weights_gathered or self.context.needed_first_in_next_microbatch(self):
             for g in self.groups:
                 g.use_sharded_params()
-        elif self.sharded_state is ShardedState.UNSHARDED:
+        elif self.sharded_state is not ShardedState.SHARDED:
             self.reshard()
 
     # ------------------------------------------------------------------ forward hooks
@@ -301,7 +331,7 @@ class FsdpUnit:
         if (self.controls.reshard_after_forward and not self.is_root
                 and not ctx.order.needed_first_in_backward(self, ctx.root)):
             if self.output_hooked or not any(g.requires_grad and g.trainable() for g in self.groups):
-                self.reshard()
+                self.reshard(keep_post_forward=True)
             elif not self._warned_no_grad_output:  # this unit's backward may still need the weights, with no hook
                 self._warned_no_grad_output = True  # to gather them: keep them
                 unit_io.warn_no_grad_output(self, output)
