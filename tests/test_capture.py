@@ -19,7 +19,7 @@ from mfsdp_ext import fully_shard, microbatch
 from mfsdp_ext.runtime.capture import CaptureError
 from mfsdp_ext.core.device import DeviceHandle
 
-from .models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
+from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
 
 
 @contextlib.contextmanager

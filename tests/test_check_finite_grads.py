@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from mfsdp_ext import NonFiniteGradError, fully_shard
 
-from .models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
+from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
 from .test_clip_grad_norm import Uneven
 from .test_fully_shard import GLOBAL_BATCH
 from .test_strategies import count_collectives

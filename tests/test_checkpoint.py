@@ -25,7 +25,7 @@ from mfsdp_ext import MixedPrecisionPolicy, fully_shard
 from mfsdp_ext.interop.checkpoint import full_state_dict
 
 from .conftest import get_pool
-from .models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm
+from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm
 
 K, N = 3, 3  # steps before the checkpoint, steps after it
 GLOBAL_BATCH = 24  # divisible by 1, 2 and 4 ranks

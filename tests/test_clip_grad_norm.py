@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp_ext import fully_shard, no_shard
 
-from .models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
+from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
 from .test_fully_shard import GLOBAL_BATCH
 
 

@@ -21,7 +21,7 @@ from mfsdp_ext.core.device import DeviceHandle
 from mfsdp_ext.comm.copy_engine import (BufferTurns, CopyEngineAllGather, CopyEngineReduceScatter, CopyEngineStage,
                                         gathers_by_copy_engine, peer_order, reduces_by_copy_engine)
 
-from .models import TinyLM, batch, lm_loss, shard_tiny_lm
+from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, shard_tiny_lm
 
 
 class _ExchangedStage:

@@ -444,7 +444,7 @@ def test_native_linear_bad_input():
 def test_cuda_launches_per_call():
     """Our quantizer kernels exactly as planned, the GEMMs, and no stray PyTorch kernel (copies, elementwise
     ops, reductions) around them."""
-    from .models import run_profiled
+    from mfsdp_ext.testing.models import run_profiled
 
     lin, x, dy = make_case(1024, 4096, 4096, bias=False, device="cuda")
     FL.to_fp8_linear(lin)

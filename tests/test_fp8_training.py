@@ -24,7 +24,7 @@ from mfsdp_ext.fp8.linear import Fp8LinearMixin
 from mfsdp_ext.fp8.tensor import E4M3
 
 from .conftest import get_pool
-from .models import TinyLM, rank_device, shard_tiny_lm
+from mfsdp_ext.testing.models import TinyLM, rank_device, shard_tiny_lm
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
 STEPS = 6
@@ -317,7 +317,7 @@ def _case_collectives_per_step(strategy: str):
     from mfsdp_ext.params.grads import GroupGradients
     from mfsdp_ext.params.group import ParamGroup
 
-    from .models import intercept_collectives
+    from mfsdp_ext.testing.models import intercept_collectives
 
     def run():
         model = shard_tiny_lm(_tiny_lm(seed=1, checkpointing="non_reentrant"), fully_shard,

@@ -24,7 +24,7 @@ import mfsdp_ext
 from mfsdp_ext import fully_shard
 from mfsdp_ext.comm.policy import CommPolicy
 
-from .models import TinyLM, batch, rank_device, rel_err
+from mfsdp_ext.testing.models import TinyLM, batch, rank_device, rel_err
 from .test_fully_shard import ScoringLM
 
 STEPS = 3

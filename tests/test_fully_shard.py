@@ -19,7 +19,7 @@ import mfsdp_ext
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 from mfsdp_ext.interop.checkpoint import full_state_dict
 
-from .models import TinyLM, batch, rank_device, rel_err, shard_tiny_lm, train
+from mfsdp_ext.testing.models import TinyLM, batch, rank_device, rel_err, shard_tiny_lm, train
 
 STEPS = 5
 GLOBAL_BATCH = 24  # divisible by 2 ranks x 3 microbatches and 4 ranks x 3 microbatches
@@ -177,7 +177,7 @@ def _case_parameterless_parent():
 def _case_unsharded_storage_released():
     torch.manual_seed(4)
     model = shard_tiny_lm(TinyLM(n_layers=3), fully_shard)
-    from .models import batch, lm_loss
+    from mfsdp_ext.testing.models import batch, lm_loss
 
     def gathered_bytes(m):
         return sum(g.unsharded.nbytes() for g in m._mfsdp_unit.groups)
@@ -199,7 +199,7 @@ def _case_main_grad_released_after_zero_grad():
     A .grad the user still holds keeps its values; zero_grad(set_to_none=False) keeps the buffer."""
     torch.manual_seed(4)
     model = shard_tiny_lm(TinyLM(n_layers=2), fully_shard)
-    from .models import batch, lm_loss
+    from mfsdp_ext.testing.models import batch, lm_loss
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     groups = [g for m in (*model.blocks, model) for g in m._mfsdp_unit.groups if g.requires_grad]
@@ -245,7 +245,7 @@ def _case_late_group_reduced_first():
     their gradients are ready, before any block's reduction; the embedding's group is reduced last."""
     torch.manual_seed(4)
     model = shard_tiny_lm(TinyLM(n_layers=3), fully_shard)
-    from .models import batch, lm_loss
+    from mfsdp_ext.testing.models import batch, lm_loss
 
     root = model._mfsdp_unit
     late = [g for g in root.groups if g.grads.reduce_when_ready]
@@ -348,7 +348,7 @@ def _case_state_dict_roundtrip(tmpdir: str):
     """state_dict() holds torch.chunk-split DTensors: full_tensor() and DCP see the true values."""
     import torch.distributed.checkpoint as dcp
 
-    from .models import batch, lm_loss
+    from mfsdp_ext.testing.models import batch, lm_loss
 
     torch.manual_seed(8)
     ref = TinyLM().to(rank_device())

@@ -21,8 +21,8 @@ from . import test_robustness as rb
 from . import test_fully_shard as fs
 from . import test_strategies as st
 from .conftest import get_pool
-from .models import (Block, TinyLM, batch, lm_loss, lm_train_step, rank_device, rel_err, run_profiled, shard_tiny_lm,
-                     train)
+from mfsdp_ext.testing.models import (Block, TinyLM, batch, lm_loss, lm_train_step, rank_device, rel_err,
+                                      run_profiled, shard_tiny_lm, train)
 
 pytestmark = pytest.mark.gpu
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)

@@ -16,7 +16,7 @@ import mfsdp_ext
 from mfsdp_ext import fully_shard
 from mfsdp_ext.graphs import GraphedStep
 
-from .models import TinyLM, batch, lm_loss, lm_train_step, rank_device, shard_tiny_lm
+from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, lm_train_step, rank_device, shard_tiny_lm
 
 
 def _case_cpu_runs_eagerly():

@@ -15,7 +15,7 @@ import torch
 
 from mfsdp_ext import _native as N
 
-from .models import run_profiled
+from mfsdp_ext.testing.models import run_profiled
 
 HAS_CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="CUDA not available")]

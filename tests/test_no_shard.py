@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from mfsdp_ext import FsdpModule, MixedPrecisionPolicy, fully_shard, microbatch, no_shard, reset_parameters
 
-from .models import TinyLM, batch, lm_loss, rank_device, train
+from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, train
 from .test_fully_shard import GLOBAL_BATCH, STEPS, _compare_params
 from .test_strategies import count_collectives
 

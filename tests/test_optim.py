@@ -28,7 +28,7 @@ from mfsdp_ext import _native, fully_shard, no_shard
 from mfsdp_ext.params.group import owner_of
 
 from .conftest import get_pool
-from .models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm
+from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm
 
 GLOBAL_BATCH = 24
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)

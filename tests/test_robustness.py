@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 from mfsdp_ext.core.device import DeviceHandle
 
-from .models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm
+from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm
 from .test_fully_shard import GLOBAL_BATCH, _compare_params
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

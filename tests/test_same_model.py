@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from mfsdp_ext import fully_shard
 
-from .models import TinyLM, batch, lm_loss, rank_device
+from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device
 
 
 def _build(variant: str) -> TinyLM:

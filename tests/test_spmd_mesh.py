@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from mfsdp_ext import fully_shard
 
 from .conftest import get_pool
-from .models import rel_err
+from mfsdp_ext.testing.models import rel_err
 from .test_tensor_parallel import Block, Llama, _batch
 
 COLWISE, ROWWISE = ("wq", "wk", "wv", "w1", "w3"), ("wo", "w2")

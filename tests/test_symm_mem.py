@@ -23,7 +23,7 @@ from mfsdp_ext.comm import symmetric
 from mfsdp_ext.comm.dist_ops import _all_gather_flat, _reduce_scatter_flat
 from mfsdp_ext.comm.symmetric import comm as symm_mem
 
-from .models import run_profiled
+from mfsdp_ext.testing.models import run_profiled
 
 MiB = 1 << 20
 

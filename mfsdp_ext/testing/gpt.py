@@ -13,7 +13,8 @@ meta-built sharded model, ``build_sharded`` does one or the other path end to en
 is the per-microbatch gradient-accumulation context. ``setup_distributed`` / ``teardown_distributed`` start and end
 the process group in the order that lets the process exit cleanly.
 
-Used by ``examples/train_gpt.py``, ``examples/train_hf.py``, ``examples/training.py`` and ``benchmarks/step.py``.
+Used by the examples (``examples/train_gpt.py``, ``examples/train_hf.py``, ``examples/training.py``), the benchmarks
+(``benchmarks/step.py`` and others) and ``scripts/graph_probe.py``: ``from mfsdp_ext.testing import gpt``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import datetime
 import gc
 import math
 import os
-import sys
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, Optional, Tuple
 
@@ -281,12 +281,6 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
 # FSDP glue: one code path for PyTorch FSDP2 ("fsdp2") and mfsdp_ext ("ours").
 
 IMPLS = ("fsdp2", "ours")
-
-
-# mfsdp_ext: an installed package wins; otherwise the source tree this file lives in.
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO_ROOT not in sys.path:
-    sys.path.append(_REPO_ROOT)
 
 
 def load_impl(impl: str) -> Tuple[Callable, type]:

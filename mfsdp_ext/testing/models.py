@@ -31,7 +31,7 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """Odd sizes on purpose: vocab 11 and a 3-wide aux head do not divide by 2 or 4 ranks."""
 
-    def __init__(self, vocab: int = 11, dim: int = 12, ffn: int = 20, n_layers: int = 3, tie: bool = True,
+    def __init__(self, vocab: int = 11, dim: int = 12, ffn: int = 20, n_layers: int = 3, *, tie: bool = True,
                  checkpointing: str = "off"):
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
