@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import runpy
 import sys
 
 
@@ -92,6 +91,6 @@ def install_counters(path: str) -> None:
 if __name__ == "__main__":
     counts_path, script, *argv = sys.argv[1:]
     install_counters(counts_path)
-    sys.argv = [script, *argv]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    from mfsdp_ext.as_fsdp2 import run_script
+
+    run_script(script, argv)  # as python SCRIPT ARGS: its folder on sys.path; no switch (the example switches itself)

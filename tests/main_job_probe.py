@@ -8,7 +8,6 @@ means they run on into the interpreter's shutdown, where one that frees a finish
 
 import atexit
 import os
-import runpy
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,6 +29,7 @@ def _thread_name(tid: str):
         return None
 
 
-atexit.register(_report)
-sys.argv = [os.path.join(ROOT, "examples", "train_gpt.py"), *sys.argv[1:]]
-runpy.run_path(sys.argv[0], run_name="__main__")
+atexit.register(_report)  # before mfsdp_ext and torch are imported: it runs after their exit handlers
+from mfsdp_ext.as_fsdp2 import run_script  # noqa: E402
+
+run_script(os.path.join(ROOT, "examples", "train_gpt.py"), sys.argv[1:])  # as python examples/train_gpt.py would

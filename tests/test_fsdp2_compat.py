@@ -8,6 +8,7 @@ same processes where the numbers are compared.
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
 import textwrap
@@ -293,6 +294,28 @@ def test_as_fsdp2_runs_a_module(tmp_path):
                          capture_output=True, text=True, timeout=120,
                          env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
     assert out.returncode == 0 and out.stdout.strip() == "switched", (out.stdout, out.stderr)
+
+
+def test_as_fsdp2_runs_a_script(tmp_path):
+    """``python -m mfsdp_ext.as_fsdp2 path/to/SCRIPT.py ARGS`` runs the file as ``python SCRIPT.py`` would: as
+    __main__, its arguments in sys.argv, its folder first on sys.path (the sibling module imports; the working
+    directory is elsewhere), FSDP2's fully_shard switched."""
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "sibling.py").write_text("WHERE = 'beside the script'\n")
+    (job / "train.py").write_text(textwrap.dedent("""
+        import sys
+        from torch.distributed.fsdp import fully_shard
+        import mfsdp_ext
+        import sibling
+        assert __name__ == "__main__" and sys.argv[1:] == ["--flag", "x"], (__name__, sys.argv)
+        print(sibling.WHERE, "switched" if fully_shard is mfsdp_ext.fully_shard else "not switched")
+    """))
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(mfsdp_ext.__file__)))  # the package tested here
+    out = subprocess.run([sys.executable, "-m", "mfsdp_ext.as_fsdp2", os.path.join("job", "train.py"), "--flag", "x"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": package_root})
+    assert out.returncode == 0 and out.stdout.strip() == "beside the script switched", (out.stdout, out.stderr)
 
 
 # ----------------------------------------------------------------------------------------------- pytest
