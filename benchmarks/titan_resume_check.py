@@ -1,7 +1,7 @@
 """torchtitan's CheckpointManager resumes a run of mfsdp_ext as it resumes FSDP2's, on the GPUs of one host (the
 CPU tests in tests/test_frameworks.py do the same with fp32 and gloo).
 
-    python3 scripts/titan_resume_check.py --out DIR [--config llama3_8b_gpu] [--nproc 4] [--steps 4] [--save 2]
+    python3 benchmarks/titan_resume_check.py --out DIR [--config llama3_8b_gpu] [--nproc 4] [--steps 4] [--save 2]
         [--pairs fsdp2<-fsdp2,ours<-ours,ours<-fsdp2,fsdp2<-ours] [-- more torchtitan options]
     (scripts/gpu_titan.sh resume: tensor parallel 2 and expert parallel 2 on 4 GPUs)
 
@@ -26,10 +26,7 @@ import shutil
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "examples", "frameworks", "torchtitan_train.py")
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from titan_step import max_rel_diff, run_logged, versions  # noqa: E402
+from titan_step import SCRIPT, make_assets, max_rel_diff, run_logged, versions  # benchmarks/: this script's folder
 
 FLOOR = 1e-5  # an fp32 CPU run resumes to this (tests/test_frameworks.py's RTOL)
 
@@ -78,10 +75,7 @@ def main() -> int:
     args.nproc = args.nproc or (torch.cuda.device_count() if args.cuda else 2)
     os.makedirs(args.out, exist_ok=True)
     args.assets = args.assets or os.path.join(args.out, "titan_assets")
-    sys.path.insert(0, os.path.dirname(SCRIPT))
-    import titan_assets
-
-    titan_assets.make_assets(args.assets, n_docs=int(os.environ.get("TITAN_DOCS", "4000")))
+    make_assets(args.assets)
     pairs = [tuple(p.split("<-")) for p in args.pairs.split(",") if p]
     dumps = os.path.join(args.out, "resume_dumps")  # checkpoints: GBs on GPU, deleted at the end
     try:
@@ -121,7 +115,7 @@ def main() -> int:
         json.dump({"meta": meta, "args": vars(args), "full": full, "resumed": resumed}, f, indent=1)
     device = f"{args.nproc} x {meta['gpu']}" if args.cuda else f"{args.nproc} CPU ranks"
     lines = [f"# torchtitan checkpoint resume: FSDP2 and mfsdp_ext, {device}", "",
-             f"- **Reproduce:** `python3 scripts/titan_resume_check.py --config {args.config} --nproc {args.nproc} "
+             f"- **Reproduce:** `python3 benchmarks/titan_resume_check.py --config {args.config} --nproc {args.nproc} "
              f"--steps {args.steps} --save {args.save} --pairs {args.pairs}"
              + (f" -- {' '.join(args.titan_args)}" if args.titan_args else "") + "`"
              + (f" (TITAN_LAYERS={os.environ['TITAN_LAYERS']})" if os.environ.get("TITAN_LAYERS") else ""),
