@@ -15,10 +15,9 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import checkpointing  # noqa: E402
-import training  # noqa: E402
+from .conftest import load_script_modules
 
+checkpointing, training = load_script_modules("examples", "checkpointing", "training")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A small model so that process start-up, not training, takes the time.
 TINY = ["--device", "cpu", "--n-layers", "2", "--dim", "64", "--n-heads", "2", "--ffn-dim", "128",

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import sys
+from .conftest import load_script_modules
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-import timeline  # noqa: E402
+(timeline,) = load_script_modules("benchmarks", "timeline")
 
 
 def test_breakdown_of_a_known_timeline():

@@ -6,26 +6,19 @@ warm-up and clipping) on the 2 gloo ranks of a pool, with HuggingFace's activati
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from .conftest import get_pool
+from .conftest import get_pool, load_script_modules
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 STEPS = 10
 
 
 def _case_train_hf(impl: str, checkpointing: bool) -> dict:
     """This rank's losses, and how often a decoder layer's MLP started a forward per step (2 with checkpointing)."""
-    if EXAMPLES not in sys.path:
-        sys.path.insert(0, EXAMPLES)
-    import train_hf
-
+    train_hf = load_script_modules("examples", "checkpointing", "training", "train_hf")[-1]
     argv = ["--impl", impl, "--device", "cpu", "--steps", str(STEPS), "--log-every", "5"]
     args = train_hf.parse_args(argv + (["--activation-checkpointing"] if checkpointing else []))
     calls = []
