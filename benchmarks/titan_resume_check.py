@@ -1,5 +1,5 @@
 """torchtitan's CheckpointManager resumes a run of mfsdp_ext as it resumes FSDP2's, on the GPUs of one host (the
-CPU tests in tests/test_frameworks.py do the same with fp32 and gloo).
+CPU tests in tests/integration/test_frameworks.py do the same with fp32 and gloo).
 
     python3 benchmarks/titan_resume_check.py --out DIR [--config llama3_8b_gpu] [--nproc 4] [--steps 4] [--save 2]
         [--pairs fsdp2<-fsdp2,ours<-ours,ours<-fsdp2,fsdp2<-ours] [-- more torchtitan options]
@@ -28,7 +28,7 @@ import time
 
 from titan_step import SCRIPT, make_assets, max_rel_diff, run_logged, versions  # benchmarks/: this script's folder
 
-FLOOR = 1e-5  # an fp32 CPU run resumes to this (tests/test_frameworks.py's RTOL)
+FLOOR = 1e-5  # an fp32 CPU run resumes to this (tests/integration/test_frameworks.py's RTOL)
 
 
 def run(args, name: str, impl: str, dump: str, timeout: float) -> dict:
@@ -37,7 +37,7 @@ def run(args, name: str, impl: str, dump: str, timeout: float) -> dict:
     if os.path.exists(f"{metrics}.rank0"):
         os.remove(f"{metrics}.rank0")
     env = {**os.environ, "TITAN_DUMP": dump, "TITAN_ASSETS": args.assets, "PYTHONUNBUFFERED": "1"}
-    if not args.cuda:  # like tests/test_frameworks.py: gloo ranks, one thread each
+    if not args.cuda:  # like tests/integration/test_frameworks.py: gloo ranks, one thread each
         env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
            SCRIPT, "--impl", impl, "--metrics", metrics, "--module", "titan_configs", "--config", args.config,

@@ -45,8 +45,8 @@ for stage in $stages; do
         nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
         # always: an older _C may be left from an earlier build, and the build is incremental
         run build env MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e . ;;
-    tests) run tests timeout -k 10 420 python3 -m pytest -m gpu -q -s tests/test_gpu.py tests/test_kernels.py tests/test_symm_mem.py tests/test_device.py \
-               tests/test_optim.py tests/test_fp8_training.py ;;
+    tests) run tests timeout -k 10 420 python3 -m pytest -m gpu -q -s tests/test_gpu.py tests/native/test_kernels.py tests/comm/test_symm_mem.py tests/core/test_device.py \
+               tests/optim/test_optim.py tests/params/test_fp8_training.py ;;
     optim)  # the fused AdamW step over configs 1 and 3's shards vs torch's foreach and fused AdamW, vs the bandwidth bound (1 GPU)
         run optim timeout -k 10 200 python3 benchmarks/optim.py --configs 1,3 --out "$OUT" ;;
     kernels) run kernels python3 benchmarks/kernels.py --out "$OUT" ;;
@@ -87,7 +87,7 @@ for stage in $stages; do
     noshard)  # what no_shard saves: a frozen 24-layer tower sharded vs marked (2 GPUs)
         run noshard timeout -k 10 150 torchrun --standalone --nproc-per-node 2 benchmarks/no_shard.py --out "$OUT" ;;
     fp8)  # FP8 activation quantizer, FP8 transpose and FP8 Linear: GPU tests, kernel bandwidths, Linear benchmark
-        run fp8_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/test_fp8_kernels.py tests/test_fp8_linear.py
+        run fp8_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/fp8/test_fp8_kernels.py tests/fp8/test_fp8_linear.py
         run fp8_kernels timeout -k 10 150 python3 benchmarks/kernels.py --parts quant,transpose --tag fp8 --out "$OUT"
         run fp8_linear timeout -k 10 150 python3 benchmarks/fp8_linear.py --out "$OUT"
         run fp8_host_cost timeout -k 10 90 python3 benchmarks/fp8_host_cost.py --out "$OUT" ;;
@@ -111,7 +111,7 @@ for stage in $stages; do
     fp8host)  # host time per FP8 Linear piece, and the profile of the whole layers (1 GPU)
         run fp8_host_cost timeout -k 10 120 python3 benchmarks/fp8_host_cost.py --profile --out "$OUT" ;;
     fp8train)  # Fp8Policy in fully_shard: FP8 vs bf16 training, FP8 all-gather bytes; step time vs bf16 / torchao
-        run fp8train_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/test_fp8_training.py
+        run fp8train_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/params/test_fp8_training.py
         run fp8train_step timeout -k 10 240 torchrun --standalone --nproc-per-node 2 benchmarks/step.py \
             --configs 2,3 --impls ours,ours_fp8,fsdp2,fsdp2_float8 --out "$OUT/fp8_step" ;;
     native)  # native_collectives=True (our own NCCL communicator) vs torch.distributed's: GPU tests, steps of

@@ -462,7 +462,7 @@ def _case_ignored_params():
 
 def _case_list_of_modules():
     """fully_shard([model.norm, model.head]) as torchtitan writes it: one unit over both modules, and training
-    equals a single-process model's (FSDP2's numbers: tests/test_fsdp2_compat.py)."""
+    equals a single-process model's (FSDP2's numbers: tests/interop/test_fsdp2_compat.py)."""
     torch.manual_seed(12)
     model = TinyLM(tie=False)
     ref = copy.deepcopy(model).to(rank_device())
@@ -517,7 +517,7 @@ def _case_errors():
     mesh3 = init_device_mesh(rank_device().type, (1, 1, world))
     msgs["mesh"] = _expect(ValueError, "1-D mesh", lambda: fully_shard(nn.Linear(4, 4), mesh=mesh3))
     rank_dependent = nn.Linear(4, 4 + dist.get_rank())
-    fully_shard(rank_dependent)  # no collective here: found at the first forward (tests/test_same_model.py)
+    fully_shard(rank_dependent)  # no collective here: found at the first forward (tests/runtime/test_same_model.py)
     msgs["mismatch"] = _expect(RuntimeError, "different models", lambda: rank_dependent(torch.randn(2, 4)))
     msgs["half"] = _expect(RuntimeError, "cannot be moved", lambda: m.half())
     with torch.device("meta"):

@@ -14,13 +14,13 @@ import torch.nn as nn
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 from mfsdp_ext.interop.checkpoint import full_state_dict
 
-from . import test_checkpoint as ck
-from . import test_no_shard as ns
-from . import test_reduce_comm_dtype as rcd
-from . import test_robustness as rb
-from . import test_fully_shard as fs
-from . import test_strategies as st
-from .conftest import get_pool
+from tests.interop import test_checkpoint as ck
+from tests.sharding import test_no_shard as ns
+from tests.comm import test_reduce_comm_dtype as rcd
+from tests import test_robustness as rb
+from tests import test_fully_shard as fs
+from tests.runtime import test_strategies as st
+from tests.conftest import get_pool
 from mfsdp_ext.testing.models import (Block, TinyLM, batch, lm_loss, lm_train_step, rank_device, rel_err,
                                       run_profiled, shard_tiny_lm, train)
 

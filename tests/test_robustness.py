@@ -18,7 +18,7 @@ from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 from mfsdp_ext.core.device import DeviceHandle
 
 from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm
-from .test_fully_shard import GLOBAL_BATCH, _compare_params
+from tests.test_fully_shard import GLOBAL_BATCH, _compare_params
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
@@ -282,7 +282,7 @@ def _case_hand_written_update():
 def _case_evaluation_between_steps():
     """Forwards under no_grad / inference_mode / eval() between steps reduce nothing, leave every unit at rest,
     and training goes on with exactly the losses of a run without them."""
-    from .test_strategies import count_collectives
+    from tests.runtime.test_strategies import count_collectives
 
     torch.manual_seed(33)
     base = TinyLM()

@@ -20,9 +20,10 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import ROOT
+
 EXAMPLES = os.path.join(ROOT, "examples", "frameworks")
-PROBE = os.path.join(ROOT, "tests", "framework_probe.py")
+PROBE = os.path.join(ROOT, "tests", "integration", "framework_probe.py")
 RTOL = 1e-5
 
 

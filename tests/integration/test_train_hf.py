@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from .conftest import get_pool, load_script_modules
+from tests.conftest import get_pool, load_script_modules
 
 STEPS = 10
 

@@ -26,7 +26,7 @@ from mfsdp_ext import fully_shard
 from mfsdp_ext.comm.policy import CommPolicy
 
 from mfsdp_ext.testing.models import TinyLM, batch, rank_device, rel_err
-from .test_fully_shard import ScoringLM
+from tests.test_fully_shard import ScoringLM
 
 STEPS = 3
 GLOBAL_BATCH = 8

@@ -19,8 +19,8 @@ import zipfile
 import pytest
 
 from mfsdp_ext._native import jit as _jit
+from tests.conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETUP_WITHOUT_TORCH = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = ['setup.py', '--version']; "
                        "runpy.run_path('setup.py', run_name='__main__')")
 

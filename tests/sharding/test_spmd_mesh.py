@@ -17,9 +17,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from mfsdp_ext import fully_shard
 
-from .conftest import get_pool
+from tests.conftest import get_pool
 from mfsdp_ext.testing.models import rel_err
-from .test_tensor_parallel import Block, Llama, _batch
+from tests.sharding.test_tensor_parallel import Block, Llama, _batch
 
 COLWISE, ROWWISE = ("wq", "wk", "wv", "w1", "w3"), ("wo", "w2")
 

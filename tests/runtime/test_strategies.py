@@ -24,7 +24,7 @@ from mfsdp_ext.interop.checkpoint import full_state_dict
 
 from mfsdp_ext.testing.models import (TinyLM, batch, intercept_collectives, lm_loss, rank_device, rel_err,
                                       shard_tiny_lm, train)
-from .test_fully_shard import GLOBAL_BATCH, STEPS, _compare_params
+from tests.test_fully_shard import GLOBAL_BATCH, STEPS, _compare_params
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
@@ -578,19 +578,19 @@ def test_strategy_matrix(cpu_pool):
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_hsdp_2x2(k):
-    from .conftest import get_pool
+    from tests.conftest import get_pool
 
     print(get_pool(4).run(_case_hsdp, k)[0])
 
 
 def test_shard_dim1():
-    from .conftest import get_pool
+    from tests.conftest import get_pool
 
     print(get_pool(4).run(_case_shard_dim1)[0])
 
 
 def test_hsdp_grads_kept_across_steps():
-    from .conftest import get_pool
+    from tests.conftest import get_pool
 
     print(get_pool(4).run(_case_hsdp_grads_kept_across_steps)[0])
 
@@ -638,7 +638,7 @@ def test_fsdp2_module_controls(cpu_pool, control):
 
 
 def test_fsdp2_requires_all_reduce_hsdp():
-    from .conftest import get_pool
+    from tests.conftest import get_pool
 
     print(get_pool(4).run(_case_fsdp2_module_controls, "requires_all_reduce")[0])
 

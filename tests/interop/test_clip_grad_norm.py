@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from mfsdp_ext import fully_shard, no_shard
 
 from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
-from .test_fully_shard import GLOBAL_BATCH
+from tests.test_fully_shard import GLOBAL_BATCH
 
 
 class Uneven(nn.Module):

@@ -1,6 +1,7 @@
-"""Run an example script (as ``python SCRIPT ARGS`` would) with collective counters: tests/test_frameworks.py.
+"""Run an example script (as ``python SCRIPT ARGS`` would) with collective counters, for
+tests/integration/test_frameworks.py.
 
-    torchrun --nproc-per-node 2 tests/framework_probe.py COUNTS_PATH SCRIPT [ARGS...]
+    torchrun --nproc-per-node 2 tests/integration/framework_probe.py COUNTS_PATH SCRIPT [ARGS...]
 
 Per optimizer step, each rank appends a JSON line to COUNTS_PATH.rankR: the units' weight gathers and gradient
 reductions of that step. FSDP2: calls of foreach_all_gather / foreach_reduce (one per unit's parameter group and

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from mfsdp_ext import NonFiniteGradError, fully_shard
 
 from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
-from .test_clip_grad_norm import Uneven
-from .test_fully_shard import GLOBAL_BATCH
-from .test_strategies import count_collectives
+from tests.interop.test_clip_grad_norm import Uneven
+from tests.test_fully_shard import GLOBAL_BATCH
+from tests.runtime.test_strategies import count_collectives
 
 NAN = float("nan")
 

@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from mfsdp_ext import FsdpModule, MixedPrecisionPolicy, fully_shard, microbatch, no_shard, reset_parameters
 
 from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, train
-from .test_fully_shard import GLOBAL_BATCH, STEPS, _compare_params
-from .test_strategies import count_collectives
+from tests.test_fully_shard import GLOBAL_BATCH, STEPS, _compare_params
+from tests.runtime.test_strategies import count_collectives
 
 
 def _marked_model(seed: int) -> TinyLM:
@@ -159,6 +159,6 @@ def test_no_shard_meta_init(cpu_pool):
 
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_no_shard_on_hsdp_mesh(microbatches):
-    from .conftest import get_pool
+    from tests.conftest import get_pool
 
     print(get_pool(4).run(_case_no_shard_hsdp, microbatches)[0])

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from mfsdp_ext import MixedPrecisionPolicy, Fp8Policy, fully_shard
 
-from .conftest import get_pool
+from tests.conftest import get_pool
 from mfsdp_ext.testing.models import rel_err
 
 DIM, HEADS, HIDDEN, VOCAB, SEQ = 16, 4, 20, 11, 8

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard
 from mfsdp_ext.interop.checkpoint import full_state_dict
 
-from .conftest import get_pool
+from tests.conftest import get_pool
 from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm
 
 K, N = 3, 3  # steps before the checkpoint, steps after it

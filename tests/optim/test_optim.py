@@ -27,7 +27,7 @@ import mfsdp_ext.optim as mo
 from mfsdp_ext import _native, fully_shard, no_shard
 from mfsdp_ext.params.group import owner_of
 
-from .conftest import get_pool
+from tests.conftest import get_pool
 from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm
 
 GLOBAL_BATCH = 24

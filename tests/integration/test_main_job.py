@@ -15,10 +15,9 @@ import sys
 import pytest
 import torch
 
-from .conftest import load_script_modules
+from tests.conftest import ROOT, load_script_modules
 
 checkpointing, training = load_script_modules("examples", "checkpointing", "training")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A small model so that process start-up, not training, takes the time.
 TINY = ["--device", "cpu", "--n-layers", "2", "--dim", "64", "--n-heads", "2", "--ffn-dim", "128",
         "--vocab-size", "128", "--seq-len", "32", "--batch-size", "4"]
@@ -43,7 +42,7 @@ def test_main_job_exit_path(tmp_path):
     """Three runs (training, a checkpoint each step, summary, teardown): exit code 0, and each rank is down to its
     main thread when the interpreter starts to shut down. Gloo threads still alive then are what aborted rank 0 in
     about one run in ten (``terminate called without an active exception``); their count shows it every run."""
-    probe = os.path.join(ROOT, "tests", "main_job_probe.py")
+    probe = os.path.join(ROOT, "tests", "integration", "main_job_probe.py")
     for run in range(3):
         args = [*TINY, "--steps", "2", "--ckpt-dir", str(tmp_path / f"ckpt{run}"), "--ckpt-every", "1"]
         out = subprocess.run(_command(probe, args), env=_env(), capture_output=True, text=True, timeout=300)

@@ -1,5 +1,5 @@
 """Tests of the FP8 activation quantizer (fp8_quantize: one tensor, per-tensor current scaling, optional
-transpose in the same pass) and of the FP8 transpose, in tests/test_kernels.py's style.
+transpose in the same pass) and of the FP8 transpose, in tests/native/test_kernels.py's style.
 
 CPU: bit-equal to a float64 reference of the arithmetic (amax, scale = fp8_max / max(amax, eps) rounded to
 fp32, x * scale rounded to fp32, then round-to-nearest-even onto the FP8 grid with saturation), written
@@ -15,8 +15,8 @@ import torch
 from mfsdp_ext import _native as N
 from mfsdp_ext.fp8.tensor import quantize
 
-from .test_kernels import (DEVICES, F8, FLOATS, HAS_CUDA, _count_kernels, assert_bits_equal, assert_identical,
-                           bits, gen, poison, rand_values)
+from tests.native.test_kernels import (DEVICES, F8, FLOATS, HAS_CUDA, _count_kernels, assert_bits_equal,
+                                       assert_identical, bits, gen, poison, rand_values)
 
 FMT = {torch.float8_e4m3fn: (3, -6, 448.0), torch.float8_e5m2: (2, -14, 57344.0)}  # mantissa bits, min exp, max
 EPS = 1e-12

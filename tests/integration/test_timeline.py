@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .conftest import load_script_modules
+from tests.conftest import load_script_modules
 
 (timeline,) = load_script_modules("benchmarks", "timeline")
 

@@ -23,7 +23,7 @@ from mfsdp_ext import Fp8Policy, FsdpModule, MixedPrecisionPolicy, fully_shard, 
 from mfsdp_ext.fp8.linear import Fp8LinearMixin
 from mfsdp_ext.fp8.tensor import E4M3
 
-from .conftest import get_pool
+from tests.conftest import get_pool
 from mfsdp_ext.testing.models import TinyLM, rank_device, shard_tiny_lm
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
