@@ -1,4 +1,5 @@
-"""fully_shard (ZeRO-3) against a single-process reference and FSDP2, on 2 and 4 gloo ranks.
+"""fully_shard (ZeRO-3) against a single-process reference and FSDP2, on 2 and 4 gloo ranks (the parity cases also on 2
+and 4 GPUs with NCCL: the GPU tests at the end, ``pytest -m gpu``).
 
 The ``_case_*`` functions run on every rank of a pool (tests/dist_pool.py); they assert and return numbers.
 """
@@ -576,7 +577,7 @@ def _case_errors():
     two.release_symmetric_memory()  # before the first forward: nothing allocated yet
     two(torch.randn(2, 4)).sum().backward()
     msgs["release_inner"] = _expect(RuntimeError, "on the root module", two[0].release_symmetric_memory)
-    two.release_symmetric_memory()  # no symmetric memory on gloo: a no-op (release itself: tests/test_gpu.py)
+    two.release_symmetric_memory()  # no symmetric memory on gloo: a no-op (release itself: tests/comm/test_symm_mem.py)
     # the pool is still usable afterwards: one more collective
     t = torch.ones(1)
     dist.all_reduce(t)
@@ -743,3 +744,44 @@ def test_tensor_tree_fast_paths_match_pytree():
         rebuilt, expected = rebuild(new), tree_unflatten(new, spec)
         assert tree_flatten(rebuilt)[1] == spec, (tree, rebuilt)
         assert all(x is y for x, y in zip(tree_flatten(rebuilt)[0], tree_flatten(expected)[0])), tree
+
+
+# ----------------------------------------------------------------------------------------------- GPU: parity cases
+@pytest.mark.gpu
+def test_fp32_parity(gpu_pool):
+    print(gpu_pool.run(_case_fp32_parity)[0])
+
+
+@pytest.mark.gpu
+def test_grad_accumulation(gpu_pool):
+    print(gpu_pool.run(_case_grad_accumulation, 3)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_frozen_params(gpu_pool):
+    print(gpu_pool.run(_case_frozen_params)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_parameterless_parent(gpu_pool):
+    print(gpu_pool.run(_case_parameterless_parent)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_unsharded_storage_released(gpu_pool):
+    print(gpu_pool.run(_case_unsharded_storage_released)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_main_grad_released_after_zero_grad(gpu_pool):
+    print(gpu_pool.run(_case_main_grad_released_after_zero_grad)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_meta_init(gpu_pool):
+    print(gpu_pool.run(_case_meta_init)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_no_worse_than_fsdp2(gpu_pool):
+    print(gpu_pool.run(_case_bf16_vs_fsdp2)[0])

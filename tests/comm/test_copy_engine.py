@@ -1,7 +1,7 @@
 """The copy-engine collectives (mfsdp_ext.comm.copy_engine): the all-gather's piece mapping and the gradient
 exchange's chunks on 2 and 4 gloo ranks, and the order in which they use their two buffers.
 
-On GPUs each rank reads its peers' symmetric buffers directly (tests/test_gpu.py::test_copy_engines).
+On GPUs each rank reads its peers' symmetric buffers directly (test_copy_engines below).
 Here a gloo all-gather of the buffers takes the place of that mapping, inside the barrier, so the copies the
 all-gather makes (which rank's buffer, which offset, which parameter piece, in place or through the staging buffer)
 are checked against the plain all-gather on every group of a model, for shards that split parameters unevenly
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -21,7 +22,7 @@ from mfsdp_ext.core.device import DeviceHandle
 from mfsdp_ext.comm.copy_engine import (BufferTurns, CopyEngineAllGather, CopyEngineReduceScatter, CopyEngineStage,
                                         gathers_by_copy_engine, peer_order, reduces_by_copy_engine)
 
-from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, shard_tiny_lm
+from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
 
 
 class _ExchangedStage:
@@ -135,3 +136,61 @@ def test_buffer_turns():
                    (0, True), (1, True),  # eager after a capture: always
                    (0, True), (1, False),  # capture 9
                    (0, True)], got  # capture 7 again (a re-capture with the same id still starts with one)
+
+
+# ----------------------------------------------------------------------------------------------- GPU: copy engines
+def _case_copy_engines():
+    """fully_shard(copy_engine_all_gather=True, copy_engine_reduce_scatter=True): every unit's bf16 weights gathered
+    and its bf16 gradients exchanged by the copy engines through the peers' symmetric buffers. 3 eager steps, then 8
+    steps of its whole step graphed (mfsdp_ext.graphed: the held units gathered inside the optimizer step, all of it
+    replayed) with an eager evaluation forward before the last two, equal an eager twin on NCCL's collectives bit
+    for bit (losses and fp32 shards); the FP8 groups of an FP8 model keep the plain all-gather."""
+    import mfsdp_ext
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(23)
+    base = TinyLM(vocab=64, dim=64, ffn=128, n_layers=3, tie=False).to(rank_device())
+    ours = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=policy, copy_engine_all_gather=True,
+                         copy_engine_reduce_scatter=True)
+    twin = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=policy)
+    opts = [mfsdp_ext.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, twin)]
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+    def make_step(model, opt):
+        def train_step(tokens, targets):
+            loss = lm_loss(model, tokens, targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        return train_step
+
+    eager_ours, eager_twin = make_step(ours, opts[0]), make_step(twin, opts[1])
+    graphed = mfsdp_ext.graphed(eager_ours, warmup=2)
+    losses, twin_losses = [], []
+    for step in range(11):
+        tokens, targets = (t.chunk(world)[rank] for t in batch(step, 32 * world, seq=16, vocab=64))
+        if step == 9:  # an eager forward between replays: its gathers wait at a barrier first (copy_engine.py)
+            with torch.no_grad():
+                losses.append(lm_loss(ours, tokens, targets).item())
+                twin_losses.append(lm_loss(twin, tokens, targets).item())
+        losses.append((eager_ours if step < 3 else graphed)(tokens, targets).item())
+        twin_losses.append(eager_twin(tokens, targets).item())
+    ops = {op.name for u in ours._mfsdp_unit.context.units for g in u.groups
+           for op in (g.collectives.all_gather, g.collectives.reduce_scatter)}
+    assert ops == ({"copy_engine"} if world > 1 else {"plain"}), ops
+    assert graphed.captures == 1, graphed.captures
+    assert losses == twin_losses, (losses, twin_losses)
+    for (name, p), q in zip(ours.named_parameters(), twin.parameters()):
+        assert torch.equal(p.to_local(), q.to_local()), name
+    fp8 = shard_tiny_lm(copy.deepcopy(base), fully_shard, copy_engine_all_gather=True,
+                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, fp8=mfsdp_ext.Fp8Policy()))
+    lm_loss(fp8, tokens, targets).backward()
+    fp8_ops = {(g.fp8, g.collectives.all_gather.name) for u in fp8._mfsdp_unit.context.units for g in u.groups}
+    assert all(name == ("plain" if is_fp8 or world == 1 else "copy_engine") for is_fp8, name in fp8_ops), fp8_ops
+    return {"losses": losses[-3:], "ops": sorted(ops)}
+
+
+@pytest.mark.gpu
+def test_copy_engines(gpu_pool_from_one):
+    print(gpu_pool_from_one.run(_case_copy_engines)[0])

@@ -3,7 +3,8 @@ the default (None) does so on NCCL shard groups of one host and reduce-scatters 
 
 Against the same model with the plain fp32 reduce-scatter: on 2 ranks the losses and weights are the same bits (one
 rounding of s*a + s*b either way); on 4 ranks (a fixed rank-order fp32 sum against gloo's) within fp32 rounding.
-The collectives are logged by wrapping mfsdp_ext.comm.dist_ops (models.intercept_collectives).
+The collectives are logged by wrapping mfsdp_ext.comm.dist_ops (models.intercept_collectives). The GPU tests at the
+end compare the two on NCCL (2 GPUs, native collectives, HSDP on 4).
 """
 
 from __future__ import annotations
@@ -138,3 +139,20 @@ def test_torchrun_local_world_size(monkeypatch, value, expected):
     assert torchrun_local_world_size() == expected
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert torchrun_local_world_size() is None
+
+
+# ----------------------------------------------------------------------------------------------- GPU: bf16 wire
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim"])
+def test_gpu_bf16_wire_matches_fp32_reduce_scatter(strategy):
+    print(get_pool(2, "nccl").run(_case_matches_fp32_reduce_scatter, strategy, 2, False)[0])
+
+
+@pytest.mark.gpu
+def test_bf16_wire_native_collectives():
+    print(get_pool(2, "nccl").run(_case_matches_fp32_reduce_scatter, "optim_grads_params", 2, False, True)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_wire_hsdp():
+    print(get_pool(4, "nccl").run(_case_matches_fp32_reduce_scatter, "optim_grads_params", 2, True)[0])

@@ -8,22 +8,28 @@ present, 4 ranks; init_process_group("nccl", device_id=...))
 allocate from our pool, all-gather / reduce-scatter with ours and with plain torch, compare (exact, the
 inputs are small integers), check the error messages, and check with the profiler that NCCL's symmetric
 kernels (ncclSymk*) ran for ours. Both the borrowed ProcessGroupNCCL communicator and one created by the
-extension are exercised.
+extension are exercised. Then fully_shard on symmetric memory (use_symm_mem=True, "auto"): parity with the default
+collectives, ncclSymk kernels in a step and the plain ones after release_symmetric_memory(), which also works with
+a graphed step alive.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 
 import pytest
 import torch
 
-from mfsdp_ext import _C
+from mfsdp_ext import MixedPrecisionPolicy, _C, fully_shard, microbatch
 from mfsdp_ext.comm import symmetric
 from mfsdp_ext.comm.dist_ops import _all_gather_flat, _reduce_scatter_flat
 from mfsdp_ext.comm.symmetric import comm as symm_mem
+from mfsdp_ext.interop.checkpoint import full_state_dict
 
-from mfsdp_ext.testing.models import run_profiled
+from mfsdp_ext.testing.models import (TinyLM, batch, lm_train_step, rank_device, rel_err, run_profiled, shard_tiny_lm,
+                                      train)
+from tests.runtime.test_overlap_and_memory import _stack
 
 MiB = 1 << 20
 
@@ -276,3 +282,164 @@ def test_symmetric_collectives(gpu_pool):
     if reason:
         pytest.skip(reason)
     print(gpu_pool.run(_case_symmetric_collectives)[0])
+
+
+# ----------------------------------------------------------------------------------------------- GPU: fully_shard
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+
+
+def _train_side_by_side(seed: int, mp, k: int, global_batch: int, reference: dict | None = None, **shard_kwargs):
+    """A TinyLM sharded with the default collectives (or the keywords ``reference``) and one sharded with
+    ``shard_kwargs``, trained alike for 5 steps: (plain, other, max relative loss difference, max relative parameter
+    difference, losses, losses)."""
+    torch.manual_seed(seed)
+    base = TinyLM(vocab=512, dim=256, ffn=1024)
+    plain = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=mp, **(reference or {}))
+    other = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=mp, **shard_kwargs)
+    a = train(plain, 5, global_batch, sharded=True, microbatches=k, microbatch_ctx=microbatch)
+    b = train(other, 5, global_batch, sharded=True, microbatches=k, microbatch_ctx=microbatch)
+    loss_err = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+    pa, pb = full_state_dict(plain), full_state_dict(other)
+    return plain, other, loss_err, max(rel_err(pb[n], pa[n]) for n in pa), a, b
+
+
+def _case_symm_parity(bf16: bool, k: int):
+    mp = BF16 if bf16 else MixedPrecisionPolicy()
+    _, symm, loss_err, param_err, a, b = _train_side_by_side(20, mp, k, 24, use_symm_mem=True)
+    print(f"symm parity bf16={bf16} k={k}: loss_err {loss_err:.2e} param_err {param_err:.2e}", flush=True)
+    if bf16:  # different reduction order in bf16: losses agree to bf16 precision (params drift under AdamW)
+        assert loss_err <= 2e-2, (loss_err, a, b)
+    else:
+        assert loss_err <= 1e-6 and param_err <= 1e-5, (loss_err, param_err, a, b)
+    assert symm._mfsdp_unit.context.comm.symmetric is not None
+    symm.release_symmetric_memory()  # collective: the ranks free the NCCL communicator together
+    assert symm._mfsdp_unit.context.comm.symmetric is None
+    return {"loss_err": loss_err, "param_err": param_err}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_symm_mem_parity(gpu_pool, bf16, k):
+    print(gpu_pool.run(_case_symm_parity, bf16, k)[0])
+
+
+def _case_symm_auto(native: bool):
+    """use_symm_mem="auto": every rank decides alike, only the stages in use are allocated, same losses; with
+    native_collectives, the groups that keep the plain path keep the native one."""
+    import torch.distributed as dist
+
+    torch.manual_seed(21)
+    base = TinyLM(vocab=512, dim=512, ffn=4096)  # blocks of ~5M parameters: both outcomes are plausible
+    plain = shard_tiny_lm(copy.deepcopy(base), fully_shard)
+    auto = shard_tiny_lm(copy.deepcopy(base), fully_shard, use_symm_mem="auto", native_collectives=native)
+    a = train(plain, 3, 24, sharded=True)
+    b = train(auto, 3, 24, sharded=True)
+    ctx = auto._mfsdp_unit.context
+    chosen = [(g.collectives.all_gather.name == "symmetric", g.collectives.reduce_scatter.name == "symmetric")
+              for u in ctx.units for g in u.groups]
+    others = {op.name for u in ctx.units for g in u.groups for op in (g.collectives.all_gather, g.collectives.reduce_scatter)
+              if op.name != "symmetric"}
+    assert others <= {"native" if native else "plain"}, others
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, chosen)
+    assert all(c == chosen for c in everyone), everyone
+    symmetric = ctx.comm.symmetric
+    uses_ag, uses_rs = any(ag for ag, _ in chosen), any(rs for _, rs in chosen)
+    if symmetric is None:
+        assert not (uses_ag or uses_rs), chosen
+    else:  # a stage exists exactly when some group uses it
+        assert (symmetric.ag_stage is not None, symmetric.rs_stage is not None) == (uses_ag, uses_rs), chosen
+    loss_err = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+    assert loss_err <= 1e-6, (loss_err, a, b)
+    pool = 0 if symmetric is None else symmetric.comm.native.capacity
+    auto.release_symmetric_memory()
+    return {"chosen (all_gather, reduce_scatter) per group": chosen, "pool_MiB": pool / 2**20, "loss_err": loss_err}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("native", [False, True], ids=["plain", "native"])
+def test_symm_mem_auto(gpu_pool, native):
+    print(gpu_pool.run(_case_symm_auto, native)[0])
+
+
+def _case_symm_kernels(use_symm_mem):
+    dev = rank_device()
+    model = _stack(4, 1024, 4096, use_symm_mem=use_symm_mem)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(2, 256, 1024, device=dev)
+
+    def step():
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def collective_kernels_of_one_step() -> dict:
+        names = [n for n, _, _ in run_profiled(step)[1]]
+        symk = [n for n in names if n.startswith("ncclSymk")]
+        return {"symk_all_gather": sum("AllGather" in n for n in symk),
+                "symk_reduce_scatter": sum("ReduceScatter" in n for n in symk),
+                "plain_all_gather": sum("AllGather" in n and not n.startswith("ncclSymk") for n in names),
+                "plain_reduce_scatter": sum("ReduceScatter" in n and not n.startswith("ncclSymk") for n in names)}
+
+    step()
+    step()
+    torch.cuda.synchronize()
+    counts = collective_kernels_of_one_step()
+    # 4 blocks: 4 forward + 3 backward all-gathers (the last block stays gathered for the backward that
+    # starts with it), 4 reduce-scatters per step
+    plain = {"symk_all_gather": 0, "symk_reduce_scatter": 0, "plain_all_gather": 7, "plain_reduce_scatter": 4}
+    if use_symm_mem:
+        assert counts == {"symk_all_gather": 7, "symk_reduce_scatter": 4, "plain_all_gather": 0,
+                          "plain_reduce_scatter": 0}, counts
+        # released (collectively): the same model goes on with the plain collectives
+        model.release_symmetric_memory()
+        after_release = collective_kernels_of_one_step()
+        assert after_release == plain, after_release
+        return {"symm": counts, "after_release": after_release}
+    assert counts == plain, counts
+    return counts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("use_symm_mem", [False, True], ids=["plain", "symm"])
+def test_symm_mem_kernels(gpu_pool, use_symm_mem):
+    print(gpu_pool.run(_case_symm_kernels, use_symm_mem)[0])
+
+
+def _case_release_symmetric_memory_graphed():
+    """A model on symmetric memory, its whole step graphed: release_symmetric_memory() with the graphed step still
+    alive returns (NCCL keeps the windows of a live graph: ours is let go first), and the next call captures again
+    on the plain collectives; every step equals an eager twin's (symmetric memory released at the same step), bit
+    for bit."""
+    import warnings
+
+    import mfsdp_ext
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(17)
+    base = TinyLM(vocab=64, dim=64, ffn=128, n_layers=3, tie=False).to(rank_device())
+    graphed_model = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=policy, use_symm_mem=True)
+    twin = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=policy, use_symm_mem=True)  # the same paths
+    opts = [mfsdp_ext.optim.AdamW(m.parameters(), lr=1e-3) for m in (graphed_model, twin)]
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+    step, eager = mfsdp_ext.graphed(lm_train_step(graphed_model, opts[0]), warmup=2), lm_train_step(twin, opts[1])
+    ours, theirs = [], []
+    for i in range(6):
+        if i == 4:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no warning: no graph of the user's own holds the windows
+                graphed_model.release_symmetric_memory()
+            twin.release_symmetric_memory()
+        tokens, targets = (t.chunk(world)[rank] for t in batch(i, 32 * world, seq=16, vocab=64))
+        ours.append(step(tokens, targets).item())
+        theirs.append(eager(tokens, targets).item())
+    assert step.captures == 2, step.captures
+    assert ours == theirs, (ours, theirs)
+    return {"losses": ours}
+
+
+@pytest.mark.gpu
+def test_release_symmetric_memory_graphed(gpu_pool):
+    print(gpu_pool.run(_case_release_symmetric_memory_graphed)[0])

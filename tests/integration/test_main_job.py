@@ -1,5 +1,6 @@
 """The main job (examples/train_gpt.py under torchrun, 2 gloo ranks) as a user runs it: it exits cleanly every time,
-and a run killed after a checkpoint resumes with exactly the losses of a run that was never interrupted."""
+and a run killed after a checkpoint resumes with exactly the losses of a run that was never interrupted. On 2 GPUs
+(the GPU test at the end): --cuda-graph against the eager job."""
 
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
 
 def test_cuda_graph_flag_on_cpu_runs_eagerly(tmp_path):
     """--cuda-graph on CPU: mfsdp_ext.graphed runs each step eagerly, warns once, and the losses are those of the run
-    without the flag, bit for bit (on a GPU: tests/test_gpu.py::test_main_job_cuda_graph)."""
+    without the flag, bit for bit (on a GPU: test_main_job_cuda_graph below)."""
     script = os.path.join(ROOT, "examples", "train_gpt.py")
     losses = {}
     for name, extra in (("plain", []), ("graph", ["--cuda-graph"])):
@@ -177,3 +178,38 @@ def test_compare_exact_needs_every_bit(tmp_path):
     assert ok.returncode == 0 and "bit-identical" in ok.stdout, ok.stdout + ok.stderr
     bad = subprocess.run([sys.executable, script, "--exact", ref, differs], capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stdout.startswith("step 2:"), bad.stdout + bad.stderr
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_main_job_cuda_graph(tmp_path):
+    """The main job on 2 GPUs with --cuda-graph (the whole step, clipping included, through mfsdp_ext.graphed)
+    against the same job without it: every step's loss equal, bit for bit (--deterministic: SDPA's math backend).
+    The graphed run checkpoints at step 6; resumed from there, graphed again, steps 7-12 equal too."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    root = ROOT
+    losses = {}
+    ckpt = ["--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "6"]
+    for name, extra in (("eager", []), ("graph", ["--cuda-graph", *ckpt]),
+                        ("resumed", ["--cuda-graph", *ckpt, "--resume"])):
+        if name == "resumed":
+            shutil.rmtree(tmp_path / "ckpt" / "step-00000012")
+        metrics = tmp_path / f"{name}.jsonl"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               os.path.join(root, "examples", "train_gpt.py"), "--steps", "12", "--optimizer", "fused",
+               "--deterministic", "--metrics-file", str(metrics), *extra]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=400,
+                             env={**os.environ, "PYTHONPATH": root})
+        assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+        with open(metrics) as f:
+            losses[name] = {row["step"]: row["loss"] for row in map(json.loads, f)}
+    assert losses["graph"] == losses["eager"], losses
+    assert sorted(losses["resumed"]) == list(range(7, 13)), sorted(losses["resumed"])
+    assert all(losses["resumed"][k] == losses["eager"][k] for k in losses["resumed"]), losses

@@ -1,7 +1,8 @@
 """Checkpoints as torchtitan and FSDP2 users write them: DCP resume, resharding, interop with FSDP2, full state
 dicts, and DTensor semantics of parameters, gradients and optimizer state against FSDP2 on the same model.
 
-The ``_case_*`` functions run on every rank of a pool (tests/dist_pool.py: gloo here, NCCL in tests/test_gpu.py).
+The ``_case_*`` functions run on every rank of a pool (tests/dist_pool.py: gloo, or NCCL in the GPU tests at
+the end).
 A run is "save after K steps, then N more steps"; what a loaded model does in its N steps is compared with that.
 """
 
@@ -433,3 +434,48 @@ def _case_load_assign_into_meta_model(impl: str):
 @pytest.mark.parametrize("impl", ["ours", "fsdp2"])
 def test_load_assign_into_meta_model(cpu_pool, impl):
     cpu_pool.run(_case_load_assign_into_meta_model, impl)
+
+
+# ----------------------------------------------------------------------------------------------- GPU (NCCL)
+@pytest.mark.gpu
+def test_checkpoint_resume_bit_exact(tmp_path):
+    pool = get_pool(2, "nccl")
+    pool.run(_case_save, str(tmp_path))
+    pool.restart()  # fresh processes load the checkpoint
+    print(pool.run(_case_resume, str(tmp_path))[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("saved_on,loaded_on", [(2, 1), (1, 2), (2, 4), (4, 2)])
+def test_checkpoint_reshard(tmp_path, saved_on, loaded_on):
+    get_pool(saved_on, "nccl").run(_case_save_for_reshard, str(tmp_path))
+    print(get_pool(loaded_on, "nccl").run(_case_load_resharded, str(tmp_path))[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("saved_by,loaded_by", [("fsdp2", "ours"), ("ours", "fsdp2")])
+def test_checkpoint_interop_with_fsdp2(gpu_pool, tmp_path, saved_by, loaded_by):
+    gpu_pool.run(_case_save, str(tmp_path), saved_by)
+    print(gpu_pool.run(_case_resume, str(tmp_path), loaded_by, 1e-6, saved_by)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_full_state_dicts(gpu_pool, tmp_path):
+    print(gpu_pool.run(_case_full_state_dicts, str(tmp_path))[0])
+
+
+@pytest.mark.gpu
+def test_gpu_dcp_load_in_place(gpu_pool, tmp_path):
+    gpu_pool.run(_case_dcp_load_in_place, str(tmp_path))
+
+
+@pytest.mark.gpu
+def test_gpu_dtensor_semantics_match_fsdp2(gpu_pool):
+    print(gpu_pool.run(_case_dtensor_semantics_match_fsdp2)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_hf_llama_resume(gpu_pool, tmp_path):
+    """The issue's repro: a HuggingFace LlamaForCausalLM checkpointed the torchtitan way resumes bit-exactly."""
+    pytest.importorskip("transformers")
+    print(gpu_pool.run(_case_hf_llama_resume, str(tmp_path))[0])

@@ -3,19 +3,20 @@
 A CPU cannot capture, so these cases make the root see a capture (DeviceHandle.capturing answers True and
 DeviceHandle.capture_id names the capture) and check the decisions taken there: the refusals of what waits on the
 host, the state every replay starts from, and the guard on the gradients a graph writes. Capture and replay
-themselves, bit for bit against eager steps, are GPU tests (tests/test_gpu.py::test_captured_forward_backward,
+themselves, bit for bit against eager steps, are GPU tests (test_captured_forward_backward at the end,
 scripts/graph_probe.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from mfsdp_ext import fully_shard, microbatch
+from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 from mfsdp_ext.runtime.capture import CaptureError
 from mfsdp_ext.core.device import DeviceHandle
 
@@ -143,3 +144,84 @@ def test_capture_starts_from_rest(cpu_pool):
 
 def test_graph_gradients_guarded(cpu_pool):
     print(cpu_pool.run(_case_graph_gradients_guarded)[0])
+
+
+# ----------------------------------------------------------------------------------------------- GPU: captured
+def _accumulate(model, tokens, targets, microbatches: int) -> torch.Tensor:
+    """Forward and backward of ``microbatches`` slices (microbatch API); the summed loss."""
+    total = torch.zeros((), device=tokens.device)
+    for i, (t, y) in enumerate(zip(tokens.chunk(microbatches), targets.chunk(microbatches))):
+        with microbatch(model, is_first=i == 0, is_last=i == microbatches - 1):
+            loss = lm_loss(model, t, y) / microbatches
+            loss.backward()
+        total += loss.detach()
+    return total
+
+
+def _case_captured_forward_backward(fp8: bool, microbatches: int, grads_made_in_capture: bool):
+    """torchtitan's recipe: torch.cuda.graph around forward, loss and backward (microbatches inside), the optimizer
+    eager; 5 replays, then a second capture with no eager step before it and 3 replays of it, equal 8 eager steps
+    of a twin bit for bit (losses and fp32 shards). bf16 or FP8 weights. The gradients exist before the first
+    capture (warm-up's zero_grad(set_to_none=False)), or the capture makes them (set_to_none=True: they then live
+    in the graph's pool)."""
+    import mfsdp_ext
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                  fp8=mfsdp_ext.Fp8Policy() if fp8 else None)
+    torch.manual_seed(11)
+    base = TinyLM(vocab=64, dim=64, ffn=128, n_layers=3, tie=False).to(rank_device())
+    graphed, twin = copy.deepcopy(base), copy.deepcopy(base)
+    for m in (graphed, twin):
+        shard_tiny_lm(m, fully_shard, mp_policy=policy)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (graphed, twin)]
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+    def fwd_bwd(model, tokens, targets):
+        return _accumulate(model, tokens, targets, microbatches)
+
+    def data(step):
+        tokens, targets = batch(step, 32 * world, seq=16, vocab=64)
+        return tokens.chunk(world)[rank], targets.chunk(world)[rank]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for step in range(2):  # eager warm-up of both, the same steps
+            for model, opt in zip((graphed, twin), opts):
+                fwd_bwd(model, *data(step))
+                opt.step()
+                opt.zero_grad(set_to_none=grads_made_in_capture)
+    torch.cuda.current_stream().wait_stream(stream)
+    static_tokens, static_targets = (t.clone() for t in data(2))
+    ours, theirs = [], []
+    for first, last in ((2, 7), (7, 10)):  # the second capture right after the first one's replays
+        grads_before = [p.grad for p in graphed.parameters()]
+        assert all((g is None) == (grads_made_in_capture and first == 2) for g in grads_before)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_loss = fwd_bwd(graphed, static_tokens, static_targets)
+        # the capture made the gradients, or wrote into the ones it found
+        assert all(p.grad is not None and (g is None or p.grad is g)
+                   for p, g in zip(graphed.parameters(), grads_before))
+        for step in range(first, last):
+            tokens, targets = data(step)
+            static_tokens.copy_(tokens)
+            static_targets.copy_(targets)
+            graph.replay()
+            ours.append(static_loss.item())
+            theirs.append(fwd_bwd(twin, tokens, targets).item())
+            for opt in opts:
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+    assert ours == theirs, (ours, theirs)
+    for (name, p), q in zip(graphed.named_parameters(), twin.parameters()):
+        assert torch.equal(p.to_local(), q.to_local()), name
+    return {"losses": ours}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8,microbatches,grads_made_in_capture",
+                         [(False, 1, False), (False, 2, True), (True, 2, True)],
+                         ids=["bf16", "bf16-mb2-fresh-grads", "fp8-mb2-fresh-grads"])
+def test_captured_forward_backward(gpu_pool_from_one, fp8, microbatches, grads_made_in_capture):
+    print(gpu_pool_from_one.run(_case_captured_forward_backward, fp8, microbatches, grads_made_in_capture)[0])

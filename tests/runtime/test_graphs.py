@@ -1,6 +1,6 @@
 """mfsdp_ext.graphed on the CPU: it runs the step eagerly with one warning (the same numbers), and the key that
 decides a new capture sees what a graph depends on. Capture and replay against eager steps, bit for bit, are GPU
-tests (tests/test_gpu.py::test_graphed_whole_step)."""
+tests (test_graphed_whole_step and test_graphed_two_optimizers at the end)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,16 @@ import gc
 import warnings
 import weakref
 
+import pytest
 import torch
 import torch.distributed as dist
 
 import mfsdp_ext
-from mfsdp_ext import fully_shard
+from mfsdp_ext import MixedPrecisionPolicy, fully_shard
 from mfsdp_ext.graphs import GraphedStep
 
 from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, lm_train_step, rank_device, shard_tiny_lm
+from tests.runtime.test_capture import _accumulate
 
 
 def _case_cpu_runs_eagerly():
@@ -200,3 +202,114 @@ def test_cpu_runs_eagerly(cpu_pool):
 
 def test_key_sees_what_a_graph_depends_on(cpu_pool):
     print(cpu_pool.run(_case_key_sees_what_a_graph_depends_on)[0])
+
+
+# ----------------------------------------------------------------------------------------------- GPU: graphed steps
+def _case_graphed_whole_step(fp8: bool, microbatches: int, optimizer: str):
+    """mfsdp_ext.graphed over the whole step (forward, backward with microbatches, clipping-free AdamW/SGD step with
+    a scheduler changing the lr every step, zero_grad): 20 graphed steps equal 20 eager steps of a twin bit for
+    bit (losses and fp32 shards). The graph holds the forward's first two units gathered across replays; an
+    evaluation between graphed steps runs eagerly and leaves the graph valid; a write to a held unit's weights
+    outside the graph is seen: the next call captures again (2 captures in all), holding none from then on."""
+    import mfsdp_ext
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                  fp8=mfsdp_ext.Fp8Policy() if fp8 else None)
+    torch.manual_seed(13)
+    base = TinyLM(vocab=64, dim=64, ffn=128, n_layers=3, tie=False).to(rank_device())
+    models = [shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=policy) for _ in range(2)]
+    make = (lambda m: mfsdp_ext.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1)) if optimizer == "adamw" \
+        else (lambda m: mfsdp_ext.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9))
+    opts = [make(m) for m in models]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in opts]
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+    def make_step(model, opt):
+        def train_step(tokens, targets):
+            total = _accumulate(model, tokens, targets, microbatches)
+            opt.step()
+            opt.zero_grad()
+            return total
+        return train_step
+
+    graphed = mfsdp_ext.graphed(make_step(models[0], opts[0]), warmup=2)
+    eager = make_step(models[1], opts[1])
+    ours, theirs, evaluated, held = [], [], [], []
+    for step in range(20):
+        tokens, targets = (t.chunk(world)[rank] for t in batch(step, 32 * world, seq=16, vocab=64))
+        if step == 8:  # evaluation between graphed steps
+            for m in models:
+                m.eval()
+                with torch.no_grad():
+                    evaluated.append(lm_loss(m, tokens, targets).item())
+                m.train()
+        if step == 12:  # a hand-written update of the root's (a held unit's) weights, outside the graph
+            with torch.no_grad():
+                for m in models:
+                    m.emb.weight.mul_(0.5)
+        ours.append(graphed(tokens, targets).item())
+        theirs.append(eager(tokens, targets).item())
+        for s in scheds:
+            s.step()
+        if step == 5:
+            held = [u.name for u in models[0]._mfsdp_unit.context.units if u.held_for_graph]
+    assert len(held) == 2, held
+    assert graphed.captures == 2 and not graphed.hold_first_units, (graphed.captures, graphed.hold_first_units)
+    assert evaluated[0] == evaluated[1], evaluated
+    assert ours == theirs, (ours, theirs)
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(p.to_local(), q.to_local()), name
+    assert opts[0].state_dict()["state"].keys() == opts[1].state_dict()["state"].keys()
+    return {"first": ours[:3], "last": ours[-1]}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8,microbatches,optimizer", [(False, 1, "adamw"), (False, 2, "sgd"), (True, 2, "adamw")],
+                         ids=["bf16-adamw", "bf16-mb2-sgd", "fp8-mb2-adamw"])
+def test_graphed_whole_step(gpu_pool_from_one, fp8, microbatches, optimizer):
+    print(gpu_pool_from_one.run(_case_graphed_whole_step, fp8, microbatches, optimizer)[0])
+
+
+def _case_graphed_two_optimizers():
+    """A graphed step with two optimizers, the blocks' stepped first and the root's after it: the first one's step
+    gathers the held units before the second has updated the root, and the graph's end gathers the root again.
+    10 graphed steps equal an eager twin's bit for bit, with one capture and two units held."""
+    import mfsdp_ext
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(19)
+    base = TinyLM(vocab=64, dim=64, ffn=128, n_layers=3, tie=False).to(rank_device())
+    models = [shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=policy) for _ in range(2)]
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+    def make_step(model):
+        blocks = [p for n, p in model.named_parameters() if n.startswith("blocks.")]
+        root = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
+        first, second = mfsdp_ext.optim.AdamW(blocks, lr=1e-3), mfsdp_ext.optim.AdamW(root, lr=2e-3)
+
+        def train_step(tokens, targets):
+            loss = lm_loss(model, tokens, targets)
+            loss.backward()
+            for opt in (first, second):
+                opt.step()
+                opt.zero_grad()
+            return loss.detach()
+        return train_step
+
+    graphed, eager = mfsdp_ext.graphed(make_step(models[0]), warmup=2), make_step(models[1])
+    ours, theirs = [], []
+    for step in range(10):
+        tokens, targets = (t.chunk(world)[rank] for t in batch(step, 32 * world, seq=16, vocab=64))
+        ours.append(graphed(tokens, targets).item())
+        theirs.append(eager(tokens, targets).item())
+    held = [u.name for u in models[0]._mfsdp_unit.context.units if u.held_for_graph]
+    assert graphed.captures == 1 and len(held) == 2, (graphed.captures, held)
+    assert ours == theirs, (ours, theirs)
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(p.to_local(), q.to_local()), name
+    return {"losses": ours[-3:], "held": held}
+
+
+@pytest.mark.gpu
+def test_graphed_two_optimizers(gpu_pool_from_one):
+    print(gpu_pool_from_one.run(_case_graphed_two_optimizers)[0])

@@ -1,4 +1,5 @@
-"""Sharding strategies, microbatches, activation checkpointing and HSDP on gloo ranks.
+"""Sharding strategies, microbatches, activation checkpointing and HSDP on gloo ranks (the strategy matrix, the weight
+sync and HSDP also on GPUs: the GPU tests at the end).
 
 Parity is against a single-process model on the same global batches; collective counts are read by wrapping
 mfsdp_ext.comm.dist_ops (the only place the plain path issues collectives from).
@@ -24,6 +25,7 @@ from mfsdp_ext.interop.checkpoint import full_state_dict
 
 from mfsdp_ext.testing.models import (TinyLM, batch, intercept_collectives, lm_loss, rank_device, rel_err,
                                       shard_tiny_lm, train)
+from tests.conftest import get_pool
 from tests.test_fully_shard import GLOBAL_BATCH, STEPS, _compare_params
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -650,3 +652,20 @@ def test_fsdp2_unshard_in_backward(cpu_pool):
 @pytest.mark.parametrize("reduce_scatter_unused", [True, False], ids=["zero_grads", "no_grads"])
 def test_unused_params(cpu_pool, reduce_scatter_unused):
     print(cpu_pool.run(_case_unused_params, reduce_scatter_unused)[0])
+
+
+# ----------------------------------------------------------------------------------------------- GPU (NCCL)
+@pytest.mark.gpu
+def test_gpu_strategy_matrix(gpu_pool):
+    for line in gpu_pool.run(_case_strategy_matrix)[0].items():
+        print(*line)
+
+
+@pytest.mark.gpu
+def test_gpu_weight_sync_once_per_step(gpu_pool):
+    print(gpu_pool.run(_case_weight_sync_once_per_step, False)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_hsdp_2x2():
+    print(get_pool(4, "nccl").run(_case_hsdp, 3)[0])

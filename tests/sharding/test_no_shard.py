@@ -1,4 +1,5 @@
-"""mfsdp_ext.no_shard: marked parameters stay replicated (gloo ranks), against a single-process model."""
+"""mfsdp_ext.no_shard: marked parameters stay replicated (gloo ranks; on 2 GPUs: the GPU test at the end), against a
+single-process model."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from mfsdp_ext import FsdpModule, MixedPrecisionPolicy, fully_shard, microbatch, no_shard, reset_parameters
 
 from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, train
+from tests.conftest import get_pool
 from tests.test_fully_shard import GLOBAL_BATCH, STEPS, _compare_params
 from tests.runtime.test_strategies import count_collectives
 
@@ -162,3 +164,9 @@ def test_no_shard_on_hsdp_mesh(microbatches):
     from tests.conftest import get_pool
 
     print(get_pool(4).run(_case_no_shard_hsdp, microbatches)[0])
+
+
+# ----------------------------------------------------------------------------------------------- GPU (NCCL)
+@pytest.mark.gpu
+def test_no_shard_parity():
+    print(get_pool(2, "nccl").run(_case_no_shard_parity, 3)[0])
