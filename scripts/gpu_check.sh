@@ -87,7 +87,7 @@ for stage in $stages; do
     noshard)  # what no_shard saves: a frozen 24-layer tower sharded vs marked (2 GPUs)
         run noshard timeout -k 10 150 torchrun --standalone --nproc-per-node 2 benchmarks/no_shard.py --out "$OUT" ;;
     fp8)  # FP8 activation quantizer, FP8 transpose and FP8 Linear: GPU tests, kernel bandwidths, Linear benchmark
-        run fp8_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/fp8/test_fp8_kernels.py tests/fp8/test_fp8_linear.py
+        run fp8_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/fp8
         run fp8_kernels timeout -k 10 150 python3 benchmarks/kernels.py --parts quant,transpose --tag fp8 --out "$OUT"
         run fp8_linear timeout -k 10 150 python3 benchmarks/fp8_linear.py --out "$OUT"
         run fp8_host_cost timeout -k 10 90 python3 benchmarks/fp8_host_cost.py --out "$OUT" ;;
