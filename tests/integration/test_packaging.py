@@ -161,12 +161,13 @@ def test_sdist_wheel_just_in_time(tmp_path):
 
 
 def test_ahead_of_time_build_found_through_dotdot_path(tmp_path):
-    """A sys.path entry such as ``benchmarks/..`` (what the benchmarks insert) still finds the checkout's
-    ahead-of-time build: the loader compares real paths, so it does not compile a just-in-time copy instead."""
+    """A sys.path entry such as ``benchmarks/..`` (a user's script that puts its parent folder on sys.path; the
+    repository's own scripts no longer do) still finds the checkout's ahead-of-time build: the loader compares real
+    paths, so it does not compile a just-in-time copy instead."""
     package = os.path.join(ROOT, "mfsdp_ext")
     if not any(f.startswith("_C.") and f.endswith(".so") for f in os.listdir(package)):
         pytest.skip("this checkout has no ahead-of-time build (bash scripts/install.sh makes one)")
-    # inserted at run time as the benchmarks do (site.py would normalise the same entry given in PYTHONPATH)
+    # inserted at run time, as such a script does (site.py would normalise the same entry given in PYTHONPATH)
     code = f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'benchmarks', '..')!r})\n" + _IMPORT
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "cache")}
     env.pop("LOCAL_RANK", None)
