@@ -49,11 +49,12 @@ def install_counters(path: str) -> None:
 
     fsdp2_group.foreach_reduce, fsdp2_group.foreach_all_gather = foreach_reduce, foreach_all_gather
 
+    from mfsdp_ext.runtime import root as root_duties
     from mfsdp_ext.runtime.reduction import GradReduction
     from mfsdp_ext.runtime.unit import FsdpUnit
 
     reduce_groups, reduce_one = GradReduction.reduce_groups, GradReduction.reduce
-    unshard, final_callback = FsdpUnit.unshard, FsdpUnit._final_callback
+    unshard, final_callback = FsdpUnit.unshard, root_duties.final_callback  # looked up when a backward queues it
     backward = [0]  # the backwards seen: a unit reducing some groups early and the rest at its post-backward
     reduced = set()  # reduces once in that backward, as FSDP2's one reduce-scatter of the unit's group
 
@@ -72,8 +73,8 @@ def install_counters(path: str) -> None:
         note_reduction(self, ctx, [g])
         return reduce_one(self, ctx, g, *a, **k)
 
-    def counted_final_callback(self):
-        out = final_callback(self)
+    def counted_final_callback(root):
+        out = final_callback(root)
         backward[0] += 1
         return out
 
@@ -85,7 +86,7 @@ def install_counters(path: str) -> None:
         return out
 
     GradReduction.reduce_groups, GradReduction.reduce = counted_reduce_groups, counted_reduce
-    FsdpUnit.unshard, FsdpUnit._final_callback = counted_unshard, counted_final_callback
+    FsdpUnit.unshard, root_duties.final_callback = counted_unshard, counted_final_callback
     del torch
 
 
