@@ -64,7 +64,9 @@ def _run(tmp, name: str, script: str, *args: str, counts: bool = False, env: dic
     if counts:
         cmd += [PROBE, os.path.join(tmp, f"{name}.counts")]
     cmd += [os.path.join(EXAMPLES, script), *args, "--metrics", metrics]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {}),
+                # this checkout's mfsdp_ext, whatever is installed (as tests/integration/test_main_job.py)
+                "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     t0 = time.time()
     out = subprocess.run(cmd, cwd=tmp, env=full_env, capture_output=True, text=True, timeout=timeout)
     log = out.stdout + out.stderr
