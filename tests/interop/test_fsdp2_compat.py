@@ -290,9 +290,10 @@ def test_as_fsdp2_runs_a_module(tmp_path):
         assert __name__ == "__main__" and sys.argv[1:] == ["--flag", "x"], (__name__, sys.argv)
         print("switched" if fully_shard is mfsdp_ext.fully_shard else "not switched")
     """))
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(mfsdp_ext.__file__)))  # the package tested here
     out = subprocess.run([sys.executable, "-m", "mfsdp_ext.as_fsdp2", "uses_fsdp2", "--flag", "x"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120,
-                         env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), package_root])})
     assert out.returncode == 0 and out.stdout.strip() == "switched", (out.stdout, out.stderr)
 
 
