@@ -23,7 +23,7 @@ method ran (ncclSymk* = NCCL's symmetric kernels). Rank 0 writes collectives_<N>
     torchrun --nproc-per-node N benchmarks/collectives.py --units --out DIR
 
 --units instead measures one fully_shard unit's collectives at the unit sizes of benchmarks/step.py's configs 1-4
-(a Llama block of examples/gpt.py and the root's embedding + norm + head; bf16 all-gather, fp32 reduce-scatter),
+(a Llama block of mfsdp_ext.testing.gpt and the root's embedding + norm + head; bf16 all-gather, fp32 reduce-scatter),
 laid out by mfsdp_ext.core.layout.FlatLayout and called as fully_shard calls them, against the alternatives:
   AG grouped per parameter  ours: one all-gather per parameter, one NCCL group, each into its place (no copy)
   AG flat                   one flat all-gather of the same bytes (rank-major: the parameters come out split)
@@ -361,9 +361,8 @@ def write_report(out_dir, world, meta, results, kernels, skipped):
 # one unit's collectives, as fully_shard issues them (--units)
 # ----------------------------------------------------------------------------------------------
 def unit_shapes() -> dict:
-    """{unit name: parameter shapes} for the units of benchmarks/step.py's configs 1-4 (examples/gpt.py)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    import gpt
+    """{unit name: parameter shapes} for the units of benchmarks/step.py's configs 1-4 (mfsdp_ext/testing/gpt.py)."""
+    from mfsdp_ext.testing import gpt
 
     units = {}
     for dim, ffn in ((2048, 5632), (1024, 2816), (4096, 11008)):

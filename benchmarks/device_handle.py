@@ -8,17 +8,13 @@ stream. "torch.cuda" writes it with torch.cuda.current_stream(device) and torch.
 microseconds per sequence; also one current_stream call alone.
 """
 
-import os
 import statistics
 import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
-import kernels as K  # noqa: E402  (time_host)
-from mfsdp_ext.core.device import DeviceHandle  # noqa: E402
+import kernels as K  # (time_host) benchmarks/kernels.py: this script's folder
+from mfsdp_ext.core.device import DeviceHandle
 
 
 def torch_cuda_sequence(device: torch.device, side: torch.cuda.Stream):

@@ -22,12 +22,7 @@ memory traffic, so both are lower bounds. The rates of each machine come from th
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # machine -> (world, dense bf16 TFLOP/s, all-gather bus GB/s, reduce-scatter bus GB/s, copy GB/s, where from)
 MACHINES = {
@@ -43,7 +38,7 @@ MACHINES = {
 def param_count(cfg) -> int:
     import torch
 
-    import gpt
+    from mfsdp_ext.testing import gpt
 
     with torch.device("meta"):
         model = gpt.GPT(cfg)
@@ -51,8 +46,8 @@ def param_count(cfg) -> int:
 
 
 def floor(config_id: int, machine: str, regather: bool = True, compute_ms: float | None = None) -> dict:
-    import gpt
-    from step import CONFIGS
+    from mfsdp_ext.testing import gpt
+    from step import CONFIGS  # benchmarks/step.py: this script's folder
 
     world, tflops, ag_gbs, rs_gbs, copy_gbs, _ = MACHINES[machine]
     bc = CONFIGS[config_id]

@@ -3,8 +3,8 @@
     python benchmarks/fp8_linear.py [--out DIR] [--tokens 1024,4096] [--reps N]
     python benchmarks/fp8_linear.py --device cpu --tokens 32 --reps 2 --out /tmp/x   # smoke test of the script
 
-Shapes: config 4 of benchmarks/step.py (d_model 4096, ffn 11008, the Llama block of examples/gpt.py): wq / wk / wv
-/ wo 4096 -> 4096, w1 / w3 4096 -> 11008, w2 11008 -> 4096, no bias, bf16 weights and activations, at 1024 and 4096
+Shapes: config 4 of benchmarks/step.py (d_model 4096, ffn 11008, the Llama block of mfsdp_ext/testing/gpt.py): wq / wk
+/ wv / wo 4096 -> 4096, w1 / w3 4096 -> 11008, w2 11008 -> 4096, no bias, bf16 weights and activations, at 1024 and 4096
 tokens. "block" sums the seven layers of one block (4 x attention + 2 x up + down).
 
 Variants (same weights, inputs and output gradients):
@@ -41,9 +41,7 @@ import torch
 import torch.nn as nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, HERE)
-import kernels as K  # noqa: E402  (time_gpu, gpu_tag)
+import kernels as K  # noqa: E402  (time_gpu, gpu_tag) benchmarks/kernels.py: this script's folder
 from mfsdp_ext import _native as N  # noqa: E402
 from mfsdp_ext.fp8.linear import Fp8LinearConfig, to_fp8_linear  # noqa: E402
 from mfsdp_ext.fp8.tensor import E4M3, E5M2, quantize  # noqa: E402

@@ -32,9 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-import gpt  # noqa: E402
+from mfsdp_ext.testing import gpt
 
 SHAPES = {
     "tiny": dict(n_layers=48, dim=32, ffn_dim=64, n_heads=1, vocab_size=256, seq=16),

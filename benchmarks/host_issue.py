@@ -15,23 +15,19 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gpt  # noqa: E402
-import step as step_bench  # noqa: E402
+import step as step_bench  # benchmarks/step.py: this script's folder
 
-import mfsdp_ext  # noqa: E402
-import mfsdp_ext.optim  # noqa: E402
+import mfsdp_ext
+import mfsdp_ext.optim
+from mfsdp_ext.testing import gpt
 
 
 def policy(variant: str) -> mfsdp_ext.MixedPrecisionPolicy:

@@ -38,9 +38,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from mfsdp_ext import _native as N  # noqa: E402
-from mfsdp_ext.core.layout import ALIGN_ELEMS, align_up  # noqa: E402
+from mfsdp_ext import _native as N
+from mfsdp_ext.core.layout import ALIGN_ELEMS, align_up
 
 E4M3 = torch.float8_e4m3fn
 DEVICE = "cuda"  # --device cpu: a smoke test of this script on a machine without a GPU (numbers meaningless)

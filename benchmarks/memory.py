@@ -20,15 +20,14 @@ import collections
 import json
 import linecache
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
+import step as step_bench  # benchmarks/step.py: this script's folder
+from mfsdp_ext.testing import gpt
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import step as step_bench  # noqa: E402  (also puts examples/ on sys.path)
-import gpt  # noqa: E402
 
 GIB = 2**30
 

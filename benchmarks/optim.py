@@ -26,24 +26,20 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.nn as nn
 
+from step import CONFIGS, TINY_CONFIGS  # benchmarks/step.py: this script's folder
+
+from mfsdp_ext import _native
+from mfsdp_ext.core.device import cuda_median_ms
+from mfsdp_ext.core.flat_buffer import FlatBuffer
+from mfsdp_ext.core.layout import FlatLayout
+from mfsdp_ext.testing import gpt
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-
-import gpt  # noqa: E402
-from step import CONFIGS, TINY_CONFIGS  # noqa: E402
-
-from mfsdp_ext import _native  # noqa: E402
-from mfsdp_ext.core.device import cuda_median_ms  # noqa: E402
-from mfsdp_ext.core.flat_buffer import FlatBuffer  # noqa: E402
-from mfsdp_ext.core.layout import FlatLayout  # noqa: E402
 
 WORLD, RANK = 2, 0
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

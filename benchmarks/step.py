@@ -6,7 +6,7 @@
     torchrun --nproc-per-node 2 benchmarks/step.py --impls ours,ours_fp8,fsdp2,fsdp2_float8 --out benchmarks/results
     torchrun --nproc-per-node 4 benchmarks/step.py --tp 2 --configs 1,6 --impls ours_fused,fsdp2_fused --out ...
 
-``--tp N``: a (dp, tp) mesh; every block tensor-parallel over "tp" (examples/gpt.py's tensor_parallel: colwise q/k/v
+``--tp N``: a (dp, tp) mesh; every block tensor-parallel over "tp" (mfsdp_ext.testing.gpt's tensor_parallel: colwise q/k/v
 and gate/up, rowwise o and down), then fully_shard over "dp" for both implementations; the ranks of one dp group
 read the same batch. FP8 variants and the floor are not run with it.
 
@@ -17,7 +17,7 @@ linear layers; the lm-head stays bf16); ``fsdp2_float8`` is FSDP2 on a model con
 excluded, before ``fully_shard``; ``precompute_float8_dynamic_scale_for_fsdp(model)`` after each optimizer
 step), skipped with a note when torchao is not importable. Both need ``--dtype bf16``.
 
-Model: the Llama-style decoder of examples/gpt.py (RMSNorm, causal SDPA, SwiGLU, rotary, vocab 32000,
+Model: the Llama-style decoder of mfsdp_ext/testing/gpt.py (RMSNorm, causal SDPA, SwiGLU, rotary, vocab 32000,
 n_heads = dim / 128), fp32 master weights, bf16 compute, fp32 gradient reduction
 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` for both), AdamW, one ``fully_shard`` unit
 per block plus the root.
@@ -52,7 +52,6 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 import traceback
 import warnings
@@ -63,10 +62,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+import timeline  # benchmarks/timeline.py: this script's folder
+from mfsdp_ext.testing import gpt
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-import gpt  # noqa: E402
-import timeline  # noqa: E402  (benchmarks/, the script's own folder)
 
 warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
 

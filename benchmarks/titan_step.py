@@ -35,7 +35,15 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "frameworks", "torchtitan_train.py")
+ASSETS_SCRIPT = os.path.join(ROOT, "examples", "frameworks", "titan_assets.py")
 GIB = 1024 ** 3
+
+
+def make_assets(path: str) -> None:
+    """The tokenizer and corpus torchtitan_train.py reads (TITAN_DOCS documents, default 4000), unless already in
+    ``path``: examples/frameworks/titan_assets.py, run as a script."""
+    subprocess.run([sys.executable, ASSETS_SCRIPT, path, os.environ.get("TITAN_DOCS", "4000")], check=True,
+                   stdout=subprocess.DEVNULL)
 
 
 def run_logged(cmd: list, env: dict, log_path: str, timeout: float) -> tuple:
@@ -209,10 +217,7 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     args.assets = args.assets or os.path.join(args.out, "titan_assets")
     t_start = time.time()
-    sys.path.insert(0, os.path.dirname(SCRIPT))
-    import titan_assets
-
-    titan_assets.make_assets(args.assets, n_docs=int(os.environ.get("TITAN_DOCS", "4000")))
+    make_assets(args.assets)
     impls = [i for i in args.impls.split(",") if i]
     layers = args.layers
     while True:

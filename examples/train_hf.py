@@ -18,15 +18,13 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import sys
 import warnings
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gpt  # noqa: E402  (examples/gpt.py: process group set-up and the FSDP glue)
-import training  # noqa: E402  (examples/training.py: the training loop, data, checkpoints)
+import training  # examples/training.py (this script's folder): the training loop, data, checkpoints
+from mfsdp_ext.testing import gpt  # process group set-up and the FSDP glue
 
 warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
 

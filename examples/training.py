@@ -23,8 +23,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-import checkpointing
-import gpt
+import checkpointing  # examples/checkpointing.py, beside this file (on sys.path: the examples run as scripts)
+from mfsdp_ext.testing import gpt
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -11,13 +11,16 @@ functions, so it works wherever in a script it is called before the model is sha
 
 or, for a framework's own entry point, ``python -m mfsdp_ext.as_fsdp2 MODULE [ARGS]`` (under torchrun: ``torchrun
 --nproc-per-node 8 -m mfsdp_ext.as_fsdp2 torchtitan.train ...``) switches, then runs MODULE as ``python -m``
-would. Our units are ``torch.distributed.fsdp.FSDPModule`` instances and ``fully_shard`` takes torch's
-``MixedPrecisionPolicy`` and ``OffloadPolicy``, so the frameworks' checks and calls find what they expect.
+would; ``python -m mfsdp_ext.as_fsdp2 path/to/SCRIPT.py [ARGS]`` runs a script as ``python SCRIPT.py`` would (its
+folder first on sys.path, so its sibling modules import). Our units are ``torch.distributed.fsdp.FSDPModule``
+instances and ``fully_shard`` takes torch's ``MixedPrecisionPolicy`` and ``OffloadPolicy``, so the frameworks'
+checks and calls find what they expect.
 ``MixedPrecisionPolicy`` keeps its name: torch's policy objects are mapped onto ours.
 """
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 from collections.abc import Callable
@@ -74,11 +77,31 @@ def use_as_fsdp2() -> Fsdp2Switch:
     return Fsdp2Switch(replaced)
 
 
+def run_script(path: str, argv: list[str]) -> None:
+    """Run the file ``path`` as ``python path ARGS`` does: as ``__main__``, with ``sys.argv = [path, *argv]`` and the
+    script's folder (symbolic links resolved) first on sys.path, where its sibling modules are found (runpy alone
+    does not put it there). For launchers: ``python -m mfsdp_ext.as_fsdp2 SCRIPT.py``, and wrappers that run a
+    script after setting something up (the tests' probes)."""
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.realpath(path)))
+    runpy.run_path(path, run_name="__main__")
+
+
+_USAGE = ("usage: python -m mfsdp_ext.as_fsdp2 MODULE | SCRIPT.py [ARGS...]\n"
+          "  switches torch.distributed.fsdp.fully_shard to mfsdp_ext's, then runs MODULE as python -m would, or\n"
+          "  SCRIPT.py (a path ending in .py) as python SCRIPT.py would")
+
+
 def _main(argv: list[str]) -> None:
+    if argv and argv[0] in ("-h", "--help"):
+        print(_USAGE)
+        return
     if not argv or argv[0].startswith("-"):
-        raise SystemExit("usage: python -m mfsdp_ext.as_fsdp2 MODULE [ARGS...]   (runs MODULE as python -m would, "
-                         "with torch.distributed.fsdp.fully_shard switched to mfsdp_ext's)")
+        raise SystemExit(_USAGE)
     use_as_fsdp2()
+    if argv[0].endswith(".py"):
+        run_script(argv[0], argv[1:])
+        return
     sys.argv = argv
     runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
 

@@ -45,8 +45,8 @@ for stage in $stages; do
         nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
         # always: an older _C may be left from an earlier build, and the build is incremental
         run build env MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e . ;;
-    tests) run tests timeout -k 10 420 python3 -m pytest -m gpu -q -s tests/test_gpu.py tests/test_kernels.py tests/test_symm_mem.py tests/test_device.py \
-               tests/test_optim.py tests/test_fp8_training.py ;;
+    tests)  # every GPU test but the FP8 kernels' and Linear's (tests/fp8/: the fp8 stage)
+        run tests timeout -k 10 420 python3 -m pytest -m gpu -q -s tests --ignore=tests/fp8 ;;
     optim)  # the fused AdamW step over configs 1 and 3's shards vs torch's foreach and fused AdamW, vs the bandwidth bound (1 GPU)
         run optim timeout -k 10 200 python3 benchmarks/optim.py --configs 1,3 --out "$OUT" ;;
     kernels) run kernels python3 benchmarks/kernels.py --out "$OUT" ;;
@@ -60,7 +60,7 @@ for stage in $stages; do
     nd)  # N-D layouts: Shard(1) placements on every collective path, then tensor parallel 2 x FSDP 2 (4 GPUs), fused
          # AdamW on both sides, configs 1 and 6 (step_4gpu_tp2.md)
         [[ " $stages " == *" tests "* ]] ||  # the tests stage runs them too
-            run nd_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/test_gpu.py -k "shard_dim1"
+            run nd_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/sharding/test_shard_placement.py
         run nd_step timeout -k 10 300 torchrun --standalone --nproc-per-node 4 benchmarks/step.py --tp 2 \
             --configs 1,6 --impls ours_fused,fsdp2_fused --steps 6 --warmup 2 --init meta --out "$OUT" ;;
     step6)  # real size: the Llama-3-8B shape, seq 8192, activation checkpointing per block; MFU, bf16 and FP8 (2 GPUs)
@@ -87,7 +87,7 @@ for stage in $stages; do
     noshard)  # what no_shard saves: a frozen 24-layer tower sharded vs marked (2 GPUs)
         run noshard timeout -k 10 150 torchrun --standalone --nproc-per-node 2 benchmarks/no_shard.py --out "$OUT" ;;
     fp8)  # FP8 activation quantizer, FP8 transpose and FP8 Linear: GPU tests, kernel bandwidths, Linear benchmark
-        run fp8_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/test_fp8_kernels.py tests/test_fp8_linear.py
+        run fp8_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/fp8
         run fp8_kernels timeout -k 10 150 python3 benchmarks/kernels.py --parts quant,transpose --tag fp8 --out "$OUT"
         run fp8_linear timeout -k 10 150 python3 benchmarks/fp8_linear.py --out "$OUT"
         run fp8_host_cost timeout -k 10 90 python3 benchmarks/fp8_host_cost.py --out "$OUT" ;;
@@ -111,12 +111,14 @@ for stage in $stages; do
     fp8host)  # host time per FP8 Linear piece, and the profile of the whole layers (1 GPU)
         run fp8_host_cost timeout -k 10 120 python3 benchmarks/fp8_host_cost.py --profile --out "$OUT" ;;
     fp8train)  # Fp8Policy in fully_shard: FP8 vs bf16 training, FP8 all-gather bytes; step time vs bf16 / torchao
-        run fp8train_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/test_fp8_training.py
+        run fp8train_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/params/test_fp8_training.py
         run fp8train_step timeout -k 10 240 torchrun --standalone --nproc-per-node 2 benchmarks/step.py \
             --configs 2,3 --impls ours,ours_fp8,fsdp2,fsdp2_float8 --out "$OUT/fp8_step" ;;
     native)  # native_collectives=True (our own NCCL communicator) vs torch.distributed's: GPU tests, steps of
              # configs 1-5 (bf16) and 1, 4 (FP8, with FSDP2 + torchao float8: see fp8step) with the fused optimizer
-        run native_tests timeout -k 10 200 python3 -m pytest -m gpu -q -s tests/test_gpu.py -k "native or symm"
+        run native_tests timeout -k 10 200 python3 -m pytest -m gpu -q -s tests/comm/test_native_collectives.py \
+            tests/comm/test_symm_mem.py tests/sharding/test_shard_placement.py tests/comm/test_reduce_comm_dtype.py \
+            -k "(native or symm) and not grouped_collectives and not symmetric_collectives"
         run native_step timeout -k 10 300 torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" \
             benchmarks/step.py --configs 1,4,2,3,5 --impls ours_fused,fsdp2 --extra-fused native_collectives=True \
             --steps 10 --warmup 3 --out "$OUT/native_step"
@@ -135,7 +137,7 @@ for stage in $stages; do
            # fp32 reduce-scatter (MixedPrecisionPolicy(reduce_comm_dtype=float32)): GPU tests, one unit's collectives,
            # steps of configs 4, 1, 5 (FP8: stage wirefp8)
         n=$(nvidia-smi -L | wc -l)
-        run wire_tests timeout -k 10 200 python3 -m pytest -m gpu -q -s tests/test_gpu.py -k bf16_wire
+        run wire_tests timeout -k 10 200 python3 -m pytest -m gpu -q -s tests/comm/test_reduce_comm_dtype.py -k bf16_wire
         run wire_units timeout -k 10 150 torchrun --standalone --nproc-per-node "$n" benchmarks/collectives.py --units \
             --out "$OUT/wire_units"
         run wire_step timeout -k 10 300 torchrun --standalone --nproc-per-node "$n" benchmarks/step.py \
@@ -182,7 +184,7 @@ for stage in $stages; do
     race)  # the failed-step race: its GPU tests RACE_RUNS times, then the race test once with the fix
            # undone (unit.py edited here, restored after), where it must fail
         for i in $(seq "${RACE_RUNS:-3}"); do
-            run race$i timeout -k 10 120 python3 -m pytest -m gpu -q -s tests/test_gpu.py -k "gather_in_flight or failed_step"
+            run race$i timeout -k 10 120 python3 -m pytest -m gpu -q -s tests/test_robustness.py -k "gather_in_flight or failed_step"
         done
         cp mfsdp_ext/unit.py "$OUT/unit.py.fixed"
         python3 - <<'EOF'
@@ -192,12 +194,14 @@ kept = "instead of reading the buffer early\n            unit.show_sharded_param
 assert s.count(kept) == 1, "the abandoned-iteration code moved: update this stage"
 open(p, "w").write(s.replace(kept, kept + "            unit.unshard_event = None  # the fix undone\n"))
 EOF
-        run race_unfixed_must_fail bash -c '! timeout -k 10 120 python3 -m pytest -m gpu -q -s tests/test_gpu.py -k gather_in_flight'
+        run race_unfixed_must_fail bash -c '! timeout -k 10 120 python3 -m pytest -m gpu -q -s tests/test_robustness.py -k gather_in_flight'
         cp "$OUT/unit.py.fixed" mfsdp_ext/unit.py ;;
     graphs)  # CUDA graphs: capture/replay tests (unless the tests stage ran them), and the captured step rows, bf16
              # and FP8, on every GPU here (GRAPH_PROBE=1: also the per-feature probe, 2 GPUs)
         [[ " $stages " == *" tests "* ]] ||
-            run graph_tests timeout -k 10 200 python3 -m pytest -m gpu -q tests/test_gpu.py -k "captured or graphed or cuda_graph"
+            run graph_tests timeout -k 10 200 python3 -m pytest -m gpu -q tests/runtime/test_capture.py \
+                tests/runtime/test_graphs.py tests/comm/test_symm_mem.py tests/integration/test_main_job.py \
+                -k "captured or graphed or cuda_graph"
         [ -n "${GRAPH_PROBE:-}" ] &&
             run graph_probe timeout -k 10 300 torchrun --standalone --nproc-per-node 2 scripts/graph_probe.py
         run graph_step timeout -k 10 420 torchrun --standalone --nproc-per-node "${GRAPH_GPUS:-$(nvidia-smi -L | wc -l)}" \
@@ -228,7 +232,7 @@ ours_graphed,ours_fp8_fused,ours_fp8_captured,ours_fp8_graphed --steps 10 --warm
         n=${GRAPH_GPUS:-$(nvidia-smi -L | wc -l)}
         both=copy_engine_all_gather=True,copy_engine_reduce_scatter=True
         [[ " $stages " == *" tests "* ]] ||
-            run ce_tests timeout -k 10 150 python3 -m pytest -m gpu -q tests/test_gpu.py -k "copy_engines"
+            run ce_tests timeout -k 10 150 python3 -m pytest -m gpu -q tests/comm/test_copy_engine.py -k "copy_engines"
         for configs in 3,1 2,4,5; do
             run ce_step_$configs timeout -k 10 240 torchrun --standalone --nproc-per-node "$n" benchmarks/step.py \
                 --configs $configs --impls fsdp2_captured,ours_captured,ours_graphed --extra-captured $both \
@@ -259,7 +263,8 @@ ours_graphed,ours_fp8_fused,ours_fp8_captured,ours_fp8_graphed --steps 10 --warm
     graphhold)  # the whole-step graph with its first units held across replays vs gathered at each replay's start
                 # (hold_first_units=False), bf16 and FP8, config 4 (GRAPH_GPUS or all); its tests unless tests ran
         [[ " $stages " == *" tests "* ]] ||
-            run graph_tests timeout -k 10 150 python3 -m pytest -m gpu -q tests/test_gpu.py -k "graphed_whole_step or graphed_two_optimizers or release_symmetric_memory_graphed"
+            run graph_tests timeout -k 10 150 python3 -m pytest -m gpu -q tests/runtime/test_graphs.py \
+                tests/comm/test_symm_mem.py -k "graphed_whole_step or graphed_two_optimizers or release_symmetric_memory_graphed"
         run graph_hold timeout -k 10 150 torchrun --standalone --nproc-per-node "${GRAPH_GPUS:-$(nvidia-smi -L | wc -l)}" \
             benchmarks/step.py --configs "${GRAPH_CONFIGS:-4}" --impls fsdp2_captured,ours_graphed_unheld,ours_graphed,\
 ours_fp8_graphed_unheld,ours_fp8_graphed --no-floor --steps 10 --warmup 3 --out "$OUT/graph_hold" ;;

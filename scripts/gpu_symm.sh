@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# NCCL symmetric memory on a GPU machine: the GPU tests of tests/test_symm_mem.py, then the collectives
-# benchmark (ours vs plain torch vs torch's symmetric pool) on 2 GPUs and, when present, on 4.
+# NCCL symmetric memory on a GPU machine: the collectives' GPU test
+# (tests/comm/test_symm_mem.py::test_symmetric_collectives; fully_shard on symmetric memory, the other GPU tests of that
+# file, runs in gpu_check.sh's tests stage), then the collectives benchmark (ours vs plain torch vs torch's symmetric
+# pool) on 2 GPUs and, when present, on 4.
 # The extension must be built first (scripts/gpu_check.sh build, or pip install --no-build-isolation --no-deps -e .).
 # SKIP_PYTEST=1 runs the benchmark only.
 #
@@ -34,8 +36,8 @@ print("symm_comm_build_info:", _C.symm_comm_build_info())
 
 status=0
 if [ "${SKIP_PYTEST:-0}" != 1 ]; then
-    echo "== pytest -m gpu tests/test_symm_mem.py"
-    timeout -k 10 "$TEST_TIMEOUT" python3 -m pytest -m gpu -rs -q -s tests/test_symm_mem.py 2>&1 | tee "$OUT/symm_pytest.log"
+    echo "== pytest -m gpu tests/comm/test_symm_mem.py -k symmetric_collectives"
+    timeout -k 10 "$TEST_TIMEOUT" python3 -m pytest -m gpu -rs -q -s tests/comm/test_symm_mem.py -k symmetric_collectives 2>&1 | tee "$OUT/symm_pytest.log"
     rc=${PIPESTATUS[0]}
     [ "$rc" = 0 ] || { echo "!! pytest exited $rc"; status=1; }
 fi

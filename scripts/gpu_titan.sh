@@ -21,7 +21,7 @@
 #   bash scripts/gpu_titan.sh resume    the same, then torchtitan's checkpoint resume on 4 GPUs (about 8 minutes):
 #                                       its debug models in bf16, tensor parallel 2 and expert parallel 2, FSDP2 and
 #                                       ours resumed from their own and each other's checkpoints
-#                                       (scripts/titan_resume_check.py; bound: FSDP2 resumed from itself; the MoE runs
+#                                       (benchmarks/titan_resume_check.py; bound: FSDP2 resumed from itself; the MoE runs
 #                                       with torchtitan's --debug.deterministic: its token routing is otherwise not
 #                                       bit-reproducible on GPU); each of the two checks runs 6 torchtitan starts,
 #                                       80 s at most each; tables and logs to $OUT as nd's
@@ -52,15 +52,16 @@ if ! python3 -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m
 fi
 python3 -c "import mfsdp_ext; assert mfsdp_ext.build_info()['cuda']" 2>/dev/null ||
     env MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps -e . || exit 2
-python3 - <<'PY' || exit 2
-import sys, torch
-sys.path.insert(0, "examples/frameworks")
+# from examples/frameworks/, where titan_configs.py imports from (python - puts the working directory on sys.path)
+(cd examples/frameworks && python3 - <<'PY'
+import torch
 import torch.distributed.fsdp as f
 if not hasattr(f, "DataParallelMeshDims"):  # as torchtitan_train.py does on torch < 2.12
     f.DataParallelMeshDims = type("DataParallelMeshDims", (), {})
 import torchtitan.train, titan_configs, mfsdp_ext
 print("[gpu_titan] torch", torch.__version__, "torchtitan imports; mfsdp_ext", mfsdp_ext.build_info().get("build"))
 PY
+) || exit 2
 [ "${1:-}" = "--setup" ] && exit 0
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "${1:-}" = "nd" ]; then
@@ -86,11 +87,11 @@ if [ "${1:-}" = "resume" ]; then
           tar czf "$OUT/titan_resume_logs.tgz" -C "$WORK" --exclude resume_dumps --exclude titan_assets . ' EXIT
     rc=0
     [ "${TITAN_RESUME:-}" = moe ] || {  # TITAN_RESUME=tp2 / moe: that check only
-    timeout -k 10 270 python3 scripts/titan_resume_check.py --out "$WORK" --nproc 4 --config llama3_debug_gpu \
+    timeout -k 10 270 python3 benchmarks/titan_resume_check.py --out "$WORK" --nproc 4 --config llama3_debug_gpu \
         --tag tp2 --run-timeout 80 -- --parallelism.tensor_parallel_degree 2
     rc=$?; }
     [ "${TITAN_RESUME:-}" = tp2 ] && exit $rc
-    timeout -k 10 270 python3 scripts/titan_resume_check.py --out "$WORK" --nproc 4 --config qwen3_moe_debug_gpu \
+    timeout -k 10 270 python3 benchmarks/titan_resume_check.py --out "$WORK" --nproc 4 --config qwen3_moe_debug_gpu \
         --tag moe_ep2 --run-timeout 80 -- --parallelism.expert_parallel_degree 2 --debug.deterministic
     exit $(( rc || $? ))
 fi

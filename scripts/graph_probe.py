@@ -5,9 +5,9 @@
     python scripts/graph_probe.py --list                                 # the cases and what each expects
     torchrun --nproc-per-node 2 scripts/graph_probe.py --cpu-smoke       # the harness on CPU/gloo (no capture)
 
-Imports ``mfsdp_ext`` and ``examples/gpt.py`` from the mfsdp_ext checkout: ``--root PATH``, by default the
-repository this script lives in (then the current directory). The "expect" column says what each case is expected
-to do (docs/cuda_graphs.md describes the limits it probes).
+Imports ``mfsdp_ext`` (and its model, ``mfsdp_ext.testing.gpt``) as Python finds it: the installed package, or a
+checkout named by PYTHONPATH (``PYTHONPATH=CHECKOUT torchrun ...``; scripts/gpu_env.sh sets this repository). The
+"expect" column says what each case is expected to do (docs/cuda_graphs.md describes the limits it probes).
 
 For each case (a model config x an optimizer x a capture recipe), on every rank:
   1. build two identical sharded GPTs (same seed): ``model`` (to be graphed) and ``twin`` (eager throughout);
@@ -62,7 +62,7 @@ class Case:
     zero_to_none: bool = False  # fwdbwd: optimizer.zero_grad(set_to_none=...) after each step (whole: always True)
     fp8: bool = False  # MixedPrecisionPolicy(fp8=Fp8Policy(compute=True))
     micro: int = 1  # microbatches per step (mfsdp_ext.microbatch + set_requires_gradient_sync, gpt.grad_sync_context)
-    ac: str = ""  # "" | "rng" (examples/gpt.py's checkpoint: preserve_rng_state=True) | "norng"
+    ac: str = ""  # "" | "rng" (mfsdp_ext/testing/gpt.py's checkpoint: preserve_rng_state=True) | "norng"
     mesh: str = "1d"  # "1d" | "hsdp" (2 x world/2: replicate x shard)
     shard: dict = dataclasses.field(default_factory=dict)  # fully_shard keywords for every unit
     root: dict = dataclasses.field(default_factory=dict)  # ... for the root only (check_finite_grads)
@@ -314,25 +314,13 @@ def sync_scan(records: list):
 
 
 # ---------------------------------------------------------------------------------------------- model and step
-def setup_paths(root: str | None) -> str:
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository holding scripts/
-    candidates = [root, here, os.getcwd()]
-    for c in candidates:
-        if c and os.path.isdir(os.path.join(c, "mfsdp_ext")) and os.path.isfile(os.path.join(c, "examples", "gpt.py")):
-            for p in (c, os.path.join(c, "examples")):
-                if p not in sys.path:
-                    sys.path.insert(0, p)
-            return c
-    raise SystemExit(f"graph_probe: no mfsdp_ext checkout found (tried {candidates}); pass --root PATH")
-
-
 def _dtype(v):
     return getattr(torch, v) if isinstance(v, str) and isinstance(getattr(torch, v, None), torch.dtype) else v
 
 
 def build(case: Case, device, meshes):
-    import gpt
     import mfsdp_ext
+    from mfsdp_ext.testing import gpt
 
     cfg = gpt.GPTConfig(n_layers=4, dim=256, n_heads=2, ffn_dim=768, vocab_size=1024, max_seq_len=SEQ,
                         activation_checkpointing=bool(case.ac))
@@ -390,7 +378,7 @@ def batches_for(case: Case, n_steps: int, rank: int, device, vocab: int = 1024):
 
 
 def fwd_bwd(model, mbs):
-    import gpt
+    from mfsdp_ext.testing import gpt
 
     k, total = len(mbs), None
     for i, (x, y) in enumerate(mbs):
@@ -428,8 +416,8 @@ def param_mismatch(model, twin) -> str | None:
 
 @contextlib.contextmanager
 def checkpoint_rng(mode: str):
-    """examples/gpt.py's Block calls the module-level `checkpoint`; "norng" swaps in preserve_rng_state=False."""
-    import gpt
+    """mfsdp_ext.testing.gpt's Block calls the module-level `checkpoint`; "norng" swaps in preserve_rng_state=False."""
+    from mfsdp_ext.testing import gpt
     from torch.utils.checkpoint import checkpoint
 
     saved = gpt.checkpoint
@@ -642,8 +630,6 @@ def summarize(case: Case, per_rank: list[dict]) -> tuple[str, list[str]]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--root", "--main", dest="root", default=None,
-                   help="the mfsdp_ext checkout (default: the repository of this script, then the current directory)")
     p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="replays compared with eager steps")
@@ -660,12 +646,12 @@ def main(argv=None) -> None:
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("graph_probe: no CUDA device here; run it with torchrun on a GPU machine (or --cpu-smoke / --list)")
         return
-    main_dir = setup_paths(args.root)
     warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    import gpt
+    import mfsdp_ext
+    from mfsdp_ext.testing import gpt
 
     missing = instrument()  # before any model: the hooks bind the (wrapped) methods at fully_shard
     device = gpt.setup_distributed("cpu" if args.cpu_smoke else "cuda")
@@ -686,7 +672,7 @@ def main(argv=None) -> None:
         info = dict(torch=torch.__version__, cuda=torch.version.cuda, world=world, device=str(device),
                     nccl=".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
                     cudart_for_status="ctypes" if WATCH.lib is not None else "torch fallback (this thread only)",
-                    checkout=main_dir, env={k: v for k, v in os.environ.items()
+                    mfsdp_ext=os.path.dirname(mfsdp_ext.__file__), env={k: v for k, v in os.environ.items()
                                             if k.startswith(("NCCL_", "TORCH_NCCL", "PYTORCH_CUDA_ALLOC"))})
         print(f"graph_probe: {info}", flush=True)
         if missing:

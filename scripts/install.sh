@@ -14,10 +14,10 @@ fi
 # environment has neither wheel nor, on older Pythons, a recent enough setuptools).
 python3 -c "import pybind11, ninja, pytest, numpy, transformers, wheel, setuptools; assert int(setuptools.__version__.split('.')[0]) >= 64" 2>/dev/null ||
     python3 -m pip install -q pybind11 ninja pytest numpy transformers wheel "setuptools>=64"
-# The training frameworks of tests/test_frameworks.py and examples/frameworks/ (pinned; torch itself is pinned to the
-# installed build by a constraints file, so nothing here replaces it). By default only with a CPU build of torch (CI
-# and development machines); on a GPU host they are optional, and the tests skip a framework that is not installed.
-# MFSDP_FRAMEWORKS=0 skips this, =1 forces it.
+# The training frameworks of tests/integration/test_frameworks.py and examples/frameworks/ (pinned; torch itself is
+# pinned to the installed build by a constraints file, so nothing here replaces it). By default only with a CPU build of
+# torch (CI and development machines); on a GPU host they are optional, and the tests skip a framework that is not
+# installed. MFSDP_FRAMEWORKS=0 skips this, =1 forces it.
 #   torchtitan 0.3.0 is installed without its dependencies (it asks for wandb and torch_checkpointing, which its
 #   train path does not import, and for datasets<4.8): what it imports is listed here instead; triton is imported at
 #   load (torchtitan/distributed/minimal_async_ep/kernels.py), tensorboard by torch.utils.tensorboard.

@@ -1,4 +1,5 @@
-"""fully_shard (ZeRO-3) against a single-process reference and FSDP2, on 2 and 4 gloo ranks.
+"""fully_shard (ZeRO-3) against a single-process reference and FSDP2, on 2 and 4 gloo ranks (the parity cases also on 2
+and 4 GPUs with NCCL: the GPU tests at the end, ``pytest -m gpu``).
 
 The ``_case_*`` functions run on every rank of a pool (tests/dist_pool.py); they assert and return numbers.
 """
@@ -19,7 +20,7 @@ import mfsdp_ext
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 from mfsdp_ext.interop.checkpoint import full_state_dict
 
-from .models import TinyLM, batch, rank_device, rel_err, shard_tiny_lm, train
+from mfsdp_ext.testing.models import TinyLM, batch, rank_device, rel_err, shard_tiny_lm, train
 
 STEPS = 5
 GLOBAL_BATCH = 24  # divisible by 2 ranks x 3 microbatches and 4 ranks x 3 microbatches
@@ -177,7 +178,7 @@ def _case_parameterless_parent():
 def _case_unsharded_storage_released():
     torch.manual_seed(4)
     model = shard_tiny_lm(TinyLM(n_layers=3), fully_shard)
-    from .models import batch, lm_loss
+    from mfsdp_ext.testing.models import batch, lm_loss
 
     def gathered_bytes(m):
         return sum(g.unsharded.nbytes() for g in m._mfsdp_unit.groups)
@@ -199,7 +200,7 @@ def _case_main_grad_released_after_zero_grad():
     A .grad the user still holds keeps its values; zero_grad(set_to_none=False) keeps the buffer."""
     torch.manual_seed(4)
     model = shard_tiny_lm(TinyLM(n_layers=2), fully_shard)
-    from .models import batch, lm_loss
+    from mfsdp_ext.testing.models import batch, lm_loss
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     groups = [g for m in (*model.blocks, model) for g in m._mfsdp_unit.groups if g.requires_grad]
@@ -245,7 +246,7 @@ def _case_late_group_reduced_first():
     their gradients are ready, before any block's reduction; the embedding's group is reduced last."""
     torch.manual_seed(4)
     model = shard_tiny_lm(TinyLM(n_layers=3), fully_shard)
-    from .models import batch, lm_loss
+    from mfsdp_ext.testing.models import batch, lm_loss
 
     root = model._mfsdp_unit
     late = [g for g in root.groups if g.grads.reduce_when_ready]
@@ -348,7 +349,7 @@ def _case_state_dict_roundtrip(tmpdir: str):
     """state_dict() holds torch.chunk-split DTensors: full_tensor() and DCP see the true values."""
     import torch.distributed.checkpoint as dcp
 
-    from .models import batch, lm_loss
+    from mfsdp_ext.testing.models import batch, lm_loss
 
     torch.manual_seed(8)
     ref = TinyLM().to(rank_device())
@@ -464,7 +465,7 @@ def _case_ignored_params():
 
 def _case_list_of_modules():
     """fully_shard([model.norm, model.head]) as torchtitan writes it: one unit over both modules, and training
-    equals a single-process model's (FSDP2's numbers: tests/test_fsdp2_compat.py)."""
+    equals a single-process model's (FSDP2's numbers: tests/interop/test_fsdp2_compat.py)."""
     torch.manual_seed(12)
     model = TinyLM(tie=False)
     ref = copy.deepcopy(model).to(rank_device())
@@ -520,7 +521,7 @@ def _case_errors():
     mesh3 = init_device_mesh(rank_device().type, (1, 1, world))
     msgs["mesh"] = _expect(ValueError, "expects a 1D or 2D DeviceMesh", lambda: fully_shard(nn.Linear(4, 4), mesh=mesh3))
     rank_dependent = nn.Linear(4, 4 + dist.get_rank())
-    fully_shard(rank_dependent)  # no collective here: found at the first forward (tests/test_same_model.py)
+    fully_shard(rank_dependent)  # no collective here: found at the first forward (tests/runtime/test_same_model.py)
     msgs["mismatch"] = _expect(RuntimeError, "different models", lambda: rank_dependent(torch.randn(2, 4)))
     other = "meta" if rank_device().type == "cpu" else "cpu"
     msgs["move"] = _expect(RuntimeError, "cannot be moved to another device", lambda: m.to(other))
@@ -584,7 +585,7 @@ def _case_errors():
     two.release_symmetric_memory()  # before the first forward: nothing allocated yet
     two(torch.randn(2, 4)).sum().backward()
     msgs["release_inner"] = _expect(RuntimeError, "on the root module", two[0].release_symmetric_memory)
-    two.release_symmetric_memory()  # no symmetric memory on gloo: a no-op (release itself: tests/test_gpu.py)
+    two.release_symmetric_memory()  # no symmetric memory on gloo: a no-op (release itself: tests/comm/test_symm_mem.py)
     # the pool is still usable afterwards: one more collective
     t = torch.ones(1)
     dist.all_reduce(t)
@@ -751,3 +752,44 @@ def test_tensor_tree_fast_paths_match_pytree():
         rebuilt, expected = rebuild(new), tree_unflatten(new, spec)
         assert tree_flatten(rebuilt)[1] == spec, (tree, rebuilt)
         assert all(x is y for x, y in zip(tree_flatten(rebuilt)[0], tree_flatten(expected)[0])), tree
+
+
+# ----------------------------------------------------------------------------------------------- GPU: parity cases
+@pytest.mark.gpu
+def test_fp32_parity(gpu_pool):
+    print(gpu_pool.run(_case_fp32_parity)[0])
+
+
+@pytest.mark.gpu
+def test_grad_accumulation(gpu_pool):
+    print(gpu_pool.run(_case_grad_accumulation, 3)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_frozen_params(gpu_pool):
+    print(gpu_pool.run(_case_frozen_params)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_parameterless_parent(gpu_pool):
+    print(gpu_pool.run(_case_parameterless_parent)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_unsharded_storage_released(gpu_pool):
+    print(gpu_pool.run(_case_unsharded_storage_released)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_main_grad_released_after_zero_grad(gpu_pool):
+    print(gpu_pool.run(_case_main_grad_released_after_zero_grad)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_meta_init(gpu_pool):
+    print(gpu_pool.run(_case_meta_init)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_no_worse_than_fsdp2(gpu_pool):
+    print(gpu_pool.run(_case_bf16_vs_fsdp2)[0])

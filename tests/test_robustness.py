@@ -1,4 +1,5 @@
-"""A failed step, freezing after fully_shard, hand-written updates: the model stays right (gloo ranks).
+"""A failed step, freezing after fully_shard, hand-written updates: the model stays right (gloo ranks;
+failed-step recovery and resting memory also on 2 GPUs: the GPU tests at the end).
 
 A failed step is compared with a run of the same model that never took that step's batch: fp32, same code path,
 so the losses must be equal exactly.
@@ -17,8 +18,9 @@ from torch.distributed.tensor import DTensor
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 from mfsdp_ext.core.device import DeviceHandle
 
-from .models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm
-from .test_fully_shard import GLOBAL_BATCH, _compare_params
+from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm
+from tests.conftest import get_pool
+from tests.test_fully_shard import GLOBAL_BATCH, _compare_params
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
@@ -282,7 +284,7 @@ def _case_hand_written_update():
 def _case_evaluation_between_steps():
     """Forwards under no_grad / inference_mode / eval() between steps reduce nothing, leave every unit at rest,
     and training goes on with exactly the losses of a run without them."""
-    from .test_strategies import count_collectives
+    from tests.runtime.test_strategies import count_collectives
 
     torch.manual_seed(33)
     base = TinyLM()
@@ -550,3 +552,20 @@ def test_parameters_on_another_device_refused():
     assert "build the model on the CPU, on meta" in other_kind, other_kind
     with pytest.raises(ValueError, match="set_device"):
         check_devices([("w", SimpleNamespace(device=cuda1), [])], cuda0)
+
+
+# ----------------------------------------------------------------------------------------------- GPU (NCCL)
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_failed_step_recovery(where):
+    print(get_pool(2, "nccl").run(_case_failed_step, where, 3, "optim_grads_params")[0])
+
+
+@pytest.mark.gpu
+def test_gather_in_flight_after_failed_step():
+    print(get_pool(2, "nccl").run(_case_gather_in_flight_after_failed_step)[0])
+
+
+@pytest.mark.gpu
+def test_resting_memory_flat():
+    print(get_pool(2, "nccl").run(_case_resting_memory_flat)[0])

@@ -20,13 +20,10 @@ MULTI_CPU to FSDP when an fsdp_plugin is given, as it does for MULTI_GPU.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_llama import batch, build_model, exit_now, fsdp_units, log_step  # noqa: E402
+from hf_llama import batch, build_model, exit_now, fsdp_units, log_step  # this script's folder
 
 
 def cpu_only_enable_fsdp() -> None:

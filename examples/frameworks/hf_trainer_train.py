@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_llama import SyntheticDataset, build_model, exit_now, fsdp_units  # noqa: E402
+from hf_llama import SyntheticDataset, build_model, exit_now, fsdp_units  # this script's folder
 
 
 def main() -> None:

@@ -4,7 +4,8 @@ tokenizer (vocab 2000, under the debug models' 2048) and an English-like corpus,
     DIR/tokenizer/{tokenizer.json, tokenizer_config.json}   (torchtitan's HuggingFaceTokenizer: hf_assets_path)
     DIR/c4_test/data.json                                   (JSON lines {"text": ...}: the "c4_test" dataset's path)
 
-    python examples/frameworks/titan_assets.py [DIR]        (default: examples/frameworks/assets; about 1 s)
+    python examples/frameworks/titan_assets.py [DIR [DOCS]]  (default: examples/frameworks/assets, 1500 documents;
+                                                             about 1 s)
 
 Deterministic: the same files on every machine. torchtitan_train.py makes them itself when they are missing.
 """
@@ -94,4 +95,5 @@ def make_assets(out_dir: str = DEFAULT_DIR, n_docs: int = 1500, writer: bool = T
 
 
 if __name__ == "__main__":
-    print(make_assets(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_DIR))
+    print(make_assets(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_DIR,
+                      n_docs=int(sys.argv[2]) if len(sys.argv) > 2 else 1500))

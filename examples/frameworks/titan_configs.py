@@ -10,7 +10,7 @@ Each starts from torchtitan's own config and changes only what is listed; the mo
                        8 experts of its 64, top 2 of its 8 (its 300 M parameters and 8 experts per token make a CPU
                        step slow) and seq 128, 2 steps
   llama3_debug_gpu     torchtitan's llama3_debugmodel in bf16 (its default policy), seq 2048, local batch 2, 4 steps,
-                       checkpoint interval 2: the GPU checkpoint-resume check (scripts/titan_resume_check.py)
+                       checkpoint interval 2: the GPU checkpoint-resume check (benchmarks/titan_resume_check.py)
   qwen3_moe_debug_gpu  the same with torchtitan's qwen3_moe_debug (all 8 layers)
   llama3_8b_gpu        torchtitan's llama3_8b: the 8B shape, seq 8192, bf16 compute (torchtitan's default policy),
                        selective activation checkpointing, with TITAN_LAYERS layers (default 8) so that it fits
@@ -113,7 +113,7 @@ def _fewer_experts(moe, *, num_experts: int, top_k: int) -> None:
 
 
 def _debug_gpu(config):
-    """A debug model on GPU for checkpoint resume (scripts/titan_resume_check.py): bf16 compute (torchtitan's
+    """A debug model on GPU for checkpoint resume (benchmarks/titan_resume_check.py): bf16 compute (torchtitan's
     default policy), seq 2048, 4 steps, checkpoint interval 2 with the optimizer state."""
     config = _common(config, seq_len=2048, local_batch_size=2, steps=4)
     config.checkpoint.interval = 2

@@ -42,9 +42,6 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)  # titan_configs, titan_assets
-
 ap = argparse.ArgumentParser(add_help=False)
 ap.add_argument("--impl", choices=["fsdp2", "ours", "ours_fp8"], default="ours")
 ap.add_argument("--metrics", default="")

@@ -1,0 +1,196 @@
+"""The copy-engine collectives (mfsdp_ext.comm.copy_engine): the all-gather's piece mapping and the gradient
+exchange's chunks on 2 and 4 gloo ranks, and the order in which they use their two buffers.
+
+On GPUs each rank reads its peers' symmetric buffers directly (test_copy_engines below).
+Here a gloo all-gather of the buffers takes the place of that mapping, inside the barrier, so the copies the
+all-gather makes (which rank's buffer, which offset, which parameter piece, in place or through the staging buffer)
+are checked against the plain all-gather on every group of a model, for shards that split parameters unevenly
+across ranks; the gradients that arrive, against the plain all-to-all's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mfsdp_ext import MixedPrecisionPolicy, fully_shard
+from mfsdp_ext.comm.collectives import TORCH_TRANSPORT
+from mfsdp_ext.core.device import DeviceHandle
+from mfsdp_ext.comm.copy_engine import (BufferTurns, CopyEngineAllGather, CopyEngineReduceScatter, CopyEngineStage,
+                                        gathers_by_copy_engine, peer_order, reduces_by_copy_engine)
+
+from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
+
+
+class _ExchangedStage:
+    """CopyEngineStage's interface over CPU buffers: its barrier all-gathers every rank's buffers into ``peers``."""
+
+    view = CopyEngineStage.view
+    next_buffer = CopyEngineStage.next_buffer
+
+    def __init__(self, nbytes: int):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.nbytes, self.device = nbytes, DeviceHandle(torch.device("cpu"))  # never capturing
+        self.peers = [torch.zeros(2 * nbytes, dtype=torch.uint8) for _ in range(self.world)]
+        self.turns = BufferTurns()
+        self.barriers = 0
+
+    def barrier(self) -> None:
+        dist.all_gather(self.peers, self.peers[self.rank].clone())
+        self.barriers += 1
+
+
+def _case_pieces_match_plain_gather():
+    torch.manual_seed(5)
+    # odd sizes: parameters split unevenly, some ranks' chunks empty or padded
+    model = shard_tiny_lm(TinyLM(vocab=37, dim=12, ffn=20, n_layers=2, tie=False), fully_shard,
+                          mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    tokens, targets = batch(0, 8, seq=4, vocab=37)
+    lm_loss(model, tokens, targets).backward()  # lazy init; the groups' layouts and views exist from here
+    groups = [g for u in model._mfsdp_unit.context.units for g in u.groups if gathers_by_copy_engine(g)]
+    assert groups
+    paths = []
+    for g in groups:
+        stats = copy.copy(g.stats)
+        slots = range(len(g.layout.slots))
+        g.all_gather()
+        plain = [g.unsharded.param_view(i).clone() for i in slots]
+        assert any(p.abs().sum() > 0 for p in plain)  # the weights are not all zero: the copies must write them
+        stage = _ExchangedStage(g.layout.shard_numel * g.compute_dtype.itemsize)
+        op = CopyEngineAllGather(stage, g)
+        assert op.staged == (len(op.pieces) > stage.world)  # the tiny model's pieces are all small
+        op.staged = len(paths) % 2 == 1 and op.staged  # every other group copied in place: both ways checked
+        sources = [source for source, _, _ in op.in_place[0]]
+        turns = [peer_order(stage.rank, stage.world).index(source) for source in sources]
+        assert turns == sorted(turns) and len(set(sources)) == stage.world, sources  # in peer order, from all
+        for gather in range(3):  # buffer 0, 1, 0: one barrier each (eager)
+            g.unsharded.data.zero_()
+            g.all_gather(op)
+            assert stage.barriers == gather + 1 and stage.turns.buffer == gather % 2
+            for i in slots:
+                assert torch.equal(g.unsharded.param_view(i), plain[i]), (g.unit().name, i, gather)
+        paths.append("staged" if op.staged else "in place")
+        g.stats = stats
+        g.free_unsharded()
+    return {"groups": len(groups), "paths": sorted(set(paths))}
+
+
+def _case_arrived_match_plain_all_to_all():
+    torch.manual_seed(7)
+    # the bf16 wire (NCCL's default on one host; asked for here over gloo): gradients travel in bf16, summed in fp32
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                  reduce_comm_dtype=torch.bfloat16)
+    model = shard_tiny_lm(TinyLM(vocab=37, dim=12, ffn=20, n_layers=2, tie=False), fully_shard, mp_policy=policy)
+    tokens, targets = batch(0, 8, seq=4, vocab=37)
+    lm_loss(model, tokens, targets).backward()
+    groups = [g for u in model._mfsdp_unit.context.units for g in u.groups if reduces_by_copy_engine(g)]
+    assert groups
+    torch.manual_seed(100 + dist.get_rank())  # every rank its own gradients
+    for g in groups:
+        for info in g.infos:
+            info.unsharded.grad = torch.randn_like(info.unsharded, dtype=g.compute_dtype)
+        plain = TORCH_TRANSPORT.reduce_scatter_op(g, 0.5)
+        stage = _ExchangedStage(g.layout.rank_major_numel * g.reduce_comm_dtype.itemsize)
+        op = CopyEngineReduceScatter(stage, g)
+        for exchange in range(3):
+            arrived = op(g, 0.5)
+            assert stage.barriers == exchange + 1 and arrived.scale == plain.scale
+            assert torch.equal(arrived.parts, plain.parts), (g.unit().name, exchange)
+        assert plain.parts.abs().sum() > 0
+        g.grads.drop_unsharded()
+    return {"groups": len(groups)}
+
+
+def test_arrived_match_plain_all_to_all(cpu_pool):
+    print(cpu_pool.run(_case_arrived_match_plain_all_to_all)[0])
+
+
+def test_pieces_match_plain_gather(cpu_pool):
+    results = cpu_pool.run(_case_pieces_match_plain_gather)
+    print(results[0])
+    assert results[0]["paths"] == ["in place", "staged"], results[0]  # both ways of copying were checked
+
+
+def test_peer_order():
+    """Each rank copies from itself first, then from every peer once; at each turn no two ranks read the same rank
+    (a copy from one GPU's memory does not share its links with another's)."""
+    for world in range(1, 9):
+        orders = [peer_order(rank, world) for rank in range(world)]
+        for rank, order in enumerate(orders):
+            assert order[0] == rank and sorted(order) == list(range(world)), (world, rank, order)
+        for turn in range(world):
+            assert len({order[turn] for order in orders}) == world, (world, turn, orders)
+
+
+def test_buffer_turns():
+    """Buffers alternate; a barrier comes first at the first gather of each capture and at every eager gather
+    after a capture (a replay leaves the buffers in an order the host does not know)."""
+    turns = BufferTurns()
+    seq = [0, 0, 0, 7, 7, 7, 0, 0, 9, 9, 7]
+    got = [turns.next(capture) for capture in seq]
+    assert got == [(0, False), (1, False), (0, False),  # eager: each gather's own barrier protects the one after
+                   (1, True), (0, False), (1, False),  # capture 7: a barrier before its first gather only
+                   (0, True), (1, True),  # eager after a capture: always
+                   (0, True), (1, False),  # capture 9
+                   (0, True)], got  # capture 7 again (a re-capture with the same id still starts with one)
+
+
+# ----------------------------------------------------------------------------------------------- GPU: copy engines
+def _case_copy_engines():
+    """fully_shard(copy_engine_all_gather=True, copy_engine_reduce_scatter=True): every unit's bf16 weights gathered
+    and its bf16 gradients exchanged by the copy engines through the peers' symmetric buffers. 3 eager steps, then 8
+    steps of its whole step graphed (mfsdp_ext.graphed: the held units gathered inside the optimizer step, all of it
+    replayed) with an eager evaluation forward before the last two, equal an eager twin on NCCL's collectives bit
+    for bit (losses and fp32 shards); the FP8 groups of an FP8 model keep the plain all-gather."""
+    import mfsdp_ext
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(23)
+    base = TinyLM(vocab=64, dim=64, ffn=128, n_layers=3, tie=False).to(rank_device())
+    ours = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=policy, copy_engine_all_gather=True,
+                         copy_engine_reduce_scatter=True)
+    twin = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=policy)
+    opts = [mfsdp_ext.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, twin)]
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+    def make_step(model, opt):
+        def train_step(tokens, targets):
+            loss = lm_loss(model, tokens, targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        return train_step
+
+    eager_ours, eager_twin = make_step(ours, opts[0]), make_step(twin, opts[1])
+    graphed = mfsdp_ext.graphed(eager_ours, warmup=2)
+    losses, twin_losses = [], []
+    for step in range(11):
+        tokens, targets = (t.chunk(world)[rank] for t in batch(step, 32 * world, seq=16, vocab=64))
+        if step == 9:  # an eager forward between replays: its gathers wait at a barrier first (copy_engine.py)
+            with torch.no_grad():
+                losses.append(lm_loss(ours, tokens, targets).item())
+                twin_losses.append(lm_loss(twin, tokens, targets).item())
+        losses.append((eager_ours if step < 3 else graphed)(tokens, targets).item())
+        twin_losses.append(eager_twin(tokens, targets).item())
+    ops = {op.name for u in ours._mfsdp_unit.context.units for g in u.groups
+           for op in (g.collectives.all_gather, g.collectives.reduce_scatter)}
+    assert ops == ({"copy_engine"} if world > 1 else {"plain"}), ops
+    assert graphed.captures == 1, graphed.captures
+    assert losses == twin_losses, (losses, twin_losses)
+    for (name, p), q in zip(ours.named_parameters(), twin.parameters()):
+        assert torch.equal(p.to_local(), q.to_local()), name
+    fp8 = shard_tiny_lm(copy.deepcopy(base), fully_shard, copy_engine_all_gather=True,
+                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, fp8=mfsdp_ext.Fp8Policy()))
+    lm_loss(fp8, tokens, targets).backward()
+    fp8_ops = {(g.fp8, g.collectives.all_gather.name) for u in fp8._mfsdp_unit.context.units for g in u.groups}
+    assert all(name == ("plain" if is_fp8 or world == 1 else "copy_engine") for is_fp8, name in fp8_ops), fp8_ops
+    return {"losses": losses[-3:], "ops": sorted(ops)}
+
+
+@pytest.mark.gpu
+def test_copy_engines(gpu_pool_from_one):
+    print(gpu_pool_from_one.run(_case_copy_engines)[0])

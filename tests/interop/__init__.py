@@ -1,0 +1,1 @@
+"""Tests of mfsdp_ext/interop/."""
