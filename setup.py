@@ -49,7 +49,7 @@ def native_extension():
     except ImportError:
         if mode == "1":
             raise SystemExit("MFSDP_BUILD_EXT=1, but torch cannot be imported in this build environment: install "
-                             "torch first and build with `pip install --no-build-isolation .`")
+                             "torch first and build with `pip install --no-build-isolation .`") from None
         log("torch is not importable in this build environment (pip's isolated build): installing the Python "
             "package and the sources; mfsdp_ext._C will be compiled at first import")
         return [], {}

@@ -58,6 +58,7 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
 from mfsdp_ext.comm.dist_ops import _all_gather_flat, _reduce_scatter_flat  # noqa: E402  (torch's flat collectives)
 
 MiB = 1 << 20
@@ -279,7 +280,8 @@ def write_report(out_dir, world, meta, results, kernels, skipped):
         f"torch {meta['torch']}, NCCL (torch) {meta['nccl_torch']}, NCCL (ours) {meta['nccl_ours']}, "
         f"NCCL_NVLS_ENABLE={meta['env'].get('NCCL_NVLS_ENABLE')}, "
         f"TORCH_SYMM_MEM_DISABLE_MULTICAST={meta['env'].get('TORCH_SYMM_MEM_DISABLE_MULTICAST')}.",
-        f"plain/torchsymm use `{meta['ag_fn']}` / `{meta['rs_fn']}`. All-gathers in place, reduce-scatters out of place.",
+        f"plain/torchsymm use `{meta['ag_fn']}` / `{meta['rs_fn']}`. All-gathers in place, reduce-scatters out of "
+        "place.",
         "Latency: nccl-tests' definition, back-to-back calls between one event pair, mean per call (median of 5 "
         "loops, max over ranks). Per call: each call between its own events with the GPU kept busy by a spin "
         "queued before it, so host launch time is not counted (median, max over ranks).",
@@ -457,8 +459,8 @@ UNIT_METHODS = ("AG grouped per parameter", "AG flat", "AG flat + unpack", "AG s
 
 def bench_units(args, group, device, rank, world, local_rank) -> list:
     from mfsdp_ext.comm import symmetric as symm_mem
-    from mfsdp_ext.core.layout import FlatLayout
     from mfsdp_ext.comm.symmetric.collectives import SymmetricStages
+    from mfsdp_ext.core.layout import FlatLayout
 
     cycles_per_us = sleep_cycles_per_us(device)
     units = unit_shapes()
@@ -466,9 +468,9 @@ def bench_units(args, group, device, rank, world, local_rank) -> list:
     if agree(symm_mem.is_available(group)[0], device):
         layouts = [FlatLayout(shapes, world) for shapes in units.values()]
         symmetric = SymmetricStages(
-            group, max(l.rank_major_numel for l in layouts) * DTYPE.itemsize,
-            max(SymmetricStages.reduce_scatter_stage_bytes(l.rank_major_numel, world, torch.float32)
-                for l in layouts))
+            group, max(lay.rank_major_numel for lay in layouts) * DTYPE.itemsize,
+            max(SymmetricStages.reduce_scatter_stage_bytes(lay.rank_major_numel, world, torch.float32)
+                for lay in layouts))
     rows = []
     for name, shapes in units.items():
         mib, n_params, cases = unit_cases(shapes, group, device, rank, world, symmetric)

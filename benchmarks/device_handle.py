@@ -4,16 +4,17 @@
 
 The sequence, as fully_shard runs it around an all-gather or a reduce-scatter: make a side stream current after
 it waits for the current one, record an event on it, let the current stream wait for the event and for the side
-stream. "torch.cuda" writes it with torch.cuda.current_stream(device) and torch.cuda.stream(...); "DeviceHandle" is mfsdp_ext/device.py. Median of 7 rounds of 5000 sequences,
+stream. "torch.cuda" writes it with torch.cuda.current_stream(device) and torch.cuda.stream(...); "DeviceHandle" is
+mfsdp_ext/device.py. Median of 7 rounds of 5000 sequences,
 microseconds per sequence; also one current_stream call alone.
 """
 
 import statistics
 import sys
 
+import kernels as K  # (time_host) benchmarks/kernels.py: this script's folder
 import torch
 
-import kernels as K  # (time_host) benchmarks/kernels.py: this script's folder
 from mfsdp_ext.core.device import DeviceHandle
 
 

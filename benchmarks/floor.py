@@ -46,8 +46,9 @@ def param_count(cfg) -> int:
 
 
 def floor(config_id: int, machine: str, regather: bool = True, compute_ms: float | None = None) -> dict:
-    from mfsdp_ext.testing import gpt
     from step import CONFIGS  # benchmarks/step.py: this script's folder
+
+    from mfsdp_ext.testing import gpt
 
     world, tflops, ag_gbs, rs_gbs, copy_gbs, _ = MACHINES[machine]
     bc = CONFIGS[config_id]

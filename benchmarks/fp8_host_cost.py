@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 import kernels as K  # noqa: E402  (gpu_tag, time_host) benchmarks/kernels.py: this script's folder
+
 from mfsdp_ext import _native as N  # noqa: E402
 from mfsdp_ext.fp8.linear import to_fp8_linear  # noqa: E402
 from mfsdp_ext.fp8.tensor import E4M3, E5M2, quantize  # noqa: E402

@@ -42,6 +42,7 @@ import torch.nn as nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 import kernels as K  # noqa: E402  (time_gpu, gpu_tag) benchmarks/kernels.py: this script's folder
+
 from mfsdp_ext import _native as N  # noqa: E402
 from mfsdp_ext.fp8.linear import Fp8LinearConfig, to_fp8_linear  # noqa: E402
 from mfsdp_ext.fp8.tensor import E4M3, E5M2, quantize  # noqa: E402
@@ -210,7 +211,8 @@ def write_markdown(path: str, meta: dict, results: list[dict]) -> None:
             e = rs[-1]["variants"][name]["err"]
             per = " | ".join(f"{r['variants'][name]['fwd_bwd_s'] * 1e6:.0f}" for r in rs)
             lines.append(f"| {name} | {per} | {tf * 1e6:.0f} | {tb * 1e6:.0f} | {block['bf16'][0] / tf:.2f}x | "
-                         f"{block['bf16'][1] / tb:.2f}x | {flops / tb / 1e12:.0f} | {tw * 1e6:.0f} | {wall['bf16'] / tw:.2f}x | "
+                         f"{block['bf16'][1] / tb:.2f}x | {flops / tb / 1e12:.0f} | {tw * 1e6:.0f} | "
+                         f"{wall['bf16'] / tw:.2f}x | "
                          f"{e['y']:.4f} / {e['dx']:.4f} / {e['dw']:.4f} |")
         lines.append("")
     lines += ["## Summary (block, forward + backward, speedup over bf16)", ""]

@@ -198,7 +198,8 @@ def report(rows: dict, args) -> None:
     print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, f"host_cost_{args.shape}_{env['world']}{'gpu' if env['device'] != 'cpu' else 'cpu'}")
+        kind = "gpu" if env["device"] != "cpu" else "cpu"
+        stem = os.path.join(args.out, f"host_cost_{args.shape}_{env['world']}{kind}")
         with open(stem + ".md", "w") as f:
             f.write(text)
         with open(stem + ".json", "w") as f:

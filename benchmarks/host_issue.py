@@ -19,11 +19,10 @@ import pstats
 import statistics
 import time
 
+import step as step_bench  # benchmarks/step.py: this script's folder
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-
-import step as step_bench  # benchmarks/step.py: this script's folder
 
 import mfsdp_ext
 import mfsdp_ext.optim

@@ -368,7 +368,8 @@ def bench_small_tensors(count: int, reps_base: int) -> list[dict]:
         N.pack(tensors, offsets, flat)
         ok = all(torch.equal(v, t) for v, t in zip(views, tensors))
         rows.append({"kernel": f"pack {count} small tensors {str(dtype).replace('torch.', '')}", "elements": cur,
-                     "src_bytes": esz * cur, "bytes_moved": nbytes, "ours_s": t_pack, "ours_gbps": nbytes / t_pack / 1e9,
+                     "src_bytes": esz * cur, "bytes_moved": nbytes, "ours_s": t_pack,
+                     "ours_gbps": nbytes / t_pack / 1e9,
                      "copy_s": t_copy, "copy_gbps": nbytes / t_copy / 1e9, "frac_of_copy": t_copy / t_pack,
                      "torch_s": t_foreach, "torch_gbps": nbytes / t_foreach / 1e9, "speedup": t_foreach / t_pack,
                      "torch_way": "torch._foreach_copy_(views, tensors)", "ours_host_s": h_pack,
@@ -382,7 +383,8 @@ def write_markdown(path: str, meta: dict, rows: list[dict], goals: list[str]) ->
              "GB/s = bytes the operation must move (read + written) / median GPU time (CUDA events). "
              "`% copy` = ours / device-to-device copy bandwidth measured in the same run. "
              "`speedup` = PyTorch time / our time.", "",
-             "| kernel | elements | src MiB | ours GB/s | copy GB/s | % copy | PyTorch GB/s | speedup | ours us | PyTorch us |",
+             "| kernel | elements | src MiB | ours GB/s | copy GB/s | % copy | PyTorch GB/s | speedup | ours us "
+             "| PyTorch us |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         tg = f"{r['torch_gbps']:.0f}" if "torch_gbps" in r else ""
@@ -399,8 +401,8 @@ def write_markdown(path: str, meta: dict, rows: list[dict], goals: list[str]) ->
             lines.append(f"| {r['kernel']} | {r['ours_host_s'] * 1e6:.1f} | {r['torch_host_s'] * 1e6:.1f} |")
     lines += ["", "Goals:", ""] + [f"- {g}" for g in goals]
     lines += ["", "Legend: fp32->bf16 cast moves 6 B/elem, fp32->e4m3 cast 5 B/elem, amax 4 B/elem, "
-              "amax + cast 9 B/elem, pack fp32 8 B/elem, sum of 2 bf16 shards into fp32 8 B/elem, copy 8 B/elem (of the "
-              "fp32 source). "
+              "amax + cast 9 B/elem, pack fp32 8 B/elem, sum of 2 bf16 shards into fp32 8 B/elem, copy 8 B/elem "
+              "(of the fp32 source). "
               "quantize bf16->e4m3: 3 B/elem (4 with the transpose), against a copy of the bf16 source "
               "(4 B/elem); the two-pass kernels read the source twice (5 B/elem of traffic, the second read "
               "partly from L2). fp8 transpose: 2 B/elem, against a copy of the same bytes."]

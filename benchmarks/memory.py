@@ -21,10 +21,10 @@ import json
 import linecache
 import os
 
+import step as step_bench  # benchmarks/step.py: this script's folder
 import torch
 import torch.distributed as dist
 
-import step as step_bench  # benchmarks/step.py: this script's folder
 from mfsdp_ext.testing import gpt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -203,13 +203,15 @@ def write_report(results: dict, world: int, out: str) -> None:
         ours, fsdp2 = by_impl.get("ours", {}), by_impl.get("fsdp2", {})
         bc = step_bench.CONFIGS[int(cid)]
         lines += [f"## config {cid}: {bc.describe()}, {bc.batch}x{bc.seq}, {bc.microbatches} microbatch(es)", "",
-                  f"max_memory_allocated (+ symmetric pool): ours {ours.get('max_allocated_gib', 0) + ours.get('symmetric_pool_gib', 0):.3f}, "
+                  "max_memory_allocated (+ symmetric pool): ours "
+                  f"{ours.get('max_allocated_gib', 0) + ours.get('symmetric_pool_gib', 0):.3f}, "
                   f"fsdp2 {fsdp2.get('max_allocated_gib', 0):.3f} GiB", "",
                   "peak of the bytes asked for (torch.cuda.memory_stats requested_bytes; blocks are rounded up): "
                   f"ours {ours.get('max_requested_gib', 0) + ours.get('symmetric_pool_gib', 0):.6f}, "
                   f"fsdp2 {fsdp2.get('max_requested_gib', 0):.6f} GiB", "",
                   "left allocated by the measured forward + backward besides the gradients (the allocator's count): "
-                  f"ours {ours.get('left_after_backward_mib', 0):.1f}, fsdp2 {fsdp2.get('left_after_backward_mib', 0):.1f} MiB",
+                  f"ours {ours.get('left_after_backward_mib', 0):.1f}, "
+                  f"fsdp2 {fsdp2.get('left_after_backward_mib', 0):.1f} MiB",
                   ""]
         for phase in PHASES.values():
             a_ph, b_ph = ours.get("phases", {}).get(phase, {}), fsdp2.get("phases", {}).get(phase, {})

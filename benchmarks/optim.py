@@ -30,7 +30,6 @@ import time
 
 import torch
 import torch.nn as nn
-
 from step import CONFIGS, TINY_CONFIGS  # benchmarks/step.py: this script's folder
 
 from mfsdp_ext import _native

@@ -6,7 +6,8 @@
     torchrun --nproc-per-node 2 benchmarks/step.py --impls ours,ours_fp8,fsdp2,fsdp2_float8 --out benchmarks/results
     torchrun --nproc-per-node 4 benchmarks/step.py --tp 2 --configs 1,6 --impls ours_fused,fsdp2_fused --out ...
 
-``--tp N``: a (dp, tp) mesh; every block tensor-parallel over "tp" (mfsdp_ext.testing.gpt's tensor_parallel: colwise q/k/v
+``--tp N``: a (dp, tp) mesh; every block tensor-parallel over "tp" (mfsdp_ext.testing.gpt's tensor_parallel: colwise
+q/k/v
 and gate/up, rowwise o and down), then fully_shard over "dp" for both implementations; the ranks of one dp group
 read the same batch. FP8 variants and the floor are not run with it.
 
@@ -55,14 +56,14 @@ import statistics
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, Dict, List
 
+import timeline  # benchmarks/timeline.py: this script's folder
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-import timeline  # benchmarks/timeline.py: this script's folder
 from mfsdp_ext.testing import gpt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,7 +99,7 @@ class BenchConfig:
                 + (f" vocab{self.vocab}" if self.vocab != 32000 else "") + ac)
 
 
-CONFIGS: Dict[int, BenchConfig] = {
+CONFIGS: dict[int, BenchConfig] = {
     1: BenchConfig(16, 2048, 5632, batch=2, seq=2048),
     2: BenchConfig(16, 2048, 5632, batch=1, seq=512),
     3: BenchConfig(48, 1024, 2816, batch=1, seq=256),
@@ -110,7 +111,7 @@ CONFIGS: Dict[int, BenchConfig] = {
 
 # Same shapes of problem (big/long, small batch, many thin layers, few wide layers, accumulation) scaled down
 # so that 2 CPU processes finish in well under a minute.
-TINY_CONFIGS: Dict[int, BenchConfig] = {
+TINY_CONFIGS: dict[int, BenchConfig] = {
     1: BenchConfig(4, 256, 704, batch=2, seq=128, vocab=1024, head_dim=64),
     2: BenchConfig(4, 256, 704, batch=1, seq=32, vocab=1024, head_dim=64),
     3: BenchConfig(12, 128, 352, batch=1, seq=32, vocab=1024, head_dim=64),
@@ -203,7 +204,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 
-def make_variants(args) -> List[Variant]:
+def make_variants(args) -> list[Variant]:
     variants = []
     for impl in [s.strip() for s in args.impls.split(",") if s.strip()]:
         if impl in GRAPH_IMPLS:
@@ -225,7 +226,8 @@ def make_variants(args) -> List[Variant]:
             variants.append(Variant(impl, base, {}, fp8))
             continue
         if impl not in gpt.IMPLS:
-            raise SystemExit(f"unknown impl {impl!r} (choose from {list(gpt.IMPLS) + list(FP8_IMPLS) + list(FUSED_IMPLS) + list(GRAPH_IMPLS)})")
+            raise SystemExit(f"unknown impl {impl!r} (choose from "
+                             f"{list(gpt.IMPLS) + list(FP8_IMPLS) + list(FUSED_IMPLS) + list(GRAPH_IMPLS)})")
         variants.append(Variant(impl, impl, {}))
     for base_name, fp8, fused, graph, texts in (("ours", "", False, "", args.extra_ours),
                                                 ("ours_fp8", "ours", False, "", args.extra_ours_fp8),
@@ -260,14 +262,14 @@ class Clock:
         else:
             self.marks.append(time.perf_counter())
 
-    def intervals_ms(self) -> List[float]:
+    def intervals_ms(self) -> list[float]:
         if self.cuda:
             torch.cuda.synchronize()
             return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
         return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
 
 
-def time_fn(fn: Callable[[], None], steps: int, warmup: int, device: torch.device) -> List[float]:
+def time_fn(fn: Callable[[], None], steps: int, warmup: int, device: torch.device) -> list[float]:
     for _ in range(warmup):
         fn()
     clock = Clock(device)
@@ -369,7 +371,8 @@ def measure_floor(bc: BenchConfig, world: int, dtype: torch.dtype, device: torch
             one.layers[0].activation_checkpointing = False
             t1_plain = _fwd_bwd_ms(one, batches, steps, device)
         fwd_bwd = t0 + n_ac * (t1 - t0) + (cfg.n_layers - n_ac) * (t1_plain - t0)
-        full_shapes = [p.shape for p in root.parameters()] + [p.shape for p in one.layers[0].parameters()] * cfg.n_layers
+        block_shapes = [p.shape for p in one.layers[0].parameters()]
+        full_shapes = [p.shape for p in root.parameters()] + block_shapes * cfg.n_layers
         del one, root
     free_memory(device)
 
@@ -494,7 +497,6 @@ def dtype_or_value(val):
 
 def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: torch.device, args,
                 tp_mesh=None) -> dict:
-    rank = dist.get_rank()
     free_memory(device)
     _, MixedPrecisionPolicy = gpt.load_impl(v.impl)
     cfg = bc.model_config()
@@ -668,7 +670,7 @@ def _fmt(x, spec=".1f", missing="-"):
     return missing if x is None else format(x, spec)
 
 
-def write_report(results: List[dict], variants: List[Variant], env: dict, out_dir: str, stem: str) -> None:
+def write_report(results: list[dict], variants: list[Variant], env: dict, out_dir: str, stem: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, stem + ".json.tmp"), "w") as f:
         json.dump(dict(environment=env, variants=[asdict(v) for v in variants], results=results), f, indent=1)
@@ -685,7 +687,8 @@ def write_report(results: List[dict], variants: List[Variant], env: dict, out_di
     graphed_floor = any((r.get("floor") or {}).get("fwd_bwd_graphed") for r in results)
     lines = [
         f"# Training step: mfsdp_ext vs FSDP2, {env['world']} x {env.get('gpu', env['device'])}"
-        + (f", tensor parallel {env['tp']} x data parallel {env['world'] // env['tp']}" if env.get("tp", 1) > 1 else ""),
+        + (f", tensor parallel {env['tp']} x data parallel "
+           f"{env['world'] // env['tp']}" if env.get("tp", 1) > 1 else ""),
         "",
         f"{env['date']}, torch {env['torch']}" + (f", CUDA {env['cuda']}, NCCL {env['nccl']}" if "nccl" in env else "")
         + f", {env['steps']} timed steps after {env['warmup']} warm-up, {env['init']} init, compute {env['dtype']},"
@@ -700,7 +703,8 @@ def write_report(results: List[dict], variants: List[Variant], env: dict, out_di
         + (". floor = unsharded bf16 fwd+bwd on one GPU (the faster of eager and a CUDA graph of it) x microbatches"
            " + torch's fused AdamW on one rank's fp32 shard" if graphed_floor else
            ". floor = unsharded bf16 fwd+bwd on one GPU x microbatches + torch's AdamW on one rank's fp32 shard")
-        + " (the fused optimizer beats that part: eff > 1 is possible); eff = floor / step time. MFU = model FLOPs per rank (6 x matmul params + causal attention per token,"
+        + " (the fused optimizer beats that part: eff > 1 is possible); eff = floor / step time. MFU = model FLOPs "
+          "per rank (6 x matmul params + causal attention per token,"
         " recompute not counted) / step time / 989 TFLOP/s (H100/H200 dense bf16).",
         "",
         "| " + " | ".join(head) + " |",
@@ -751,7 +755,7 @@ def write_report(results: List[dict], variants: List[Variant], env: dict, out_di
     write_chart(results, names, env, os.path.join(out_dir, stem + ".png"))
 
 
-def write_chart(results: List[dict], names: List[str], env: dict, path: str) -> None:
+def write_chart(results: list[dict], names: list[str], env: dict, path: str) -> None:
     try:
         import matplotlib
 
@@ -856,7 +860,8 @@ def main(argv=None) -> None:
         for v in order:
             try:
                 res = run_variant(v, bc, mesh, dtype, device, args, tp_mesh)
-                log(f"  {v.name:<24} median {res['median_ms']:8.1f} ms (min {res['min_ms']:.1f}, max {res['max_ms']:.1f})"
+                log(f"  {v.name:<24} median {res['median_ms']:8.1f} ms (min {res['min_ms']:.1f}, max "
+                    f"{res['max_ms']:.1f})"
                     f" | peak {res['peak_gib']:6.2f} GiB | rest {res['resting_gib']:6.2f} GiB"
                     f" | {res['tokens_per_s']:9.0f} tok/s | build {res['build_s']:.1f} s"
                     f" | loss {res['loss_first']:.4f} -> {res['loss_last']:.4f}"
@@ -877,7 +882,8 @@ def main(argv=None) -> None:
         results.append(entry)
         if rank == 0:
             write_report(results, variants, env, args.out, stem)
-    log(f"\nwrote {os.path.join(args.out, stem)}.md / .json" + (" / .png" if os.path.exists(os.path.join(args.out, stem + ".png")) else ""))
+    log(f"\nwrote {os.path.join(args.out, stem)}.md / "
+        ".json" + (" / .png" if os.path.exists(os.path.join(args.out, stem + ".png")) else ""))
     dist.barrier()
     dist.destroy_process_group()
 

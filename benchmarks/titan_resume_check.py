@@ -124,7 +124,8 @@ def main() -> int:
              f"- Each pair RESUMED<-SOURCE: RESUMED run from SOURCE's checkpoint of step {args.save}, its steps "
              f"{args.save + 1}..{args.steps} against SOURCE's uninterrupted run (the state it loaded). The bound is "
              f"FSDP2's own (fsdp2<-fsdp2's difference, at least {FLOOR:g}): {bound:.3g}", "",
-             "| pair | loaded | first step | first loss to the bit | loss diff | grad norm diff | bound | within bound |",
+             "| pair | loaded | first step | first loss to the bit | loss diff | grad norm diff | bound "
+             "| within bound |",
              "|---|---|---|---|---|---|---|---|"]
     for r in resumed:
         first = min(r["by_step"]) if r["by_step"] else "-"

@@ -155,6 +155,7 @@ def write_table(args, results: list[dict], meta: dict) -> str:
     ref = next((r for r in results if r["impl"] == "fsdp2" and "tokens_per_s_per_gpu" in r), None)
     title, model = MODELS.get(args.config, (args.config, "torchtitan config `{config}`, {layers} layers"))
     extra = " -- " + " ".join(args.titan_args) if args.titan_args else ""
+    loss = "chunked loss" if torch_at_least(meta["torch"], 2, 12) else "plain cross-entropy loss (torch < 2.12)"
     lines = [f"# torchtitan Trainer, {title}: FSDP2 vs mfsdp_ext, {args.nproc} x {meta['gpu']}", "",
              f"- **Reproduce:** `python3 benchmarks/titan_step.py --out DIR --config {args.config} --nproc "
              f"{args.nproc} --layers {args.layers} --steps {args.steps} --warmup {args.warmup} --ac {args.ac} "
@@ -165,7 +166,7 @@ def write_table(args, results: list[dict], meta: dict) -> str:
              f"- **Model:** {model.format(layers=results[0]['layers'] if results else '?', config=args.config)}, "
              f"bf16 compute, fp32 gradient reduction, the config's activation checkpointing "
              f"({'as configured' if args.ac == 'selective' else 'full'}), "
-             f"{'chunked loss' if torch_at_least(meta['torch'], 2, 12) else 'plain cross-entropy loss (torch < 2.12)'}, "
+             f"{loss}, "
              "fused AdamW, "
              "clipping; SDPA attention; 2000-token local tokenizer and corpus (examples/frameworks/titan_assets.py)"
              + (f"; torchtitan options `{' '.join(args.titan_args)}`" if args.titan_args else ""),

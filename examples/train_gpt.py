@@ -17,8 +17,8 @@ import argparse
 import warnings
 
 import torch
-
 import training  # examples/training.py (this script's folder): the training loop, data, checkpoints
+
 from mfsdp_ext.testing import gpt  # the model and the FSDP glue
 
 warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
@@ -45,7 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tie-embeddings", action="store_true")
     p.add_argument("--learned-positions", action="store_true", help="learned absolute positions instead of rotary")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
-                   help="compute (param) dtype; master weights and gradient reduction stay fp32. auto: bf16 on GPU, fp32 on CPU")
+                   help="compute (param) dtype; master weights and gradient reduction stay fp32. auto: bf16 on GPU, "
+                        "fp32 on CPU")
     p.add_argument("--meta-init", action=argparse.BooleanOptionalAction, default=True,
                    help="build on the meta device, shard, then materialise only the local shards")
     p.add_argument("--activation-checkpointing", action="store_true")

@@ -22,8 +22,8 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-
 import training  # examples/training.py (this script's folder): the training loop, data, checkpoints
+
 from mfsdp_ext.testing import gpt  # process group set-up and the FSDP glue
 
 warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
@@ -44,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-config", help="a LlamaConfig JSON file (e.g. a model's config.json); default: built in")
     p.add_argument("--attn-implementation", default="sdpa", help="HuggingFace's attn_implementation (sdpa, eager)")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
-                   help="compute dtype; master weights and gradient reduction stay fp32. auto: bf16 on GPU, fp32 on CPU")
+                   help="compute dtype; master weights and gradient reduction stay fp32. auto: bf16 on GPU, fp32 on "
+                        "CPU")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (under fully_shard)")
     training.add_args(p)

@@ -18,12 +18,12 @@ import math
 import resource
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
+import checkpointing  # examples/checkpointing.py, beside this file (on sys.path: the examples run as scripts)
 import torch
 import torch.distributed as dist
 
-import checkpointing  # examples/checkpointing.py, beside this file (on sys.path: the examples run as scripts)
 from mfsdp_ext.testing import gpt
 
 

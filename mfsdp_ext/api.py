@@ -88,13 +88,9 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
             not take.
         TypeError: arguments of the wrong kind (a module, a policy).
     """
-    modules = _modules_of(module)
+    modules = _checked_call(module, offload_policy)
     mp_policy = as_mfsdp_policy(mp_policy)
     reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, allow_int=True)
-    _check_offload(offload_policy)
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("fully_shard needs torch.distributed: call dist.init_process_group(...) first "
-                           "(gloo on CPU, nccl with device_id=... on GPUs)")
     mesh, strategy, spmd_of = placement_fn.full_mesh(mesh, dp_mesh_dims, Strategy(sharding_strategy))
     dtensor_norms.install()  # clip_grad_norm_(norm_type=inf) on ranks with empty shards
     mesh, device, shard_group, replicate_group = unit_mesh.resolve_mesh(mesh, strategy)
@@ -122,6 +118,16 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
 
 
 fully_shard.state = fsdp2_state  # type: ignore[attr-defined]  # FSDP2's fully_shard.state(module)
+
+
+def _checked_call(module, offload_policy) -> list[nn.Module]:
+    """The modules of the call, once the arguments that need no mesh and the process group are checked."""
+    modules = _modules_of(module)
+    _check_offload(offload_policy)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("fully_shard needs torch.distributed: call dist.init_process_group(...) first "
+                           "(gloo on CPU, nccl with device_id=... on GPUs)")
+    return modules
 
 
 def _modules_of(module) -> list[nn.Module]:

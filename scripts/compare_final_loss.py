@@ -42,7 +42,8 @@ def main() -> int:
     ref, other = [r["loss"] for r in ref_rows], [r["loss"] for r in other_rows]
     ref_mean, other_mean = (sum(x[-args.last:]) / args.last for x in (ref, other))
     rel = (other_mean - ref_mean) / ref_mean
-    print(f"{len(ref)} steps: final loss {ref[-1]:.4f} (ref) vs {other[-1]:.4f} ({(other[-1] - ref[-1]) / ref[-1]:+.2%}); "
+    print(f"{len(ref)} steps: final loss {ref[-1]:.4f} (ref) vs {other[-1]:.4f} "
+          f"({(other[-1] - ref[-1]) / ref[-1]:+.2%}); "
           f"mean of the last {args.last}: {ref_mean:.4f} vs {other_mean:.4f} ({rel:+.2%}, limit {args.tol:.0%})")
     return 0 if abs(rel) <= args.tol else 1
 

@@ -199,29 +199,33 @@ def _short(path: str) -> str:
 
 # ------------------------------------------------------------------------------------------- instrumentation
 TARGETS = {
-    "mfsdp_ext.core.device": {"DeviceHandle": ["use_stream", "record_event", "wait_event", "wait_stream", "record_stream"]},
+    "mfsdp_ext.core.device": {"DeviceHandle": ["use_stream", "record_event", "wait_event", "wait_stream",
+                                               "record_stream"]},
     "mfsdp_ext.core.flat_buffer": {"FlatBuffer": ["free", "alloc"]},
-    "mfsdp_ext.runtime.unit": {"FsdpUnit": ["lazy_init", "unshard", "_sync_fp8_scales", "wait_unshard", "reshard",
-                                    "show_sharded_params", "pre_forward", "post_forward", "_pre_backward",
-                                    "post_backward", "_reduce_early", "_final_callback", "abandon_iteration"]},
+    "mfsdp_ext.runtime.unit": {"FsdpUnit": ["lazy_init", "unshard", "wait_unshard", "reshard", "show_sharded_params",
+                                            "pre_forward", "post_forward", "_pre_backward", "post_backward",
+                                            "_reduce_early", "end_iteration"],
+                               None: ["_sync_fp8_scales"]},
+    "mfsdp_ext.runtime.root": {None: ["lazy_init", "final_callback", "abandon_iteration"]},
     "mfsdp_ext.params.group": {"ParamGroup": ["note_gather", "sync_model_weight", "all_gather", "gather_begin",
-                                             "gather_end", "write_shard", "cast_into_own_slots", "free_unsharded"]},
-    "mfsdp_ext.params.grads": {"GroupGradients": ["pack_grads", "drop_unsharded_grads", "reduce_scatter",
-                                                 "accumulate_reduced", "accumulate_main_grad", "_new_main_grad",
-                                                 "attach_grads"]},
+                                              "gather_end", "write_shard", "cast_into_own_slots", "free_unsharded"]},
+    "mfsdp_ext.params.grads": {"GroupGradients": ["pack", "drop_unsharded", "reduce_scatter", "accumulate_reduced",
+                                                  "accumulate", "_new_main_grad", "attach"]},
     "mfsdp_ext.runtime.reduction": {"GradReduction": ["reduce_groups", "_reduce_scatter_together", "reduce",
-                                              "_params_given_a_grad"]},
-    "mfsdp_ext.comm.collectives": {"PlainAllGather": ["__call__"], "PlainReduceScatter": ["__call__", "_sum_on_arrival"],
+                                                      "_params_given_a_grad"]},
+    "mfsdp_ext.comm.collectives": {"PlainAllGather": ["__call__"],
+                                   "PlainReduceScatter": ["__call__", "_sum_on_arrival"],
                                    "ArrivedShards": ["summed"],
                                    None: ["all_gather_together", "reduce_scatter_together"]},
     "mfsdp_ext.comm.dist_ops": {None: ["all_gather_into", "reduce_scatter_into", "grouped_reduce_scatter_into",
                                        "all_to_all_into", "all_reduce"]},
-    "mfsdp_ext.comm.native": {"NcclTransport": ["all_gather_into", "reduce_scatter_into", "grouped_reduce_scatter_into",
-                                                "all_reduce_max", "all_to_all_into"]},
-    "mfsdp_ext.comm.symmetric.collectives": {"SymmetricAllGather": ["__call__"], "SymmetricReduceScatter": ["__call__"]},
-    "mfsdp_ext.params.fp8_group": {"Fp8ParamGroup": ["sync_model_weight", "note_gather", "_cast_fp8_shard", "all_gather",
-                                              "gather_begin", "gather_end", "free_unsharded"],
-                            None: ["sync_scales"]},
+    "mfsdp_ext.comm.native": {"NcclTransport": ["all_gather_into", "reduce_scatter_into",
+                                                "grouped_reduce_scatter_into", "all_reduce_max", "all_to_all_into"]},
+    "mfsdp_ext.comm.symmetric.collectives": {"SymmetricAllGather": ["__call__"],
+                                             "SymmetricReduceScatter": ["__call__"]},
+    "mfsdp_ext.params.fp8_group": {"Fp8ParamGroup": ["sync_model_weight", "note_gather", "_cast_fp8_shard",
+                                                     "all_gather", "gather_begin", "gather_end", "free_unsharded"],
+                                   None: ["sync_scales"]},
     "mfsdp_ext.fp8.linear": {"_LastInput": ["quantized"], None: ["_fp8_linear"]},
     "mfsdp_ext.runtime.finite_grads": {None: ["check"]},
     "mfsdp_ext.runtime.step_prefetch": {"NextForwardGather": ["issue"], None: ["plan"]},
@@ -417,8 +421,9 @@ def param_mismatch(model, twin) -> str | None:
 @contextlib.contextmanager
 def checkpoint_rng(mode: str):
     """mfsdp_ext.testing.gpt's Block calls the module-level `checkpoint`; "norng" swaps in preserve_rng_state=False."""
-    from mfsdp_ext.testing import gpt
     from torch.utils.checkpoint import checkpoint
+
+    from mfsdp_ext.testing import gpt
 
     saved = gpt.checkpoint
     if mode == "norng":

@@ -83,7 +83,7 @@ class RankPool:
                 msg = f"{fn.__name__}: a rank hung for {timeout}s (got: {errors or 'nothing'})"
                 print(msg, file=sys.stderr, flush=True)  # visible even if the session is cut short
                 self.restart()
-                raise AssertionError(msg)
+                raise AssertionError(msg) from None
             if ok:
                 out[rank] = payload
             else:

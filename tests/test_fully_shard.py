@@ -19,7 +19,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import mfsdp_ext
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 from mfsdp_ext.interop.checkpoint import full_state_dict
-
 from mfsdp_ext.testing.models import TinyLM, batch, rank_device, rel_err, shard_tiny_lm, train
 
 STEPS = 5
@@ -519,7 +518,8 @@ def _case_errors():
     msgs["int"] = _expect(ValueError, "non-floating", lambda: fully_shard(IntParam()))
     world = dist.get_world_size()
     mesh3 = init_device_mesh(rank_device().type, (1, 1, world))
-    msgs["mesh"] = _expect(ValueError, "expects a 1D or 2D DeviceMesh", lambda: fully_shard(nn.Linear(4, 4), mesh=mesh3))
+    msgs["mesh"] = _expect(ValueError, "expects a 1D or 2D DeviceMesh",
+                           lambda: fully_shard(nn.Linear(4, 4), mesh=mesh3))
     rank_dependent = nn.Linear(4, 4 + dist.get_rank())
     fully_shard(rank_dependent)  # no collective here: found at the first forward (tests/runtime/test_same_model.py)
     msgs["mismatch"] = _expect(RuntimeError, "different models", lambda: rank_dependent(torch.randn(2, 4)))

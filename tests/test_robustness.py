@@ -12,12 +12,10 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-
 from torch.distributed.tensor import DTensor
 
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 from mfsdp_ext.core.device import DeviceHandle
-
 from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm
 from tests.conftest import get_pool
 from tests.test_fully_shard import GLOBAL_BATCH, _compare_params
@@ -213,7 +211,8 @@ def _case_gather_in_flight_after_failed_step():
 
 
 def _case_freeze_after_fully_shard():
-    """requires_grad_(False) after fully_shard: no gradient, the weights unchanged, the rest trains as in one process."""
+    """requires_grad_(False) after fully_shard: no gradient, the weights unchanged, the rest trains as in one
+    process."""
     torch.manual_seed(31)
     model = TinyLM(tie=False)
     ref = copy.deepcopy(model).to(rank_device())

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from hf_llama import batch, build_model, exit_now, fsdp_units, log_step  # this script's folder
 
 

@@ -21,7 +21,6 @@ import json
 import os
 
 import torch
-
 from hf_llama import SyntheticDataset, build_model, exit_now, fsdp_units  # this script's folder
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 
-
 ap = argparse.ArgumentParser()
 ap.add_argument("--impl", choices=["fsdp2", "ours"], default="ours")
 ap.add_argument("--out", default="lightning_out")
@@ -42,9 +41,8 @@ if args.impl == "ours":
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
-
 from hf_llama import SyntheticDataset, batch, build_model, exit_now, fsdp_units, log_step  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 ACCELERATOR = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -103,7 +101,8 @@ def train_trainer() -> None:
     L.seed_everything(42, workers=True)
     trainer = L.Trainer(
         accelerator=ACCELERATOR, devices=int(os.environ.get("LOCAL_WORLD_SIZE", "2")), num_nodes=1,
-        strategy=ModelParallelStrategy(data_parallel_size=int(os.environ.get("WORLD_SIZE", "2")), tensor_parallel_size=1),
+        strategy=ModelParallelStrategy(data_parallel_size=int(os.environ.get("WORLD_SIZE", "2")),
+                                       tensor_parallel_size=1),
         max_steps=args.steps, accumulate_grad_batches=args.accum, gradient_clip_val=1.0,
         default_root_dir=args.out, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[SaveAt()])
@@ -119,7 +118,8 @@ def train_fabric() -> None:
 
     fabric = L.Fabric(accelerator=ACCELERATOR, devices=int(os.environ.get("LOCAL_WORLD_SIZE", "2")),
                       strategy=ModelParallelStrategy(parallelize_fn=lambda m, mesh: shard(m, mesh["data_parallel"]),
-                                                     data_parallel_size=int(os.environ.get("WORLD_SIZE", "2")), tensor_parallel_size=1))
+                                                     data_parallel_size=int(os.environ.get("WORLD_SIZE", "2")),
+                                                     tensor_parallel_size=1))
     fabric.launch()
     model = fabric.setup(build_model(tied=False))
     opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01))

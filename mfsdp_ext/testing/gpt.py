@@ -25,8 +25,9 @@ import datetime
 import gc
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -81,7 +82,7 @@ class GPTConfig:
 
 
 # Presets used by train_gpt.py (--model) and as a reference for sizes.
-PRESETS: Dict[str, dict] = {
+PRESETS: dict[str, dict] = {
     # ~1 M parameters: 2 ranks on 2 CPU cores run tens of steps in about a minute
     "tiny": dict(n_layers=4, dim=128, n_heads=4, ffn_dim=384, vocab_size=512, max_seq_len=256),
     # ~30 M parameters
@@ -149,7 +150,7 @@ class Attention(nn.Module):
         self.wv = Linear(cfg.dim, kv_dim, cfg.init_std, device)
         self.wo = Linear(cfg.dim, cfg.dim, out_std, device)
 
-    def forward(self, x: torch.Tensor, rope: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism (tensor_parallel below) the projections hold this rank's heads only
         q = self.wq(x).view(b, s, -1, self.head_dim)
@@ -217,7 +218,7 @@ class GPT(nn.Module):
             self.lm_head = Linear(cfg.dim, cfg.vocab_size, cfg.dim**-0.5, device)
         # Rotary tables are computed on first use per (seq_len, device) and cached; not buffers, so nothing
         # needs re-initialising after meta-device construction + to_empty().
-        self._rope_cache: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def init_weights(self) -> None:
         """Initialise every parameter in place (also after meta-device construction and ``to_empty``)."""
@@ -283,7 +284,7 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
 IMPLS = ("fsdp2", "ours")
 
 
-def load_impl(impl: str) -> Tuple[Callable, type]:
+def load_impl(impl: str) -> tuple[Callable, type]:
     """Return (fully_shard, MixedPrecisionPolicy) of the chosen implementation (imports ours lazily)."""
     if impl == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -354,13 +355,13 @@ def build_sharded(cfg: GPTConfig, impl: str, device: torch.device, meta_init: bo
 def setup_distributed(device_arg: str, timeout: Optional[datetime.timedelta] = None) -> torch.device:
     """init_process_group for torchrun: NCCL on this rank's GPU (device_arg "cuda", or "auto" with a GPU), else
     gloo on the CPU. Returns the rank's device."""
-    import torch.distributed as dist
     # Before init_process_group: torch.distributed.nn and others that torch._dynamo imports bind
     # `group=group.WORLD` as default arguments. Imported later (torch does so lazily, e.g. at the first DTensor
     # collective) they hold the default group forever, so destroy_process_group() cannot stop gloo's worker
     # threads; one that frees a finished collective's tensors while the interpreter shuts down aborts the
     # process ("terminate called without an active exception").
     import torch._dynamo  # noqa: F401
+    import torch.distributed as dist
 
     kwargs = {} if timeout is None else {"timeout": timeout}
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -18,10 +18,16 @@ import torch.distributed as dist
 
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard
 from mfsdp_ext.comm.collectives import TORCH_TRANSPORT
+from mfsdp_ext.comm.copy_engine import (
+    BufferTurns,
+    CopyEngineAllGather,
+    CopyEngineReduceScatter,
+    CopyEngineStage,
+    gathers_by_copy_engine,
+    peer_order,
+    reduces_by_copy_engine,
+)
 from mfsdp_ext.core.device import DeviceHandle
-from mfsdp_ext.comm.copy_engine import (BufferTurns, CopyEngineAllGather, CopyEngineReduceScatter, CopyEngineStage,
-                                        gathers_by_copy_engine, peer_order, reduces_by_copy_engine)
-
 from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
 
 

@@ -40,7 +40,8 @@ def _case_native_collectives(mode: str, k: int):
     # 48 sequences of 6 tokens: every microbatch's GEMMs have M a multiple of 16 (FP8)
     plain, native, loss_err, param_err, a, b = _train_side_by_side(22, mp, k, 48, native_collectives=True)
     groups = [g for u in native._mfsdp_unit.context.units for g in u.groups if g.world > 1]
-    assert groups and all(g.collectives.all_gather.name == g.collectives.reduce_scatter.name == "native" for g in groups)
+    names = [(g.collectives.all_gather.name, g.collectives.reduce_scatter.name) for g in groups]
+    assert names and all(ag == rs == "native" for ag, rs in names), names
     assert mode != "fp8" or any(g.fp8 for g in groups)
     pg_plain, pg_native = _pg_collectives_in_backward(plain), _pg_collectives_in_backward(native)
     assert pg_plain and not pg_native, (pg_plain, pg_native)

@@ -20,9 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 from mfsdp_ext.interop.checkpoint import full_state_dict
 from mfsdp_ext.runtime.summary import unit_lines
-
-from tests.conftest import get_pool
 from mfsdp_ext.testing.models import TinyLM, intercept_collectives, rank_device, rel_err, shard_tiny_lm, train
+from tests.conftest import get_pool
 from tests.test_fully_shard import GLOBAL_BATCH, STEPS
 
 FP32_SUM = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,

@@ -14,9 +14,19 @@ import torch
 
 from mfsdp_ext import _native as N
 from mfsdp_ext.fp8.tensor import quantize
-
-from tests.native.test_kernels import (DEVICES, F8, FLOATS, HAS_CUDA, _count_kernels, assert_bits_equal,
-                                       assert_identical, bits, gen, poison, rand_values)
+from tests.native.test_kernels import (
+    DEVICES,
+    F8,
+    FLOATS,
+    HAS_CUDA,
+    _count_kernels,
+    assert_bits_equal,
+    assert_identical,
+    bits,
+    gen,
+    poison,
+    rand_values,
+)
 
 FMT = {torch.float8_e4m3fn: (3, -6, 448.0), torch.float8_e5m2: (2, -14, 57344.0)}  # mantissa bits, min exp, max
 EPS = 1e-12

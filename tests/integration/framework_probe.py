@@ -7,7 +7,8 @@ Per optimizer step, each rank appends a JSON line to COUNTS_PATH.rankR: the unit
 reductions of that step. FSDP2: calls of foreach_all_gather / foreach_reduce (one per unit's parameter group and
 collective; a unit has one group per mesh). mfsdp_ext: a unit's unshard that gathered, and a unit that reduced in a
 backward (once, also when it reduced a group early and the rest at its post-backward; not when it kept accumulating
-under no-sync), each counted once per mesh its groups shard over (shard_placement_fn may give some their own). The counters wrap both implementations' functions, so the example
+under no-sync), each counted once per mesh its groups shard over (shard_placement_fn may give some their own). The
+counters wrap both implementations' functions, so the example
 switches between them as it would without this wrapper.
 """
 

@@ -2,7 +2,8 @@
 (after main() has returned, before the interpreter shuts down), prints how many threads the rank still has.
 
 1 means destroy_process_group() could join gloo's worker threads (torch's autograd device workers aside). More
-means they run on into the interpreter's shutdown, where one that frees a finished collective's tensors needs the GIL and aborts the process
+means they run on into the interpreter's shutdown, where one that frees a finished collective's tensors needs the GIL
+and aborts the process
 (``terminate called without an active exception``): rarely, so a clean exit code alone proves little.
 """
 

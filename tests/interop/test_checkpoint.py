@@ -16,17 +16,21 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard
 from mfsdp_ext.interop.checkpoint import full_state_dict
-
-from tests.conftest import get_pool
 from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm
+from tests.conftest import get_pool
 
 K, N = 3, 3  # steps before the checkpoint, steps after it
 GLOBAL_BATCH = 24  # divisible by 1, 2 and 4 ranks
@@ -311,7 +315,7 @@ def _case_dtensor_semantics_match_fsdp2():
     tokens, targets = batch(K, GLOBAL_BATCH)
     rank, world = dist.get_rank(), dist.get_world_size()
     norms, errs = {}, {}
-    for impl, m in models.items():
+    for m in models.values():
         lm_loss(m, tokens.chunk(world)[rank], targets.chunk(world)[rank]).backward()
     ours, theirs = (dict(models[i].named_parameters()) for i in ("ours", "fsdp2"))
     _, ours_osd = get_state_dict(models["ours"], opts["ours"])

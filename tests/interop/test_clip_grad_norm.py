@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from mfsdp_ext import fully_shard, no_shard
-
 from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
 from tests.test_fully_shard import GLOBAL_BATCH
 

@@ -24,7 +24,6 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 import mfsdp_ext
 from mfsdp_ext import fully_shard
 from mfsdp_ext.comm.policy import CommPolicy
-
 from mfsdp_ext.testing.models import TinyLM, batch, rank_device, rel_err
 from tests.test_fully_shard import ScoringLM
 
@@ -66,7 +65,7 @@ def _case_recognised_as_fsdp2():
         with pytest.raises(NotImplementedError, match=f"FSDPModule.{name} is not supported"):
             getattr(model, name)(*args)
     with pytest.raises(AttributeError, match="has no FSDP2 state '_training_state'"):
-        model._get_fsdp_state()._training_state  # FSDP2's state: only what torch's own code reads exists
+        _ = model._get_fsdp_state()._training_state  # FSDP2's state: only what torch's own code reads exists
     # accepted with FSDP2's meaning (what they change is tested below and in test_fully_shard.py)
     model.set_is_last_backward(False)
     model.set_force_sum_reduction_for_comms(True)

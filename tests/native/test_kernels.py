@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from mfsdp_ext import _native as N
-
 from mfsdp_ext.testing.models import run_profiled
 
 HAS_CUDA = torch.cuda.is_available()

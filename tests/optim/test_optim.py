@@ -26,9 +26,8 @@ from torch.optim.sgd import _single_tensor_sgd
 import mfsdp_ext.optim as mo
 from mfsdp_ext import _native, fully_shard, no_shard
 from mfsdp_ext.params.group import owner_of
-
-from tests.conftest import get_pool
 from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, rel_err, shard_tiny_lm
+from tests.conftest import get_pool
 
 GLOBAL_BATCH = 24
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
@@ -78,7 +77,7 @@ def test_adamw_kernel_equals_torch_single_tensor(grad_dtype):
                                 weight_decay=h["wd"], eps=h["eps"], maximize=h.get("maximize", False),
                                 capturable=False, differentiable=False, decoupled_weight_decay=True)
             _torch_adamw_lines(lp, grad[a:b].float(), lm, lv, step, h)
-    for (a, b, _), (p, ea, eas, _), (lp, lm, lv) in zip(RUNS, ref, lines):
+    for (a, b, _), _, (lp, lm, lv) in zip(RUNS, ref, lines):
         assert torch.equal(param[a:b], lp) and torch.equal(m[a:b], lm) and torch.equal(v[a:b], lv)
         assert torch.allclose(param[a:b], p, rtol=1e-6, atol=1e-7) and torch.allclose(m[a:b], ea, rtol=1e-6)
     assert param[37:48].isnan().all() and (m[37:48] == 0).all()
@@ -175,7 +174,7 @@ def test_plain_params_match_torch():
     a, b = nn.Linear(5, 4), nn.Linear(5, 4)
     b.load_state_dict(a.state_dict())
     oa, ob = mo.AdamW(a.parameters(), lr=1e-2), torch.optim.AdamW(b.parameters(), lr=1e-2)
-    for step in range(3):
+    for _ in range(3):
         x = torch.randn(7, 5)
         for model, opt in ((a, oa), (b, ob)):
             model(x).square().sum().backward()

@@ -22,9 +22,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from mfsdp_ext import Fp8Policy, FsdpModule, MixedPrecisionPolicy, fully_shard, microbatch
 from mfsdp_ext.fp8.linear import Fp8LinearMixin
 from mfsdp_ext.fp8.tensor import E4M3
-
-from tests.conftest import get_pool
 from mfsdp_ext.testing.models import TinyLM, rank_device, shard_tiny_lm
+from tests.conftest import get_pool
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
 STEPS = 6
@@ -114,7 +113,8 @@ def _case_quantize_exact():
         for i, info in enumerate(g.infos):
             ref, ref_scale_inv = _reference_fp8(full[f"blocks.{bi}.{info.fqn}"])
             got = g.unsharded_fp8.param_view(i).cpu()
-            assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8)), (info.fqn, (got.float() - ref.float()).abs().max())
+            assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8)), (
+                info.fqn, (got.float() - ref.float()).abs().max())
             assert g.scale_inv[i].cpu().view(torch.int32).item() == ref_scale_inv.view(torch.int32).item(), (
                 info.fqn, g.scale_inv[i].item(), ref_scale_inv.item())
             scales.append(g.scale_inv[i].item())
@@ -316,7 +316,6 @@ def _case_collectives_per_step(strategy: str):
     from mfsdp_ext.params import fp8_group
     from mfsdp_ext.params.grads import GroupGradients
     from mfsdp_ext.params.group import ParamGroup
-
     from mfsdp_ext.testing.models import intercept_collectives
 
     def run():

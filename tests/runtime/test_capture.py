@@ -17,9 +17,8 @@ import torch
 import torch.distributed as dist
 
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
-from mfsdp_ext.runtime.capture import CaptureError
 from mfsdp_ext.core.device import DeviceHandle
-
+from mfsdp_ext.runtime.capture import CaptureError
 from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
 
 

@@ -7,18 +7,16 @@ losses of the other steps must be equal exactly.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from mfsdp_ext import NonFiniteGradError, fully_shard
-
 from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
 from tests.interop.test_clip_grad_norm import Uneven
-from tests.test_fully_shard import GLOBAL_BATCH
 from tests.runtime.test_strategies import count_collectives
+from tests.test_fully_shard import GLOBAL_BATCH
 
 NAN = float("nan")
 

@@ -16,7 +16,6 @@ import torch.distributed as dist
 import mfsdp_ext
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard
 from mfsdp_ext.graphs import GraphedStep
-
 from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, lm_train_step, rank_device, shard_tiny_lm
 from tests.runtime.test_capture import _accumulate
 

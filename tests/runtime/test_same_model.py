@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 
 from mfsdp_ext import fully_shard
-
 from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device
 
 

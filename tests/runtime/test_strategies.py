@@ -22,9 +22,16 @@ from torch.utils.checkpoint import checkpoint
 
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 from mfsdp_ext.interop.checkpoint import full_state_dict
-
-from mfsdp_ext.testing.models import (TinyLM, batch, intercept_collectives, lm_loss, rank_device, rel_err,
-                                      shard_tiny_lm, train)
+from mfsdp_ext.testing.models import (
+    TinyLM,
+    batch,
+    intercept_collectives,
+    lm_loss,
+    rank_device,
+    rel_err,
+    shard_tiny_lm,
+    train,
+)
 from tests.conftest import get_pool
 from tests.test_fully_shard import GLOBAL_BATCH, STEPS, _compare_params
 

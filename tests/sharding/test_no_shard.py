@@ -12,11 +12,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from mfsdp_ext import FsdpModule, MixedPrecisionPolicy, fully_shard, microbatch, no_shard, reset_parameters
-
 from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, train
 from tests.conftest import get_pool
-from tests.test_fully_shard import GLOBAL_BATCH, STEPS, _compare_params
 from tests.runtime.test_strategies import count_collectives
+from tests.test_fully_shard import GLOBAL_BATCH, STEPS, _compare_params
 
 
 def _marked_model(seed: int) -> TinyLM:

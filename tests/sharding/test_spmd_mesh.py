@@ -16,9 +16,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from mfsdp_ext import fully_shard
-
-from tests.conftest import get_pool
 from mfsdp_ext.testing.models import rel_err
+from tests.conftest import get_pool
 from tests.sharding.test_tensor_parallel import Block, Llama, _batch
 
 COLWISE, ROWWISE = ("wq", "wk", "wv", "w1", "w3"), ("wo", "w2")
@@ -84,14 +83,16 @@ def _reference(base: nn.Module, steps: int) -> list[float]:
 def _case_vs_fsdp2(shape, names, shard, replicate, data_dims, shard_dim1=False):
     """Ours and FSDP2 under the same dp_mesh_dims (``shard_dim1``: shard_placement_fn answering Shard(1) for every
     weight): the same labels and local shards, the same losses and weights, and within 1e-5 of a single process."""
-    from torch.distributed.fsdp import DataParallelMeshDims, fully_shard as fsdp2_fully_shard
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     dims = DataParallelMeshDims(shard=shard, replicate=replicate)
     kwargs = {"shard_placement_fn": (lambda p: Shard(1) if p.dim() == 2 else None)} if shard_dim1 else {}
     torch.manual_seed(0)
     base = Llama()
-    ours, theirs = (_shard(_distribute(base, mesh), fn, mesh, dims, **kwargs) for fn in (fully_shard, fsdp2_fully_shard))
+    ours, theirs = (_shard(_distribute(base, mesh), fn, mesh, dims, **kwargs)
+                    for fn in (fully_shard, fsdp2_fully_shard))
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
         assert p.placements == q.placements and p.device_mesh == q.device_mesh, (name, p.placements, q.placements)
         assert torch.equal(p.to_local(), q.to_local()), name
@@ -132,8 +133,10 @@ def test_shard_dim1_vs_fsdp2():
 def _case_fused_optimizer_and_microbatches():
     """mfsdp_ext.optim.AdamW and the microbatch API under dp_mesh_dims: the same weights as FSDP2 with torch's
     AdamW and set_requires_gradient_sync, the optimizer state labelled as its parameter."""
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
     import mfsdp_ext
-    from torch.distributed.fsdp import DataParallelMeshDims, fully_shard as fsdp2_fully_shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dims = DataParallelMeshDims(shard="dp")
@@ -171,7 +174,8 @@ def _case_dcp_interop(tmp: str):
     """A checkpoint of ours under dp_mesh_dims loads into FSDP2 under dp_mesh_dims, and into ours on a plain
     4-rank data-parallel mesh, exactly (the labels say what each shard is)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.fsdp import DataParallelMeshDims, fully_shard as fsdp2_fully_shard
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dims = DataParallelMeshDims(shard="dp")

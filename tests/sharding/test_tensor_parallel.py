@@ -14,10 +14,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from mfsdp_ext import MixedPrecisionPolicy, Fp8Policy, fully_shard
-
-from tests.conftest import get_pool
+from mfsdp_ext import Fp8Policy, MixedPrecisionPolicy, fully_shard
 from mfsdp_ext.testing.models import rel_err
+from tests.conftest import get_pool
 
 DIM, HEADS, HIDDEN, VOCAB, SEQ = 16, 4, 20, 11, 8
 
@@ -186,8 +185,9 @@ def test_refusals():
 def _case_fused_optimizer_and_microbatches(shard_placement_fn=None):
     """mfsdp_ext.optim.AdamW and the microbatch API on the 2-D layout: the fused kernel steps the TP-local shards,
     its state DTensors carry the parameters' 2-D placements; the same numbers as FSDP2 with torch's AdamW."""
-    import mfsdp_ext
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    import mfsdp_ext
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(1)
@@ -320,7 +320,7 @@ def _train_both(models) -> float:
     weights afterwards."""
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     g = torch.Generator().manual_seed(dist.get_rank())
-    for step in range(3):
+    for _ in range(3):
         x = torch.randn(6, DIM, generator=g)
         for model, opt in zip(models, opts):
             model(x).square().mean().backward()
@@ -385,7 +385,7 @@ def _case_per_parameter_mesh(expert_dim: int):
         model = copy.deepcopy(base)
         expert_params = _experts_on(model.experts, sparse["ep"])
 
-        def placement(p):
+        def placement(p, expert_params=expert_params):
             if p in expert_params:
                 return ShardPlacementResult(placement=Shard(expert_dim), mesh_info=edp_info)
             return ShardPlacementResult(placement=Shard(0), mesh_info=dp_info)
@@ -466,7 +466,7 @@ def _case_shard_dim1(param_dtype):
         assert p.placements == q.placements and torch.equal(p.to_local(), q.to_local()), (name, p.placements)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     g = torch.Generator().manual_seed(dist.get_rank())
-    for step in range(3):
+    for _ in range(3):
         x = torch.randn(6, DIM, generator=g)
         for model, opt in zip(models, opts):
             model(x).float().square().mean().backward()
