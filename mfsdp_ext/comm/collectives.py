@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ class ParamGroup(Protocol):
     """What the collectives use of a parameter group (param_group.py's ParamGroup)."""
 
     world: int
+    rank: int
     shard_group: dist.ProcessGroup
     device: torch.device
     layout: FlatLayout
@@ -74,11 +75,34 @@ class AllGather(Protocol):
 
     def __call__(self, g: ParamGroup) -> None: ...
 
+    def together_key(self, g: ParamGroup) -> Optional[tuple]:
+        """Groups whose ops give the same key share one call (``gather_together``); None: a call of its own."""
+
+    def gather_together(self, groups: Sequence[ParamGroup]) -> None: ...
+
 
 class ReduceScatter(Protocol):
     name: str
 
     def __call__(self, g: ParamGroup, scale: float) -> torch.Tensor | ArrivedShards: ...
+
+    def together_key(self, g: ParamGroup) -> Optional[tuple]:
+        """Groups whose ops give the same key share one call (``scatter_together``); None: a call of its own."""
+
+    def scatter_together(self, groups: Sequence[ParamGroup], scales: list[float]) -> list[torch.Tensor]: ...
+
+
+class SeparateCalls:
+    """Mixed into collectives that never share a call with other groups'."""
+
+    def together_key(self, g) -> Optional[tuple]:
+        return None
+
+    def gather_together(self, groups) -> None:
+        raise AssertionError("no together_key, no shared call")
+
+    def scatter_together(self, groups, scales) -> list:
+        raise AssertionError("no together_key, no shared call")
 
 
 @dataclass
@@ -123,6 +147,24 @@ class TorchTransport:
         dist_ops.all_reduce(tensor, group, op=dist.ReduceOp.MAX)
 
 
+class GroupBoundTransport(TorchTransport):
+    """torch.distributed's collectives on a process group of their own, whatever group the caller names: FSDP2's
+    ``set_separate_reduce_scatter_group`` (the gradients' reduce-scatters on a communicator beside the gathers')."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        super().__init__()
+        self.group = group
+
+    def reduce_scatter_into(self, output: torch.Tensor, input: torch.Tensor, group) -> None:
+        dist_ops.reduce_scatter_into(output, input, self.group)
+
+    def grouped_reduce_scatter_into(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], group) -> None:
+        dist_ops.grouped_reduce_scatter_into(outputs, inputs, self.group)
+
+    def all_to_all_into(self, output: torch.Tensor, input: torch.Tensor, group) -> None:
+        dist_ops.all_to_all_into(output, input, self.group)
+
+
 class PlainAllGather:
     """One all-gather per parameter, issued as one group, each landing in place (no copy-in, no copy-out)."""
 
@@ -138,9 +180,16 @@ class PlainAllGather:
         else:  # from the cached compute-dtype shard, or cast into this rank's slots and gathered in place
             self.transport.all_gather_into(*g.gather_begin(), g.shard_group)
 
+    def together_key(self, g: ParamGroup) -> Optional[tuple]:
+        """The plain gathers of a unit's groups over one transport and shard group share one call."""
+        return (self.transport, g.shard_group) if g.world > 1 else None
+
+    def gather_together(self, groups: Sequence[ParamGroup]) -> None:
+        all_gather_together(groups)
+
 
 def all_gather_together(groups: Sequence[ParamGroup]) -> None:
-    """The plain all-gathers of several groups (``joins_grouped_gather``; one transport, one shard group) as one
+    """The plain all-gathers of several groups (the same ``together_key``: one transport, one shard group) as one
     call of the transport (one NCCL group; FP8 weights travel as uint8): each group's work before the collective
     (allocation, casts), the collective, each group's work after it (dequantize, FP8 views, stats)."""
     first = groups[0]
@@ -172,6 +221,16 @@ class PlainReduceScatter:
         self.transport.reduce_scatter_into(reduced, packed, g.shard_group)
         return reduced
 
+    def together_key(self, g: ParamGroup) -> Optional[tuple]:
+        """The plain flat reduce-scatters (not the narrow wire's all-to-all) over one transport, shard group and reduce
+        dtype share one call."""
+        if g.world == 1 or g.sums_on_arrival:
+            return None
+        return self.transport, g.shard_group, g.reduce_dtype
+
+    def scatter_together(self, groups: Sequence[ParamGroup], scales: list[float]) -> list[torch.Tensor]:
+        return reduce_scatter_together(groups, scales)
+
     @staticmethod
     def pack(g: ParamGroup, scale: float) -> torch.Tensor:
         """The flat reduce-scatter's input: the grads times ``scale``, rank-major, in the reduce dtype."""
@@ -192,13 +251,15 @@ class PlainReduceScatter:
 
 
 def reduce_scatter_together(groups: Sequence[ParamGroup], scales: list[float]) -> list[torch.Tensor]:
-    """The plain reduce-scatters of several groups (``joins_grouped_reduce_scatter``; one transport, shard group
+    """The plain reduce-scatters of several groups (the same ``together_key``: one transport, shard group
     and reduce dtype) as one call of the transport, as all_gather_together: each group's grads packed (times its
     scale), one grouped reduce-scatter. Returns each group's reduced shard."""
     first = groups[0]
     packed = [PlainReduceScatter.pack(g, scale) for g, scale in zip(groups, scales)]
     reduced = [torch.empty(g.layout.shard_numel, dtype=g.reduce_dtype, device=g.device) for g in groups]
-    first.collectives.transport.grouped_reduce_scatter_into(reduced, packed, first.shard_group)
+    op = first.collectives.reduce_scatter
+    assert isinstance(op, PlainReduceScatter)  # its together_key
+    op.transport.grouped_reduce_scatter_into(reduced, packed, first.shard_group)
     for g in groups:
         g.stats.reduces += 1
     return reduced

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from .. import _native
 from ..core.device import DeviceHandle
 from . import dist_ops
-from .collectives import ArrivedShards, ParamGroup
+from .collectives import ArrivedShards, ParamGroup, SeparateCalls
 
 
 def unavailable_reason(group: Optional[dist.ProcessGroup]) -> Optional[str]:
@@ -138,7 +138,7 @@ class CopyEngineStage:
 STAGE_PIECES_BELOW_BYTES = 2 << 20
 
 
-class CopyEngineAllGather:
+class CopyEngineAllGather(SeparateCalls):
     """One group's gather: its shard into this rank's next buffer, a barrier, then every piece of every rank's shard
     copied from that rank's buffer into the parameters, or, where the pieces are small, each rank's whole shard into
     a rank-major staging buffer whose pieces one kernel puts in place. The views and the copy plan are made once:
@@ -175,7 +175,7 @@ class CopyEngineAllGather:
         _native.unpack(staged, self.offsets, self.pieces)
 
 
-class CopyEngineReduceScatter:
+class CopyEngineReduceScatter(SeparateCalls):
     """One group's gradient exchange (reduces_by_copy_engine): what PlainReduceScatter's all-to-all delivers, through
     the copy engines. Its grads packed rank-major in their own dtype into this rank's next buffer, a barrier, then
     this rank's chunk copied out of every rank's buffer: the shards that arrived, summed where they go

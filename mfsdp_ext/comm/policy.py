@@ -9,10 +9,12 @@ against the shard group with errors that say what to do.
 ``assign_collectives`` gives each group its ``GroupCollectives`` (transport, all-gather, reduce-scatter), in one pass.
 For each direction the first that applies wins:
 
-  1. the copy engines, where the unit asks for them and the group can take them (not FP8 groups or dim > 0 splits
+  1. FSDP2's custom hook (``set_custom_all_gather`` / ``set_custom_reduce_scatter``), for the groups it can carry;
+  2. the copy engines, where the unit asks for them and the group can take them (not FP8 groups or dim > 0 splits
      for the gather; only a gradient exchange that sums on arrival, the narrow wire, for the reduction);
-  2. NCCL symmetric memory, where the unit asks for it (True, or "auto" where it timed faster for that size);
-  3. the plain collectives over the unit's transport.
+  3. NCCL symmetric memory, where the unit asks for it (True, or "auto" where it timed faster for that size);
+  4. the plain collectives over the unit's transport (the reduce-scatter on a process group of its own with FSDP2's
+     ``set_separate_reduce_scatter_group``).
 
 It is collective over the shard groups (communicators and symmetric buffers are created in it): every rank calls it
 with the same units in the same order.
@@ -23,13 +25,14 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch.distributed as dist
 
+from ..core import registry
 from ..core.device import DeviceHandle
-from . import copy_engine, native
-from .collectives import TORCH_TRANSPORT, GroupCollectives, ParamGroup
+from . import copy_engine, custom, native
+from .collectives import TORCH_TRANSPORT, GroupBoundTransport, GroupCollectives, ParamGroup, PlainReduceScatter
 from .symmetric import choose as symmetric_choice
 from .symmetric.collectives import SymmetricAllGather, SymmetricReduceScatter, SymmetricStages
 from .symmetric.comm import is_available as symmetric_available
@@ -46,6 +49,9 @@ class CommPolicy:
     symm_mem: SymmMem = False  # NCCL symmetric memory: True, or "auto" (kept per size where it times faster)
     copy_engine_all_gather: bool = False  # weights moved by the copy engines (comm/copy_engine.py)
     copy_engine_reduce_scatter: bool = False  # bf16 gradients exchanged by the copy engines
+    custom_all_gather: Any = None  # FSDP2's AllGather hook (comm/custom.py)
+    custom_reduce_scatter: Any = None  # FSDP2's ReduceScatter hook
+    reduce_scatter_group: Any = None  # set_separate_reduce_scatter_group: the plain reduce-scatters' own group
 
     @classmethod
     def checked(cls, shard_group: Optional[dist.ProcessGroup], *, native: bool = False, symm_mem: SymmMem = False,
@@ -110,8 +116,8 @@ class CommPolicy:
     def describe(self) -> str:
         """What differs from the defaults, e.g. "native, symm_mem=auto" ("" for the defaults): the same-model check
         and the unit summary name it."""
-        fields = [f.name if value is True else f"{f.name}={value}" for f in dataclasses.fields(self)
-                  if (value := getattr(self, f.name)) != f.default]
+        fields = [f.name if value is True else f"{f.name}={value if isinstance(value, (bool, str)) else 'set'}"
+                  for f in dataclasses.fields(self) if (value := getattr(self, f.name)) is not f.default]
         return ", ".join(fields)
 
 
@@ -174,13 +180,42 @@ def assign_collectives(units: list[tuple[CommPolicy, list]], device: DeviceHandl
     ce_reduce = [g for policy, g in pairs
                  if policy.copy_engine_reduce_scatter and copy_engine.reduces_by_copy_engine(g)]
     ce_stages, by_copy_engine = copy_engine.copy_engine_collectives(ce_gather, ce_reduce, device)
-    for _, g in pairs:
+    for policy, g in pairs:
         transport = transports[id(g)]
         ag, rs = by_copy_engine.get(id(g), (None, None))
         sym_ag, sym_rs = by_symmetric.get(id(g), (None, None))
+        plain_rs = transport.reduce_scatter_op
+        if policy.reduce_scatter_group is not None and transport is TORCH_TRANSPORT:
+            plain_rs = PlainReduceScatter(GroupBoundTransport(policy.reduce_scatter_group))
         g.use_collectives(GroupCollectives(transport, ag or sym_ag or transport.all_gather_op,
-                                           rs or sym_rs or transport.reduce_scatter_op))
+                                           rs or sym_rs or plain_rs))
+    use_custom(pairs)
     return CommResources(stages, ce_stages)
+
+
+def use_custom(pairs: list[tuple[CommPolicy, Any]]) -> None:
+    """Each (policy, group)'s custom hooks, for the groups they can carry: at lazy init, and when FSDP2's setters come
+    after it (they take effect from the next collective)."""
+    for policy, g in pairs:
+        if not custom.takes_custom(g):
+            continue
+        transport, ag, rs = g.collectives
+        if policy.custom_all_gather is not None:
+            ag = custom.CustomAllGather(policy.custom_all_gather)
+        if policy.custom_reduce_scatter is not None:
+            rs = custom.CustomReduceScatter(policy.custom_reduce_scatter)
+            g.grads.on_ready = None  # the unit's groups reduce in one hook call, as FSDP2's: none ahead of the rest
+        if (ag, rs) != g.collectives[1:]:
+            g.use_collectives(GroupCollectives(transport, ag, rs))
+
+
+def separate_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A process group over ``group``'s ranks for the reduce-scatters alone (FSDP2's set_separate_reduce_scatter_group),
+    one per rank set and process: made the first time (collective over those ranks), then shared."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in registry.REDUCE_SCATTER_GROUPS:
+        registry.REDUCE_SCATTER_GROUPS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return registry.REDUCE_SCATTER_GROUPS[ranks]
 
 
 def release_symmetric(resources: CommResources, groups: list) -> None:

@@ -36,6 +36,8 @@ FP8_CLASSES: dict[type, type] = {}
 FSDP_CLASSES: dict[type, type] = {}
 # runtime/post_forward.py: (id(mesh), N) -> the mesh viewed as (-1, N): reshard_after_forward=N's groups
 POST_FORWARD_MESHES: dict[tuple, Any] = {}
+# comm/policy.py: shard ranks -> the process group of their reduce-scatters (set_separate_reduce_scatter_group)
+REDUCE_SCATTER_GROUPS: dict[tuple, Any] = {}
 # comm/native.py: shard process group -> its NcclTransport (one NCCL communicator per group and process)
 NATIVE_TRANSPORTS: dict[Any, Any] = {}
 # params/grads.py: groups holding gradient buffers a captured CUDA graph writes

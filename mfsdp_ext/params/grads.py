@@ -29,7 +29,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from .. import _native
 from ..comm import dist_ops
-from ..comm.collectives import ArrivedShards, PlainReduceScatter
+from ..comm.collectives import ArrivedShards
 from ..core import registry
 from ..core.flat_buffer import FlatBuffer
 
@@ -97,8 +97,11 @@ class GroupGradients:
         """Pack the unsharded grads into ``out``, rank-major (W shards back to back; missing grads and padding as
         zeros), cast to out's dtype and scaled: one native launch. A flat reduce-scatter of ``out`` then yields
         this rank's shard of every gradient."""
-        g = self.group
-        _native.pack_pieces([_local_grad(info) for info in g.infos], g.plan.grad_pieces, out, scale)
+        _native.pack_pieces(self.local_grads(), self.group.plan.grad_pieces, out, scale)
+
+    def local_grads(self) -> list[Optional[torch.Tensor]]:
+        """Per parameter, what its unsharded gradient contributes on this rank (None: no gradient)."""
+        return [_local_grad(info) for info in self.group.infos]
 
     def drop_unsharded(self) -> list[torch.Tensor]:
         grads = []
@@ -137,11 +140,11 @@ class GroupGradients:
         g.stats.reduces += 1
         return reduced
 
-    def joins_grouped_reduce_scatter(self) -> bool:
-        """Whether the group's reduce-scatter is the plain flat one over several ranks (not reduce_comm_dtype's
-        all-to-all), which can be one call with other such groups' (collectives.reduce_scatter_together)."""
+    def together_key(self) -> Optional[tuple]:
+        """Groups with the same key share one reduce-scatter call (their op's ``scatter_together``); None: this group
+        reduces by itself."""
         g = self.group
-        return g.world > 1 and isinstance(g.collectives.reduce_scatter, PlainReduceScatter) and not g.sums_on_arrival
+        return g.collectives.reduce_scatter.together_key(g)
 
     def accumulate_reduced(self, reduced: torch.Tensor | ArrivedShards, defer_replicas: bool, last_microbatch: bool,
                            with_grad: Optional[list[bool]] = None) -> None:

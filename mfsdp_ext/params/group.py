@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .. import _native
-from ..comm.collectives import AllGather, GroupCollectives, PlainAllGather
+from ..comm.collectives import AllGather, GroupCollectives
 from ..comm.policy import plain_collectives
 from ..core import placements, registry
 from ..core.flat_buffer import FlatBuffer
@@ -293,11 +293,10 @@ class ParamGroup:
             (op or self.collectives.all_gather)(self)
         self.gather_end()
 
-    def joins_grouped_gather(self) -> bool:
-        """Whether this group's gather is the plain grouped all-gather over several ranks, whose collective can be
-        one call with other such groups' (collectives.all_gather_together): gather_begin, the collective,
-        gather_end."""
-        return self.world > 1 and isinstance(self.collectives.all_gather, PlainAllGather)
+    def gather_together_key(self) -> Optional[tuple]:
+        """Groups with the same key share one all-gather call (their op's ``gather_together``: e.g. a unit's plain
+        gathers over one transport and shard group); None: this group gathers by itself."""
+        return self.collectives.all_gather.together_key(self)
 
     def gather_targets(self) -> tuple[torch.Tensor, ...]:
         """The buffers a gather writes: their autograd version counters must not move (the backward saved views)."""

@@ -4,11 +4,12 @@ memory, custom collectives, the reduce-scatter's buffers and group. Each acts wi
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..comm.policy import release_symmetric
+from ..comm.policy import release_symmetric, separate_group, use_custom
 
 
 def not_supported(method: str, what_to_do: str) -> NotImplementedError:
@@ -19,6 +20,8 @@ class CommControls:
     """Mixed into FsdpModule, whose ``_mfsdp_unit`` is the unit they steer."""
 
     _mfsdp_unit: Any
+    if TYPE_CHECKING:  # FsdpModule's
+        def _units(self, recurse: bool) -> list: ...
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """FSDP2's cap on reduce-scatter input buffers in flight, which trades memory for not stalling the compute
@@ -40,20 +43,42 @@ class CommControls:
         unit.set_comm_policy(unit.config.comm.with_symmetric_memory(shard_group))
 
     def set_custom_all_gather(self, comm: Any) -> None:
-        raise not_supported("set_custom_all_gather", "mfsdp_ext gathers in place into its flat buffers; "
-                             "native_collectives=True and use_symm_mem=True are its other collectives")
+        """FSDP2's: this unit's all-gathers go through ``comm`` (FSDP2's ``AllGather``: ``allocate`` and ``__call__``),
+        called as FSDP2 calls it, once per group and gather over the group's flat shard (comm/custom.py). FP8 groups
+        and dim > 0 splits keep their own gathers."""
+        self._set_comm(custom_all_gather=comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
-        raise not_supported("set_custom_reduce_scatter", "mfsdp_ext reduces packed flat buffers; "
-                             "native_collectives=True and use_symm_mem=True are its other collectives")
+        """FSDP2's: this unit's gradient reduce-scatters go through ``comm`` (FSDP2's ``ReduceScatter``), called with
+        the gradients packed rank-major and pre-divided, and op=SUM (comm/custom.py)."""
+        self._set_comm(custom_reduce_scatter=comm)
+
+    def _set_comm(self, **changes) -> None:
+        for name, comm in changes.items():
+            if not (callable(comm) and callable(getattr(comm, "allocate", None))):
+                raise TypeError(f"set_{name}: pass an object with FSDP2's Comm interface (allocate(size, *, dtype, "
+                                f"device) and __call__), got {comm!r:.80}")
+        unit = self._mfsdp_unit
+        unit.set_comm_policy(dataclasses.replace(unit.config.comm, **changes))
+        if unit.context is not None:  # after lazy init: from the next collective on
+            use_custom([(unit.config.comm, g) for g in unit.groups])
 
     def set_all_reduce_hook(self, hook: Callable, *, stream: Any = None) -> None:
         raise not_supported("set_all_reduce_hook", "the reduced gradients are the parameters' .grad after "
                              "backward; run extra reductions there")
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
-        raise not_supported("set_separate_reduce_scatter_group", "mfsdp_ext's reduce-scatters share the mesh's "
-                             "process group (native_collectives=True gives them a communicator of their own)")
+        """FSDP2's: the gradients' reduce-scatters on a process group of their own over the shard ranks (made here,
+        collectively: call it alike on every rank), so they can progress beside the gathers. Call it before the
+        first forward. It applies to the plain collectives over torch.distributed (native_collectives=True already
+        gives the unit a communicator of its own)."""
+        for unit in self._units(recurse):
+            if unit.context is not None:
+                raise RuntimeError("set_separate_reduce_scatter_group: call it before the first forward (the "
+                                   "collectives are chosen there)")
+            groups = [g.shard_group for g in unit.groups if g.shard_group is not None and g.world > 1]
+            own = separate_group(groups[0]) if enable and groups else None
+            unit.set_comm_policy(dataclasses.replace(unit.config.comm, reduce_scatter_group=own))
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         raise not_supported("set_allocate_memory_from_process_group_for_comm",

@@ -84,15 +84,15 @@ def state(module) -> Fsdp2StateView:
     """FSDP2's ``fully_shard.state(module)``, for a module sharded by ``mfsdp_ext.fully_shard``.
 
     Args:
-        module: a ``fully_shard``ed module.
+        module: a ``fully_shard``ed module (FSDP2's own, too: after ``use_as_fsdp2()`` torch's pipelining asks this
+            function for every stage, and FSDP2's answer is FSDP2's state).
 
     Returns:
         the view of its unit's state that torch's own code reads.
-
-    Raises:
-        ValueError: the module is not sharded by mfsdp_ext.
     """
     unit = getattr(module, "_mfsdp_unit", None)
     if unit is None:
-        raise ValueError(f"fully_shard.state: {type(module).__name__} is not sharded by mfsdp_ext.fully_shard")
+        from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as fsdp2_fully_shard
+
+        return fsdp2_fully_shard.state(module)  # type: ignore[attr-defined]
     return Fsdp2StateView(unit)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import dist_ops
-from ..comm.collectives import ArrivedShards, reduce_scatter_together
+from ..comm.collectives import ArrivedShards
 from ..core.states import Strategy
 from ..params.group import ParamGroup
 from .context import FsdpContext
@@ -44,14 +44,16 @@ class GradReduction:
         together on the reduce-scatter stream: their reduced shards, which reduce() takes on from there."""
         together: dict[tuple, list[ParamGroup]] = {}
         for g in groups:
-            if g.grads.joins_grouped_reduce_scatter() and self.reduces_now(ctx, g):
-                together.setdefault((g.collectives.transport, g.shard_group, g.reduce_dtype), []).append(g)
+            key = g.grads.together_key()
+            if key is not None and self.reduces_now(ctx, g):
+                together.setdefault(key, []).append(g)
         scattered: dict[ParamGroup, torch.Tensor] = {}
         for members in together.values():
             if len(members) > 1:
                 scales = [self.grad_scale(g) for g in members]
                 with ctx.device.use_stream(ctx.rs_stream):
-                    scattered.update(zip(members, reduce_scatter_together(members, scales)))
+                    op = members[0].collectives.reduce_scatter
+                    scattered.update(zip(members, op.scatter_together(members, scales)))
         return scattered
 
     def reduces_now(self, ctx: FsdpContext, g: ParamGroup) -> bool:

@@ -23,7 +23,6 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
-from ..comm.collectives import all_gather_together
 from ..comm.policy import CommPolicy
 from ..core.mixed_precision import MixedPrecisionPolicy
 from ..core.states import ShardedState, Strategy, TrainingState
@@ -160,13 +159,14 @@ class FsdpUnit:
                     if g.fp8 and g.cast.synced_version != versions[i]:
                         _sync_fp8_scales(self, g, versions[i], after_step)
                     g.sync_model_weight(versions[i])
-                if g.joins_grouped_gather():
-                    together.setdefault((g.collectives.transport, g.shard_group), []).append(g)
+                key = g.gather_together_key()
+                if key is not None:
+                    together.setdefault(key, []).append(g)
                 else:
                     g.all_gather()
                 self.gathered_versions[i] = versions[i]
             for groups in together.values():  # e.g. a unit's FP8 weights and its bf16 norms and biases
-                all_gather_together(groups)
+                groups[0].collectives.all_gather.gather_together(groups)
             self.unshard_event = ctx.device.record_event(ctx.ag_stream)
         self.sharded_state = ShardedState.UNSHARDED
 

@@ -64,7 +64,9 @@ def _groups_on_mesh(modules, params, mesh: DeviceMesh, device: torch.device, mp_
     if mesh_device != device:
         raise ValueError(f"fully_shard: shard_placement_fn gives a mesh on {mesh_device}, the module's mesh is on "
                          f"{device}; every mesh of one module is on one device type")
-    late = set().union(*(_used_after_inner_units(m, params) for m in modules))
+    # reduced early only where that overlaps the rest of the backward (CUDA streams); on the CPU every collective
+    # waits anyway, and one reduce-scatter per unit (FSDP2's count) costs less
+    late = set().union(*(_used_after_inner_units(m, params) for m in modules)) if device.type == "cuda" else set()
     groups: list[ParamGroup] = []
     kinds = _group_by_kind(params, fp8, late)
     narrow_wins = (any(mp_policy.sends_narrow_by_default(dtype) for dtype, *_ in kinds)

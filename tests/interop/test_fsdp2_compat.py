@@ -58,12 +58,13 @@ def _case_recognised_as_fsdp2():
     inherited = [n for n, v in vars(TorchFSDPModule).items() if callable(v) and not n.startswith("__")
                  and not any(n in vars(c) for c in ours)]
     assert not inherited, inherited
-    refused = {"set_custom_all_gather": (None,), "set_custom_reduce_scatter": (None,),
-               "set_all_reduce_hook": (lambda t: None,), "set_separate_reduce_scatter_group": (),
+    refused = {"set_all_reduce_hook": (lambda t: None,),
                "set_allocate_memory_from_process_group_for_comm": (True,), "_set_unshard_async_op": (True,)}
     for name, args in refused.items():
         with pytest.raises(NotImplementedError, match=f"FSDPModule.{name} is not supported"):
             getattr(model, name)(*args)
+    with pytest.raises(TypeError, match="FSDP2's Comm interface"):
+        model.set_custom_all_gather(None)
     with pytest.raises(AttributeError, match="has no FSDP2 state '_training_state'"):
         _ = model._get_fsdp_state()._training_state  # FSDP2's state: only what torch's own code reads exists
     # accepted with FSDP2's meaning (what they change is tested below and in test_fully_shard.py)

@@ -342,14 +342,14 @@ def _case_collectives_per_step(strategy: str):
     assert counts["reduce_scatter_into"] == sum(g.stats.reduces for g in model._mfsdp_unit.groups), (counts, reduces)
     # the same training with a collective per group
     sync_scales = fp8_group.sync_scales
-    joins = ParamGroup.joins_grouped_gather, GroupGradients.joins_grouped_reduce_scatter
+    joins = ParamGroup.gather_together_key, GroupGradients.together_key
     fp8_group.sync_scales = lambda gs, vs: [sync_scales([g], [v]) for g, v in zip(gs, vs)]
-    ParamGroup.joins_grouped_gather = GroupGradients.joins_grouped_reduce_scatter = lambda self: False
+    ParamGroup.gather_together_key = GroupGradients.together_key = lambda self: None
     try:
         _, per_group_losses, per_group_params, per_group_counts = run()
     finally:
         fp8_group.sync_scales = sync_scales
-        ParamGroup.joins_grouped_gather, GroupGradients.joins_grouped_reduce_scatter = joins
+        ParamGroup.gather_together_key, GroupGradients.together_key = joins
     assert per_group_counts["all_reduce"] == STEPS * len(groups), per_group_counts
     assert per_group_counts["all_gather_into"] == 2 * counts["all_gather_into"], (per_group_counts, counts)
     assert per_group_counts["reduce_scatter_into"] == sum(map(sum, reduces)), (per_group_counts, reduces)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ... import _native
 from ...core.layout import align_up
-from ..collectives import ParamGroup
+from ..collectives import ParamGroup, SeparateCalls
 from .comm import ALIGNMENT, SymmetricComm
 
 
@@ -56,7 +56,7 @@ def _rs_output_offset(rank_major_numel: int, dtype: torch.dtype) -> int:
     return align_up(rank_major_numel * dtype.itemsize, ALIGNMENT)
 
 
-class SymmetricAllGather:
+class SymmetricAllGather(SeparateCalls):
     """Shard into the stage, one flat symmetric all-gather in place, one native unpack into the parameters."""
 
     name = "symmetric"
@@ -71,7 +71,7 @@ class SymmetricAllGather:
         _native.unpack(stage, g.plan.rank_major_offsets, g.plan.unsharded_pieces)
 
 
-class SymmetricReduceScatter:
+class SymmetricReduceScatter(SeparateCalls):
     """Pack straight into the stage, one flat symmetric reduce-scatter into the pool; returns the pool output."""
 
     name = "symmetric"
