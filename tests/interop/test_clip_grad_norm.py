@@ -37,7 +37,8 @@ class Uneven(nn.Module):
 
 def _shard(model: nn.Module, layout: str) -> nn.Module:
     world = dist.get_world_size()
-    mesh = init_device_mesh(rank_device().type, (2, world // 2)) if layout == "hsdp" else None
+    mesh = (init_device_mesh(rank_device().type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+            if layout == "hsdp" else None)
     if layout == "no_shard":
         no_shard(model.out if isinstance(model, Uneven) else model.aux)  # a replicated group in the root unit
     if isinstance(model, TinyLM):

@@ -197,6 +197,8 @@ def _case_list_unit_vs_fsdp2(tie: bool, chunks: int):
             if chunks and isinstance(m, TorchFSDPModule):
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)  # FSDP2 on gloo: no PREMUL_SUM
+    if chunks:  # the aux head is unused under the chunked loss: FSDP2 leaves it without a gradient, ours gives zeros
+        ours.set_reduce_scatter_unused_params(False)  # unless told (docs/limits.md), as here
     groups = ours.head._mfsdp_unit.groups
     gathers_before = sum(g.stats.all_gathers for g in groups)
     reduces_before = sum(g.stats.reduces for g in groups)
