@@ -1,7 +1,7 @@
 """mfsdp_ext: fully sharded data parallel (ZeRO) for PyTorch, a drop-in for FSDP2's ``fully_shard``."""
 
 from . import optim  # mfsdp_ext.optim.AdamW / SGD: flat fused optimizers
-from .api import fully_shard, microbatch, register_fsdp_forward_method, reset_parameters
+from .api import fully_shard, microbatch, register_fsdp_forward_method, reset_parameters, share_comm_ctx
 from .as_fsdp2 import use_as_fsdp2
 from .core.mixed_precision import Fp8Policy, MixedPrecisionPolicy
 from .core.states import Strategy
@@ -27,5 +27,5 @@ def build_info() -> dict:
 __all__ = ["optim", "fully_shard", "microbatch", "register_fsdp_forward_method", "no_shard", "reset_parameters",
            "MixedPrecisionPolicy", "Fp8Policy", "FsdpModule", "Strategy", "Fp8Linear", "Fp8LinearConfig",
            "to_fp8_linear", "build_info", "NonFiniteGradError", "use_as_fsdp2",
-           "graphed"]
+           "graphed", "share_comm_ctx"]
 __version__ = "0.1.0"

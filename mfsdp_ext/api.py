@@ -22,6 +22,7 @@ from .interop import checkpoint, dtensor_norms
 from .params import rows
 from .params.group import ParamGroup
 from .runtime import post_forward
+from .runtime.context import SharedStreams
 from .runtime.fsdp2_state import state as fsdp2_state
 from .runtime.module import FsdpModule
 from .runtime.unit import FsdpUnit, UnitConfig, resolve_reshard_after_forward
@@ -213,6 +214,33 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return leave(module, args, output)
 
     setattr(module, method_name, run_as_forward)
+
+
+def share_comm_ctx(modules: list) -> None:
+    """FSDP2's ``share_comm_ctx``: the roots ``modules`` (e.g. the stages a pipeline rank holds) share one all-gather
+    stream and one reduce-scatter stream, so memory freed in one's stream order is reused by the others without
+    cross-stream fragmentation.
+
+    Args:
+        modules: ``fully_shard``ed modules (the roots of their trees).
+
+    Raises:
+        ValueError: a module is not sharded by mfsdp_ext.
+    """
+    if not modules:
+        return
+    for m in modules:
+        if not isinstance(m, FsdpModule):
+            raise ValueError(f"share_comm_ctx: expects fully_shard'ed modules, got {type(m).__name__}")
+    units = [m._mfsdp_unit for m in modules]
+    shared = SharedStreams()
+    for unit in units:
+        unit.shared_streams = shared
+    made = [u.context for u in units if u.context is not None and u.is_root]
+    if made:  # contexts made already: they take the first one's streams from now on
+        shared.streams = (made[0].ag_stream, made[0].rs_stream)
+        for ctx in made[1:]:
+            ctx.ag_stream, ctx.rs_stream = shared.streams
 
 
 # ---------------------------------------------------------------------------------------------- microbatches

@@ -26,9 +26,10 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 
-from .api import fully_shard, register_fsdp_forward_method
+from .api import fully_shard, register_fsdp_forward_method, share_comm_ctx
 
-_NAMESPACES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+# torch's namespaces whose FSDP2 names are switched (frameworks import from each); FSDP2's own module is not
+_NAMESPACES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp", "torch.distributed.fsdp._fully_shard")
 
 
 class Fsdp2Switch:
@@ -54,9 +55,10 @@ class Fsdp2Switch:
 
 
 def use_as_fsdp2() -> Fsdp2Switch:
-    """Make FSDP2's ``fully_shard`` and ``register_fsdp_forward_method`` resolve to mfsdp_ext's: in torch's public
-    namespaces and in every module already imported that holds torch's functions (except torch's own internals,
-    which keep FSDP2).
+    """Make FSDP2's ``fully_shard``, ``register_fsdp_forward_method`` and ``share_comm_ctx`` resolve to mfsdp_ext's:
+    in torch's namespaces (``torch.distributed.fsdp``, its ``_fully_shard`` package, ``torch.distributed._composable
+    .fsdp``) and in every module already imported that holds torch's functions (except torch's own internals, which
+    keep FSDP2).
 
     Returns:
         an ``Fsdp2Switch`` whose ``undo()`` restores them (also usable as a context manager).
@@ -65,7 +67,8 @@ def use_as_fsdp2() -> Fsdp2Switch:
     from torch.distributed.fsdp._fully_shard import _fully_shard as torch_impl  # FSDP2's own, never switched
 
     ours = {id(torch_impl.fully_shard): fully_shard,
-            id(torch_impl.register_fsdp_forward_method): register_fsdp_forward_method}
+            id(torch_impl.register_fsdp_forward_method): register_fsdp_forward_method,
+            id(torch_impl.share_comm_ctx): share_comm_ctx}
     replaced = []
     for module_name, module in list(sys.modules.items()):
         if module is None or (module_name.startswith("torch.") and module_name not in _NAMESPACES):

@@ -24,6 +24,7 @@ import textwrap
 import xml.etree.ElementTree as ET
 from collections import Counter
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # test (file::Class::test) -> why it cannot pass on mfsdp_ext: it reads FSDP2's private classes
 PRIVATE_CLASS_TESTS: dict[str, str] = {}
 
@@ -53,8 +54,9 @@ def run_file(path: str, impl: str, site_dir: str, keyword: str | None, timeout: 
     """test id -> "passed" / "failed" / "skipped" for one test file under ``impl``."""
     with tempfile.TemporaryDirectory() as tmp:
         junit = os.path.join(tmp, "junit.xml")
-        env = dict(os.environ, FSDP2_TESTS_HARNESS="1", FSDP2_TESTS_IMPL=impl,
-                   PYTHONPATH=os.pathsep.join([site_dir] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        # the harness, then this checkout's mfsdp_ext (not another one installed)
+        paths = [site_dir, REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+        env = dict(os.environ, FSDP2_TESTS_HARNESS="1", FSDP2_TESTS_IMPL=impl, PYTHONPATH=os.pathsep.join(paths))
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path, f"--junitxml={junit}"]
         if keyword:
             cmd += ["-k", keyword]

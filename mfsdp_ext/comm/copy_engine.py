@@ -53,6 +53,8 @@ def unavailable_reason(group: Optional[dist.ProcessGroup]) -> Optional[str]:
     reason = dist_ops.cuda_nccl_reason(group)
     if reason is not None:
         return reason
+    if not dist_ops.on_one_host(group):
+        return "the shard group spans hosts; the copy engines reach the GPUs of one host"
     try:
         importlib.import_module("torch.distributed._symmetric_memory")
     except ImportError as e:

@@ -324,8 +324,8 @@ def to_fp8_linear(module: nn.Module, filter_fn: Optional[Callable[[str, nn.Modul
             continue
         if not chosen(fqn, m):
             continue
+        name = fqn or type(m).__name__  # the root itself: its class name
         m.__class__ = _fp8_class(type(m))
         fp8: Any = m
-        fp8._fp8_name = fqn or type(m).__name__  # the root itself: its class name
-        fp8.fp8_config = cfg
+        fp8._fp8_name, fp8.fp8_config = name, cfg
     return module

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..core.flat_buffer import FlatBuffer
-from ..params import rows
+from ..params import assigned, rows
 from ..params.group import ParamGroup
 from ..runtime.module import FsdpModule
 
@@ -31,7 +31,7 @@ def register_state_dict_hooks(modules: list[nn.Module], groups: list[ParamGroup]
             g.use_sharded_params()
 
     def mark_loaded(module, incompatible_keys) -> None:
-        _take_assigned(groups)
+        assigned.take_assigned(groups)
         for g in groups:  # load_state_dict writes through DTensor ops, which the step detection cannot see
             g.versions.mark_changed()
 
@@ -39,7 +39,7 @@ def register_state_dict_hooks(modules: list[nn.Module], groups: list[ParamGroup]
     holders.update((id(place.module), place.module) for g in groups for info in g.infos for place in info.places)
 
     def before_load(*args, **kwargs) -> None:
-        _take_assigned(groups)  # a sibling holder's assign=True load, before its places are reset
+        assigned.take_assigned(groups)  # a sibling holder's assign=True load, before its places are reset
         use_sharded_params()
 
     for m in holders.values():
@@ -49,29 +49,6 @@ def register_state_dict_hooks(modules: list[nn.Module], groups: list[ParamGroup]
         module.register_state_dict_post_hook(_watch_returned_shards(module, groups))
         module.register_load_state_dict_pre_hook(_full_tensors_to_local_chunks(module, groups))
         module.register_load_state_dict_post_hook(mark_loaded)
-
-
-@torch.no_grad()
-def _take_assigned(groups: list[ParamGroup]) -> None:
-    """``load_state_dict(sd, assign=True)`` (accelerate's ``cpu_ram_efficient_loading`` loads a meta-built,
-    sharded model so) puts the state dict's own tensors in the modules' places: copy their values into the unit's
-    flat buffers (giving a group still on the meta device its storage first) and put the unit's parameters back,
-    as FSDP2 takes up a swapped sharded parameter at its lazy init."""
-    for g in groups:
-        assigned = [(i, place, place.module._parameters.get(place.name)) for i, info in enumerate(g.infos)
-                    for place in info.places]
-        assigned = [(i, p, new) for i, p, new in assigned
-                    if new is not None and new is not g.infos[i].sharded and new is not g.infos[i].unsharded]
-        if not assigned:
-            continue
-        g.rebuild(g.device)  # no-op unless on meta (it makes new parameters: taken below)
-        for i, _, new in assigned:
-            info = g.infos[i]
-            value = new.to_local() if isinstance(new, DTensor) else rows.local_of_full(g, i, new)
-            info.sharded._local_tensor.copy_(value)  # type: ignore[attr-defined]
-            if info.sharded.requires_grad != new.requires_grad:
-                info.sharded.requires_grad_(new.requires_grad)
-        g.use_sharded_params()
 
 
 def _watch_returned_shards(holder: nn.Module, groups: list[ParamGroup]):

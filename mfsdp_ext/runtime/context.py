@@ -80,6 +80,14 @@ class CaptureState:
         return self.id != 0
 
 
+class SharedStreams:
+    """The all-gather and reduce-scatter streams several roots share (FSDP2's ``share_comm_ctx``: a pipeline rank's
+    stages), made by the first of their contexts."""
+
+    def __init__(self) -> None:
+        self.streams: Optional[tuple] = None
+
+
 class FsdpContext:
     @classmethod
     def live(cls) -> list[FsdpContext]:
@@ -87,14 +95,18 @@ class FsdpContext:
         gathers their first units: in the same order on every rank, as a set's order is not)."""
         return sorted(registry.LIVE_CONTEXTS, key=lambda ctx: ctx.serial)
 
-    def __init__(self, root: Unit, units: list, device: torch.device):
+    def __init__(self, root: Any, units: list, device: torch.device):
         self.serial = next(registry.CONTEXT_SERIALS)
         registry.LIVE_CONTEXTS.add(self)
         self.root: Any = root  # the root FsdpUnit
         self.units = units
         self.device = DeviceHandle(device)
-        self.ag_stream = self.device.new_stream()  # None on CPU: program order
-        self.rs_stream = self.device.new_stream()
+        shared: Optional[SharedStreams] = root.shared_streams  # FSDP2's share_comm_ctx
+        if shared is not None and shared.streams is None:  # the first of the roots that share them makes them
+            shared.streams = (self.device.new_stream(), self.device.new_stream())
+        streams = shared.streams if shared is not None else (self.device.new_stream(), self.device.new_stream())
+        self.ag_stream: Optional[torch.cuda.Stream] = streams[0]  # None on CPU: program order
+        self.rs_stream: Optional[torch.cuda.Stream] = streams[1]
         self.order = ExecutionOrder()
         self.microbatch = MicrobatchFlags()
         self.iteration = IterationRecord()

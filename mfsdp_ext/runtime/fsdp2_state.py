@@ -49,6 +49,11 @@ class Fsdp2StateView:
     def __init__(self, unit: Any):
         self._unit = unit
 
+    def _lazy_init(self) -> None:
+        """FSDP2's: this unit's tree initialised with this unit as its root (FSDP2's refusals included: an inner unit
+        already initialised, a unit over several modules)."""
+        root.lazy_init(self._unit)
+
     def _pre_forward(self, module, args, kwargs):
         return self._unit.enter_forward_method(module, args, kwargs)
 

@@ -13,6 +13,7 @@ import torch
 
 from ..comm.policy import assign_collectives
 from ..core.states import TrainingState
+from ..params import assigned
 from . import capture, finite_grads, same_model, summary
 from .context import FsdpContext
 
@@ -47,6 +48,7 @@ def lazy_init(unit) -> FsdpContext:
     if mesh is not None:  # first: every rank reaches it, before any other collective of the units
         same_model.check(unit.module, units, mesh, unit.config.device)
     for u in units:
+        assigned.take_assigned(u.groups)  # parameters assigned after fully_shard (FSDP2 takes them up here too)
         if any(g.main_weight.data.is_meta for g in u.groups):
             raise RuntimeError(f"mfsdp_ext: unit '{u.name}' still has parameters on the meta device. Materialize "
                                "the model first: model.to_empty(device=...) then mfsdp_ext.reset_parameters(model).")

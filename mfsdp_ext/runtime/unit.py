@@ -114,6 +114,7 @@ class FsdpUnit:
         self.held_by: Optional[weakref.ref] = None
         self.parent: Optional[weakref.ref] = None  # the unit of the closest enclosing fully_shard (api.py sets it)
         self.refusal: Optional[str] = None  # what the first forward raises (a weight tied across two units)
+        self.shared_streams = None  # share_comm_ctx: SharedStreams (context.py) of the roots sharing theirs
         self._warned_no_grad_output = False
         for g in groups:
             g.unit = weakref.ref(self)
