@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import mfsdp_ext
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard, microbatch
 from mfsdp_ext.interop.checkpoint import full_state_dict
-from mfsdp_ext.testing.models import TinyLM, batch, rank_device, rel_err, shard_tiny_lm, train
+from mfsdp_ext.testing.models import TinyLM, batch, rank_device, rel_err, root_groups, shard_tiny_lm, train
 
 STEPS = 5
 GLOBAL_BATCH = 24  # divisible by 2 ranks x 3 microbatches and 4 ranks x 3 microbatches
@@ -242,10 +242,19 @@ def _case_main_grad_released_after_zero_grad():
 
 def _case_late_group_reduced_first():
     """The root's parameters used after the blocks (final norm, aux head) form their own group, reduced as soon as
-    their gradients are ready, before any block's reduction; the embedding's group is reduced last."""
+    their gradients are ready, before any block's reduction; the embedding's group is reduced last. On CUDA (on
+    the CPU, one group: asked for here, the grouping is the same code)."""
+    from mfsdp_ext.sharding import groups as unit_groups
+    from mfsdp_ext.testing.models import lm_loss
+
     torch.manual_seed(4)
-    model = shard_tiny_lm(TinyLM(n_layers=3), fully_shard)
-    from mfsdp_ext.testing.models import batch, lm_loss
+    assert len(shard_tiny_lm(TinyLM(n_layers=3), fully_shard)._mfsdp_unit.groups) == root_groups(rank_device())
+    reduces_early = unit_groups.reduces_early
+    unit_groups.reduces_early = lambda device: True
+    try:
+        model = shard_tiny_lm(TinyLM(n_layers=3), fully_shard)
+    finally:
+        unit_groups.reduces_early = reduces_early
 
     root = model._mfsdp_unit
     late = [g for g in root.groups if g.grads.reduce_when_ready]

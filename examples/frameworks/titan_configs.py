@@ -6,6 +6,9 @@ Each starts from torchtitan's own config and changes only what is listed; the mo
 
   llama3_debug_cpu     torchtitan's llama3_debugmodel, fp32, seq 256, local batch 2, global batch 8 (so 2 ranks
                        accumulate 2 microbatches), 4 steps, checkpoint interval 2
+  llama3_debug_pp_cpu  llama3_debug_cpu on 4 ranks: pipeline parallel 2 (2 ranks of FSDP per stage) without activation
+                       checkpointing (torchtitan's zero-bubble schedules refuse it: their split backward runs a
+                       checkpointed region twice); the schedule by --parallelism.pipeline_parallel_schedule
   qwen3_moe_debug_cpu  torchtitan's qwen3_moe_debug (no expert parallel), the same settings with 2 of its 8 layers,
                        8 experts of its 64, top 2 of its 8 (its 300 M parameters and 8 experts per token make a CPU
                        step slow) and seq 128, 2 steps
@@ -90,6 +93,19 @@ def llama3_debug_cpu():
 
     config = _cpu(llama3_debugmodel(), steps=4)
     config.training.global_batch_size = 8  # gradient accumulation: 8 / (2 per rank x 2 ranks) = 2 microbatches
+    return config
+
+
+def llama3_debug_pp_cpu():
+    config = llama3_debug_cpu()
+    config.parallelism.pipeline_parallel_degree = 2
+    config.activation_checkpoint = None
+    return config
+
+
+def llama3_debug_pp_zb_cpu():
+    config = llama3_debug_pp_cpu()
+    config.loss = config.loss.loss_fn  # the plain cross-entropy: see the docstring
     return config
 
 

@@ -108,6 +108,37 @@ if not hasattr(torch.distributed, "set_timeout"):  # torch.distributed.set_timeo
 if not hasattr(torch.compiler, "_is_non_strict_tracing"):  # torch < 2.12: asked by the MoE token dispatcher (EP > 1);
     torch.compiler._is_non_strict_tracing = lambda: False   # there is no non-strict tracing in this torch to detect
 
+import torch.distributed.pipelining.schedules as _pp_schedules  # noqa: E402
+
+
+def _takes_microbatch_lists(step) -> bool:
+    import inspect
+
+    return "arg_mbs" in inspect.signature(step).parameters
+
+
+if not _takes_microbatch_lists(_pp_schedules.PipelineScheduleSingle.step):
+    # torchtitan 0.3.0 hands a pipeline schedule its microbatches as lists (step(arg_mbs=..., kwarg_mbs=...,
+    # target_mbs=...)), a step() newer than this torch, whose step() takes the whole batch and splits it into
+    # n_microbatches equal chunks along dim 0. The microbatches are concatenated back into that batch: the schedule
+    # splits it into the same microbatches (FSDP2 and ours alike).
+    def _whole_batch(step):
+        def step_with_lists(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, **kwargs):
+            if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+                return step(self, *args, **kwargs)
+            if arg_mbs:
+                args = tuple(torch.cat(parts) for parts in zip(*arg_mbs, strict=True))
+            for key in (kwarg_mbs or [{}])[0]:
+                values = [mb[key] for mb in kwarg_mbs]
+                kwargs[key] = torch.cat(values) if isinstance(values[0], torch.Tensor) else values[0]
+            target = torch.cat(target_mbs) if target_mbs is not None else None
+            return step(self, *args, target=target, **kwargs)
+
+        return step_with_lists
+
+    for _schedule in (_pp_schedules.PipelineScheduleSingle, _pp_schedules.PipelineScheduleMulti):
+        _schedule.step = _whole_batch(_schedule.step)
+
 if CPU_ONLY and args.impl == "fsdp2":  # CPU ONLY 2: FSDP2 on gloo, SUM reductions after divide factor 1.0
     _disable_division = tt_fsdp.disable_fsdp_gradient_division
 

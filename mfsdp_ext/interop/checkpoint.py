@@ -40,7 +40,9 @@ def register_state_dict_hooks(modules: list[nn.Module], groups: list[ParamGroup]
 
     def before_load(*args, **kwargs) -> None:
         assigned.take_assigned(groups)  # a sibling holder's assign=True load, before its places are reset
-        use_sharded_params()
+        for g in groups:  # a group still on meta has no gathered copy, and its places may hold assigned tensors
+            if not g.main_weight.data.is_meta:  # that it takes only once all of them are there
+                g.use_sharded_params()
 
     for m in holders.values():
         m.register_state_dict_pre_hook(use_sharded_params)

@@ -40,6 +40,9 @@ class IterationRecord:
 
     open: bool = False  # from the root's forward to the end of a backward (or an abandoned iteration)
     in_backward: bool = False  # from the first pre-backward hook to the final callback
+    # this backward began at a call made after the root's forward ended (a chunked loss's head, backpropagated
+    # chunk by chunk on detached hidden states): the units it does not reach have their own backward still to come
+    late_backward: bool = False
     count: int = 0  # root forwards so far (mfsdp_ext.graphed: which models a step uses)
     grads_kept: bool = False  # a deferred reduction kept unsharded grads (reduced on the last microbatch)
     # During the root's final callback: the unsharded grads its reductions consumed, dropped only after the compute

@@ -85,6 +85,8 @@ def final_callback(root) -> None:
     ctx.iteration.grads_freed_at_end = []
     for unit in ctx.order.finish_order(ctx.units):
         state = unit.training_state
+        if ctx.iteration.late_backward and state in (TrainingState.FORWARD, TrainingState.IDLE):
+            continue  # not reached: its backward is still to come; as its forward left it (FSDP2's, too)
         unreduced = state is not TrainingState.POST_BACKWARD and (
             state is not TrainingState.IDLE or any(g.grads.has_unsharded() for g in unit.groups))
         if unreduced:  # e.g. no input needed grads, so no PostBackward ran; or grads from outside a forward

@@ -369,6 +369,7 @@ class FsdpUnit:
         ctx = self.context
         if not ctx.iteration.in_backward:
             ctx.iteration.in_backward = True
+            ctx.iteration.late_backward = not prefetch
             Variable._execution_engine.queue_callback(functools.partial(root.final_callback, ctx.root))
         if self.controls.unshard_in_backward:
             self.unshard()

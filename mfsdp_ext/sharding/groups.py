@@ -57,6 +57,13 @@ def make_groups(modules: list[nn.Module], params, mesh: DeviceMesh, device: torc
     return groups
 
 
+def reduces_early(device: torch.device) -> bool:
+    """Whether a unit's parameters used after its inner units get a group reduced as soon as their gradients are
+    ready: only where that overlaps the rest of the backward (CUDA streams). On the CPU every collective waits
+    anyway, and one reduce-scatter per unit (FSDP2's count) costs less."""
+    return device.type == "cuda"
+
+
 def _groups_on_mesh(modules, params, mesh: DeviceMesh, device: torch.device, mp_policy: MixedPrecisionPolicy,
                     strategy: Strategy, fp8: set[int], dims: dict[int, int],
                     spmd: placements.SpmdDims | None = None) -> list[ParamGroup]:
@@ -64,9 +71,7 @@ def _groups_on_mesh(modules, params, mesh: DeviceMesh, device: torch.device, mp_
     if mesh_device != device:
         raise ValueError(f"fully_shard: shard_placement_fn gives a mesh on {mesh_device}, the module's mesh is on "
                          f"{device}; every mesh of one module is on one device type")
-    # reduced early only where that overlaps the rest of the backward (CUDA streams); on the CPU every collective
-    # waits anyway, and one reduce-scatter per unit (FSDP2's count) costs less
-    late = set().union(*(_used_after_inner_units(m, params) for m in modules)) if device.type == "cuda" else set()
+    late = set().union(*(_used_after_inner_units(m, params) for m in modules)) if reduces_early(device) else set()
     groups: list[ParamGroup] = []
     kinds = _group_by_kind(params, fp8, late)
     narrow_wins = (any(mp_policy.sends_narrow_by_default(dtype) for dtype, *_ in kinds)

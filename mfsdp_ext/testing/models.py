@@ -79,6 +79,13 @@ def lm_train_step(model: nn.Module, opt):
     return train_step
 
 
+def root_groups(device: torch.device) -> int:
+    """The parameter groups of shard_tiny_lm's root unit: on CUDA two, the embedding and the final norm and aux head
+    used after the blocks (reduced as soon as their grads are ready, under the rest of the backward); on the CPU,
+    where no collective overlaps compute, one (one reduce-scatter per unit, FSDP2's count)."""
+    return 2 if device.type == "cuda" else 1
+
+
 def shard_tiny_lm(model: TinyLM, fully_shard, **kwargs) -> TinyLM:
     for b in model.blocks:
         fully_shard(b, **kwargs)

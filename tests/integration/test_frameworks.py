@@ -56,9 +56,9 @@ def _needs(module: str, install: str) -> None:
 
 
 def _run(tmp, name: str, script: str, *args: str, counts: bool = False, env: dict | None = None,
-         timeout: int = 600, ranks: int = 2) -> dict:
-    """torchrun of an example on ``ranks`` CPU ranks; returns its per-step metrics (rank 0) and, with ``counts``,
-    the gathers and reductions per step (rank 0)."""
+         timeout: int = 600, ranks: int = 2, report_rank: int = 0) -> dict:
+    """torchrun of an example on ``ranks`` CPU ranks; returns its per-step metrics (of ``report_rank``) and, with
+    ``counts``, the gathers and reductions per step (of every rank)."""
     metrics = os.path.join(tmp, f"{name}.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     if counts:
@@ -73,10 +73,12 @@ def _run(tmp, name: str, script: str, *args: str, counts: bool = False, env: dic
     with open(os.path.join(tmp, f"{name}.log"), "w") as f:
         f.write(log)
     assert out.returncode == 0, f"{name} failed (rc {out.returncode}):\n{log[-6000:]}"
-    rows = [json.loads(line) for line in open(f"{metrics}.rank0")]
+    rows = [json.loads(line) for line in open(f"{metrics}.rank{report_rank}")]
     result = {"steps": {r["step"]: r for r in rows}, "seconds": round(time.time() - t0, 1), "log": log}
     if counts:
         result["counts"] = [json.loads(line) for line in open(os.path.join(tmp, f"{name}.counts.rank0"))]
+        result["counts_per_rank"] = [[json.loads(line) for line in open(os.path.join(tmp, f"{name}.counts.rank{r}"))]
+                                     for r in range(ranks)]
     print(f"{name}: {len(rows)} steps in {result['seconds']} s")
     return result
 
@@ -115,10 +117,10 @@ def titan_assets(tmp_path_factory):
     return out.stdout.strip().splitlines()[-1]  # the folder it made (the script prints it)
 
 
-def _titan(tmp, assets, name, impl, config, *extra, dump=None, counts=False, ranks=2, env=None):
+def _titan(tmp, assets, name, impl, config, *extra, dump=None, counts=False, ranks=2, env=None, report_rank=0):
     env = {"TITAN_ASSETS": assets, "TITAN_DUMP": dump or os.path.join(tmp, f"dump_{name}"), **(env or {})}
     return _run(tmp, name, "torchtitan_train.py", "--impl", impl, "--module", "titan_configs", "--config", config,
-                *extra, counts=counts, env=env, ranks=ranks)
+                *extra, counts=counts, env=env, ranks=ranks, report_rank=report_rank)
 
 
 def test_torchtitan_llama3(tmp_path, titan_assets):
@@ -157,6 +159,42 @@ def test_torchtitan_qwen3_moe(tmp_path, titan_assets):
             for impl in ("fsdp2", "ours")}
     _assert_same(runs["fsdp2"], runs["ours"], "torchtitan Qwen3 MoE: ours vs FSDP2")
     assert runs["ours"]["counts"] == runs["fsdp2"]["counts"], (runs["ours"]["counts"], runs["fsdp2"]["counts"])
+
+
+_PP = {"1F1B": "llama3_debug_pp_cpu", "InterleavedZeroBubble": "llama3_debug_pp_zb_cpu"}
+
+
+@pytest.mark.parametrize("schedule", list(_PP))
+def test_torchtitan_pipeline(tmp_path, titan_assets, schedule):
+    """torchtitan's pipeline parallel 2 x FSDP 2 on 4 ranks (torch.distributed.pipelining drives the units through
+    fully_shard.state(...)): 1F1B, torchtitan's default schedule, one stage per rank under its chunked loss, and
+    InterleavedZeroBubble, two stages per rank with the weight gradients split from the input gradients (plain
+    cross-entropy: see titan_configs.py). Each with 2 gradient-accumulation steps of 2 pipeline microbatches: ours
+    equals FSDP2 (losses, grad norms, gathers and reductions per step); 1F1B's CheckpointManager resumes ours from
+    FSDP2's checkpoint exactly."""
+    tmp = str(tmp_path)
+    args = (_PP[schedule], "--parallelism.pipeline_parallel_schedule", schedule)
+    if schedule == "1F1B":
+        args += ("--checkpoint.enable",)
+    # rank 3 holds the last stage (pipeline rank 1), which reports the loss; the others report -1 per microbatch
+    full = {impl: _titan(tmp, titan_assets, f"pp_{impl}", impl, *args, counts=True, ranks=4, report_rank=3)
+            for impl in ("fsdp2", "ours")}
+    _assert_same(full["fsdp2"], full["ours"], f"torchtitan PP {schedule}: ours vs FSDP2")
+    assert len(full["ours"]["steps"]) == 4 and full["ours"]["steps"][1]["loss"] > 0, full["ours"]["steps"]
+    assert full["ours"]["counts_per_rank"] == full["fsdp2"]["counts_per_rank"], (
+        full["ours"]["counts_per_rank"], full["fsdp2"]["counts_per_rank"])
+    if schedule != "1F1B":
+        return
+
+    def resumed(impl, source):
+        dump = os.path.join(tmp, f"dump_{impl}_from_{source}")
+        shutil.copytree(os.path.join(tmp, f"dump_pp_{source}", "checkpoint", "step-2"),
+                        os.path.join(dump, "checkpoint", "step-2"))
+        run = _titan(tmp, titan_assets, f"pp_{impl}_from_{source}", impl, *args, dump=dump, ranks=4, report_rank=3)
+        assert "Loading the checkpoint" in run["log"] and sorted(run["steps"]) == [3, 4], sorted(run["steps"])
+        return run
+
+    _check_interop(tmp, resumed, full, RESUMES[2:])
 
 
 _2D = {"tensor_parallel": ("llama3_debug_cpu", "--parallelism.tensor_parallel_degree", "partial_dtensor"),

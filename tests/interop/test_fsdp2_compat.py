@@ -31,10 +31,11 @@ STEPS = 3
 GLOBAL_BATCH = 8
 
 
-def _shard(model: TinyLM, shard_fn, tail: list, **kwargs) -> TinyLM:
-    """torchtitan's wrapping: each block, the model's tail as one list unit, then the root."""
+def _shard(model: TinyLM, shard_fn, tail: list, blocks_reshard: bool = True, **kwargs) -> TinyLM:
+    """torchtitan's wrapping: each block, the model's tail as one list unit, then the root. ``blocks_reshard=False``:
+    the blocks keep their weights from forward to backward (torchtitan's blocks under pipeline parallel)."""
     for b in model.blocks:
-        shard_fn(b, **kwargs)
+        shard_fn(b, reshard_after_forward=blocks_reshard, **kwargs)
     shard_fn(tail, reshard_after_forward=False, **kwargs)
     shard_fn(model, **kwargs)
     return model
@@ -181,17 +182,20 @@ def _chunked_loss_backward(model: ChunkableLM, tokens, targets, chunks: int) -> 
     return total
 
 
-def _case_list_unit_vs_fsdp2(tie: bool, chunks: int):
+def _case_list_unit_vs_fsdp2(tie: bool, chunks: int, blocks_reshard: bool = True):
     """The list form as torchtitan uses it (the tail [norm, head], or [emb, norm, head] with tied embeddings):
     one unit, trained to FSDP2's numbers; with ``chunks``, torchtitan's chunked loss with its gradient division
-    turned off through the FSDPModule check (set_gradient_divide_factor(1.0) on every FSDPModule)."""
+    turned off through the FSDPModule check (set_gradient_divide_factor(1.0) on every FSDPModule). With
+    ``blocks_reshard=False`` (torchtitan's blocks under pipeline parallel) the head's per-chunk backwards leave the
+    blocks gathered for the backward of the rest, as FSDP2's do: the same gathers in all as FSDP2's."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp2_group
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
     torch.manual_seed(3)
     base = ChunkableLM(tie=tie).to(rank_device())
     ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
-    _shard(ours, fully_shard, _tail(ours, tie))
-    _shard(theirs, fsdp2_fully_shard, _tail(theirs, tie))
+    _shard(ours, fully_shard, _tail(ours, tie), blocks_reshard)
+    _shard(theirs, fsdp2_fully_shard, _tail(theirs, tie), blocks_reshard)
     for model in (ours, theirs):
         for m in model.modules():
             if chunks and isinstance(m, TorchFSDPModule):
@@ -203,7 +207,21 @@ def _case_list_unit_vs_fsdp2(tie: bool, chunks: int):
     gathers_before = sum(g.stats.all_gathers for g in groups)
     reduces_before = sum(g.stats.reduces for g in groups)
     our_losses = _train(ours, head_chunks=chunks)
-    their_losses = _train(theirs, head_chunks=chunks)
+    all_groups = [g for u in ours._mfsdp_unit.context.units for g in u.groups]
+    our_gathers = sum(g.stats.all_gathers for g in all_groups)
+    their_gathers, fsdp2_gather = [0], fsdp2_group.foreach_all_gather
+
+    def counted_gather(*args, **kwargs):
+        their_gathers[0] += 1
+        return fsdp2_gather(*args, **kwargs)
+
+    fsdp2_group.foreach_all_gather = counted_gather
+    try:
+        their_losses = _train(theirs, head_chunks=chunks)
+    finally:
+        fsdp2_group.foreach_all_gather = fsdp2_gather
+    # tied: one gather more per step than FSDP2, the embedding's own in its backward (below)
+    assert our_gathers == their_gathers[0] + (STEPS if tie else 0), (our_gathers, their_gathers[0])
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(our_losses, their_losses))
     ours_p, theirs_p = dict(ours.named_parameters()), dict(theirs.named_parameters())
     assert ours_p.keys() == theirs_p.keys()
@@ -215,7 +233,8 @@ def _case_list_unit_vs_fsdp2(tie: bool, chunks: int):
     gathers = (sum(g.stats.all_gathers for g in groups) - gathers_before) / STEPS
     reduces = (sum(g.stats.reduces for g in groups) - reduces_before) / STEPS
     assert (gathers, reduces) == (1, 1) if not (tie or chunks) else (2, 2), (gathers, reduces)
-    return {"loss_err": loss_err, "param_err": param_err, "tail_gathers": gathers, "tail_reduces": reduces}
+    return {"loss_err": loss_err, "param_err": param_err, "tail_gathers": gathers, "tail_reduces": reduces,
+            "gathers": our_gathers}
 
 
 def _case_torch_register_forward_method():
@@ -330,9 +349,11 @@ def test_policies_and_keywords(cpu_pool):
     print(cpu_pool.run(_case_policies_and_keywords)[0])
 
 
-@pytest.mark.parametrize("tie,chunks", [(False, 0), (True, 0), (False, 3)], ids=["tail", "tied", "chunked"])
-def test_list_unit_vs_fsdp2(cpu_pool, tie, chunks):
-    print(cpu_pool.run(_case_list_unit_vs_fsdp2, tie, chunks)[0])
+@pytest.mark.parametrize("tie,chunks,blocks_reshard", [(False, 0, True), (True, 0, True), (False, 3, True),
+                                                       (False, 3, False)],
+                         ids=["tail", "tied", "chunked", "chunked_blocks_kept"])
+def test_list_unit_vs_fsdp2(cpu_pool, tie, chunks, blocks_reshard):
+    print(cpu_pool.run(_case_list_unit_vs_fsdp2, tie, chunks, blocks_reshard)[0])
 
 
 def test_torch_register_forward_method(cpu_pool):

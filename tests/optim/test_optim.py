@@ -77,7 +77,7 @@ def test_adamw_kernel_equals_torch_single_tensor(grad_dtype):
                                 weight_decay=h["wd"], eps=h["eps"], maximize=h.get("maximize", False),
                                 capturable=False, differentiable=False, decoupled_weight_decay=True)
             _torch_adamw_lines(lp, grad[a:b].float(), lm, lv, step, h)
-    for (a, b, _), _, (lp, lm, lv) in zip(RUNS, ref, lines):
+    for (a, b, _), (p, ea, _eas, _st), (lp, lm, lv) in zip(RUNS, ref, lines):
         assert torch.equal(param[a:b], lp) and torch.equal(m[a:b], lm) and torch.equal(v[a:b], lv)
         assert torch.allclose(param[a:b], p, rtol=1e-6, atol=1e-7) and torch.allclose(m[a:b], ea, rtol=1e-6)
     assert param[37:48].isnan().all() and (m[37:48] == 0).all()

@@ -29,6 +29,7 @@ from mfsdp_ext.testing.models import (
     lm_loss,
     rank_device,
     rel_err,
+    root_groups,
     shard_tiny_lm,
     train,
 )
@@ -80,11 +81,11 @@ def _case_strategy_matrix():
 
 
 def _check_counts(results):
-    """Collectives per run of STEPS steps: 4 units (root + 3 blocks), 5 groups: one per block, two in the root (the
-    embedding, and the final norm and aux head used after the blocks: reduced as soon as their grads are ready).
-    A unit's gather is one all-gather call (the root's two groups together); each group reduces by itself (the
-    root's two at different times: no grouped reduce-scatter)."""
-    units, groups = 4, 5
+    """Collectives per run of STEPS steps: 4 units (root + 3 blocks), a group per block and the root's (two on CUDA:
+    the embedding, and the final norm and aux head used after the blocks, reduced as soon as their grads are ready;
+    see root_groups). A unit's gather is one all-gather call (the root's groups together); each group reduces by
+    itself (the root's two at different times: no grouped reduce-scatter)."""
+    units, groups = 4, 3 + root_groups(rank_device())
     for (strategy, k, ac), (_, _, c) in results.items():
         ag, rs, ar = c.get("all_gather_into", 0), c.get("reduce_scatter_into", 0), c.get("all_reduce", 0)
         if strategy == "optim_grads_params":
@@ -117,7 +118,7 @@ def _case_hsdp(k: int):
     loss_err = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
     param_err = _compare_params(model, ref)
     assert loss_err <= 1e-5 and param_err <= 1e-5, (loss_err, param_err)
-    groups = 5  # 3 blocks, and the root's two (see _check_counts)
+    groups = 3 + root_groups(rank_device())  # 3 blocks, and the root's (see _check_counts)
     # reduce-scatter inside each shard group every microbatch; all-reduce across replicas once per step
     assert counts["reduce_scatter_into"] == STEPS * k * groups, counts
     assert counts["all_reduce"] == STEPS * groups, counts
@@ -289,11 +290,11 @@ def _case_units_inside_checkpoint():
         loss_err = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
         param_err = _compare_params(model, ref)
         assert loss_err <= 1e-5 and param_err <= 1e-5, (reentrant, loss_err, param_err)
-        # 5 groups (3 blocks, the root's 2: see _check_counts): one reduction each per step; 4 units: a gather in
+        # 3 blocks' groups and the root's (see _check_counts): one reduction each per step; 4 units: a gather in
         # forward and one for backward but the root's (non-reentrant: the last block stays gathered for the
         # backward from the second step on, as without checkpointing; reentrant: the forward ran without grad, so
         # every block is gathered in the recompute)
-        units, groups = 4, 5
+        units, groups = 4, 3 + root_groups(rank_device())
         gathers = STEPS * (2 * units - 1) - (0 if reentrant else STEPS - 1)
         assert counts["reduce_scatter_into"] == STEPS * groups and counts["all_gather_into"] == gathers, counts
         results["reentrant" if reentrant else "non_reentrant"] = (loss_err, param_err, dict(counts))
@@ -357,7 +358,8 @@ def _case_no_sync_accumulation():
     loss_err = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
     param_err = _compare_params(model, ref)
     assert loss_err <= 1e-5 and param_err <= 1e-5, (loss_err, param_err)
-    assert counts["reduce_scatter_into"] == STEPS * 5, counts  # 5 groups (see _check_counts), once per step
+    groups = 3 + root_groups(rank_device())  # see _check_counts
+    assert counts["reduce_scatter_into"] == STEPS * groups, counts  # once per step
     return {"loss_err": loss_err, "param_err": param_err, "counts": dict(counts)}
 
 
@@ -479,7 +481,7 @@ def _case_fsdp2_module_controls(control: str):
     loss_err = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
     param_err = _compare_params(model, ref)
     assert loss_err <= 1e-5 and param_err <= 1e-5, (control, loss_err, param_err)
-    units, groups = 4, 5  # 3 blocks, and the root with two groups (see _check_counts)
+    units, groups = 4, 3 + root_groups(rank_device())  # 3 blocks, and the root's (see _check_counts)
     if control == "reshard_after_backward":  # only the first microbatch's forward gathers the blocks
         assert counts["all_gather_into"] < STEPS * k * 2 * units, counts
         gathered = [b._mfsdp_unit.groups[0].unsharded.nbytes() > 0 for b in model.blocks]

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from mfsdp_ext import FsdpModule, MixedPrecisionPolicy, fully_shard, microbatch, no_shard, reset_parameters
-from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, train
+from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, root_groups, train
 from tests.conftest import get_pool
 from tests.runtime.test_strategies import count_collectives
 from tests.test_fully_shard import GLOBAL_BATCH, STEPS, _compare_params
@@ -53,10 +53,10 @@ def _case_no_shard_parity(microbatches: int):
     assert model.blocks[1].fc2.weight.placements == (Replicate(),)
     # sharded groups: gathered in forward and (but the root's) in backward, one reduce-scatter per microbatch;
     # replicated parameters: gathered never, the trainable ones all-reduced once per step (the frozen ones never)
-    # sharded groups: blocks 1 and 2 (block 0 made no unit), and the root's two (the embedding; the final norm and
-    # aux head, used after the blocks, reduced as soon as their grads are ready), which it gathers in one call
-    # microbatch(is_last=False) keeps the first two units of the forward (the root, block 1) gathered after backward
-    units, sharded_groups, iterations = 3, 4, STEPS * microbatches
+    # sharded groups: blocks 1 and 2 (block 0 made no unit), and the root's (root_groups), which it gathers in one
+    # call; microbatch(is_last=False) keeps the first two units of the forward (the root, block 1) gathered after
+    # backward
+    units, sharded_groups, iterations = 3, 2 + root_groups(rank_device()), STEPS * microbatches
     kept_for_next_microbatch = STEPS * (microbatches - 1) * 2
     assert counts["all_gather_into"] == (iterations * (2 * units - 1) - (iterations - 1)
                                          - kept_for_next_microbatch), counts
@@ -82,8 +82,9 @@ def _case_no_shard_hsdp(microbatches: int):
     for p in (*model.blocks[0].parameters(), model.blocks[1].fc2.weight):
         assert p.placements == (Replicate(), Replicate()), p.placements
     assert model.blocks[1].fc1.weight.placements == (Replicate(), Shard(0))
-    # 4 sharded groups all-reduce over replicas once per step (HSDP), block 1's replicated group over all ranks
-    assert counts["all_reduce"] == STEPS * 5, counts
+    # the sharded groups (as above) all-reduce over replicas once per step (HSDP), block 1's replicated group over
+    # all ranks
+    assert counts["all_reduce"] == STEPS * (2 + root_groups(rank_device()) + 1), counts
     # one more backward: the total gradient norm equals the single-process model's
     tokens, targets = batch(99, GLOBAL_BATCH)
     rank = dist.get_rank()
