@@ -9,6 +9,9 @@ Each starts from torchtitan's own config and changes only what is listed; the mo
   llama3_debug_pp_cpu  llama3_debug_cpu on 4 ranks: pipeline parallel 2 (2 ranks of FSDP per stage) without activation
                        checkpointing (torchtitan's zero-bubble schedules refuse it: their split backward runs a
                        checkpointed region twice); the schedule by --parallelism.pipeline_parallel_schedule
+  llama3_debug_pp_zb_cpu  the same with the plain cross-entropy loss, for the zero-bubble schedules: torchtitan's
+                       chunked loss runs a backward of its own inside the loss, which their split backward does not see
+                       (with FSDP2 the final norm is left without a gradient)
   qwen3_moe_debug_cpu  torchtitan's qwen3_moe_debug (no expert parallel), the same settings with 2 of its 8 layers,
                        8 experts of its 64, top 2 of its 8 (its 300 M parameters and 8 experts per token make a CPU
                        step slow) and seq 128, 2 steps
