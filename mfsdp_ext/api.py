@@ -91,6 +91,7 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
     """
     modules = _checked_call(module, offload_policy)
     mp_policy = as_mfsdp_policy(mp_policy)
+    reshard_root = reshard_after_forward is not None  # FSDP2's: only its default None keeps the root's weights
     reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, allow_int=True)
     mesh, strategy, spmd_of = placement_fn.full_mesh(mesh, dp_mesh_dims, Strategy(sharding_strategy))
     dtensor_norms.install()  # clip_grad_norm_(norm_type=inf) on ranks with empty shards
@@ -111,6 +112,7 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
     reshard_after_forward = post_forward.check(reshard_after_forward, mesh, groups)
     config = UnitConfig(strategy, mp_policy, device, comm, verbose=verbose, check_finite_grads=check_finite_grads)
     unit = FsdpUnit(modules, groups, config=config, reshard_after_forward=reshard_after_forward)
+    unit.controls.reshard_root = reshard_root
     unit.refusal = tied_elsewhere[0] if tied_elsewhere else None  # raised at the first forward, as FSDP2
     for m in modules:
         _become_fsdp_module(m, unit)

@@ -50,8 +50,10 @@ SITECUSTOMIZE = textwrap.dedent('''
 ''')
 
 
-def run_file(path: str, impl: str, site_dir: str, keyword: str | None, timeout: float) -> dict[str, str]:
-    """test id -> "passed" / "failed" / "skipped" for one test file under ``impl``."""
+def run_file(path: str, impl: str, site_dir: str, keyword: str | None, timeout: float,
+             log_dir: str | None = None) -> dict[str, str]:
+    """test id -> "passed" / "failed" / "skipped" for one test file under ``impl``; pytest's output goes to
+    ``log_dir/FILE.IMPL.log`` when given."""
     with tempfile.TemporaryDirectory() as tmp:
         junit = os.path.join(tmp, "junit.xml")
         # the harness, then this checkout's mfsdp_ext (not another one installed)
@@ -61,9 +63,13 @@ def run_file(path: str, impl: str, site_dir: str, keyword: str | None, timeout: 
         if keyword:
             cmd += ["-k", keyword]
         try:
-            subprocess.run(cmd, env=env, cwd=os.path.dirname(path), timeout=timeout, capture_output=True)
+            out = subprocess.run(cmd, env=env, cwd=os.path.dirname(path), timeout=timeout, capture_output=True,
+                                 text=True)
         except subprocess.TimeoutExpired:
             return {f"{os.path.basename(path)}": "timeout"}
+        if log_dir:
+            with open(os.path.join(log_dir, f"{os.path.basename(path)}.{impl}.log"), "w") as f:
+                f.write(out.stdout + out.stderr)
         if not os.path.exists(junit):
             return {f"{os.path.basename(path)}": "error"}
         return _outcomes(junit)
@@ -104,6 +110,7 @@ def main() -> None:
     p.add_argument("--out", help="write the table (markdown) here too")
     p.add_argument("-k", dest="keyword", help="pytest -k expression")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per file and implementation")
+    p.add_argument("--logs", help="a folder for pytest's output of each file and implementation")
     args = p.parse_args()
     files = sorted(os.path.join(args.tests, f) for f in os.listdir(args.tests)
                    if f.startswith("test_fully_shard") and f.endswith(".py"))
@@ -114,7 +121,8 @@ def main() -> None:
         results: dict[str, dict[str, dict[str, str]]] = {i: {} for i in impls}
         for path in files:
             for impl in impls:
-                results[impl][os.path.basename(path)] = run_file(path, impl, site_dir, args.keyword, args.timeout)
+                results[impl][os.path.basename(path)] = run_file(path, impl, site_dir, args.keyword, args.timeout,
+                                                                 args.logs)
                 c = Counter(results[impl][os.path.basename(path)].values())
                 print(f"[fsdp2_tests] {os.path.basename(path)} {impl}: {dict(c)}", flush=True)
     text = table(results, impls)

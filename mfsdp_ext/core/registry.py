@@ -28,15 +28,17 @@ NO_SHARD_MARKS = WeakIdKeyDictionary()
 # sharding/groups.py (written) and sharding/params.py (read): parameters a unit took (the user's originals and our
 # shards) -> the owner's class names
 UNIT_OF_PARAM = WeakIdKeyDictionary()
-# sharding/mesh.py: device type -> the default 1-D mesh over the world
+# sharding/mesh.py: (device type, id(default group)) -> (the default group, the default 1-D mesh over the world)
 DEFAULT_MESHES: dict[str, Any] = {}
 # fp8/linear.py: an nn.Linear subclass -> its Fp8<Cls>(Fp8LinearMixin, Cls) subclass
 FP8_CLASSES: dict[type, type] = {}
 # api.py: a module class -> its FSDP<Cls>(FsdpModule, Cls) subclass
 FSDP_CLASSES: dict[type, type] = {}
-# runtime/post_forward.py: (id(mesh), N) -> the mesh viewed as (-1, N): reshard_after_forward=N's groups
+# runtime/post_forward.py: (id(mesh), N) -> (a weak reference to the mesh, the mesh viewed as (-1, N)):
+# reshard_after_forward=N's groups
 POST_FORWARD_MESHES: dict[tuple, Any] = {}
-# comm/policy.py: shard ranks -> the process group of their reduce-scatters (set_separate_reduce_scatter_group)
+# comm/policy.py: (shard ranks, id(default group)) -> (that group, the process group of their reduce-scatters):
+# set_separate_reduce_scatter_group
 REDUCE_SCATTER_GROUPS: dict[tuple, Any] = {}
 # comm/native.py: shard process group -> its NcclTransport (one NCCL communicator per group and process)
 NATIVE_TRANSPORTS: dict[Any, Any] = {}

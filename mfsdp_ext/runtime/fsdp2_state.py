@@ -15,13 +15,17 @@ Two places in torch reach into an FSDP2 unit's state, and both work on ours thro
     reduced. A unit's ``post_backward`` reduces all its groups at once (FSDP2 calls it once per group; the first
     call does the unit's work and the others find it done).
 
-Anything else of FSDP2's private state does not exist here, and asking for it says so by name.
+Also what PyTorch's own FSDP2 tests read to check a unit's state: ``_is_root``, ``_modules_to_run_forward`` (the
+modules of a unit over several that have not run in the current forward) and ``_fsdp_param_group.is_unsharded``.
+Views of one unit compare equal. Anything else of FSDP2's private state does not exist here, and asking for it says
+so by name.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..core.states import ShardedState
 from . import root
 
 
@@ -33,8 +37,9 @@ class _StateContext:
         self.all_states = [Fsdp2StateView(u) for u in ctx.units]
 
 
-class _UnitReduction:
-    """One entry of FSDP2's ``_fsdp_param_groups``: ``post_backward()`` reduces the unit's accumulated gradients."""
+class _UnitParams:
+    """FSDP2's ``FSDPParamGroup`` of a unit: ``post_backward()`` reduces the unit's accumulated gradients;
+    ``is_unsharded``: its gathered weights are in place."""
 
     def __init__(self, unit: Any):
         self._unit = unit
@@ -42,12 +47,35 @@ class _UnitReduction:
     def post_backward(self) -> None:
         self._unit.post_backward()
 
+    @property
+    def is_unsharded(self) -> bool:
+        return self._unit.sharded_state is ShardedState.UNSHARDED
+
 
 class Fsdp2StateView:
     """FSDP2's ``FSDPState`` surface that torch's own code uses (the module docstring), over one unit."""
 
     def __init__(self, unit: Any):
         self._unit = unit
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Fsdp2StateView) and other._unit is self._unit
+
+    def __hash__(self) -> int:
+        return id(self._unit)
+
+    @property
+    def _is_root(self) -> bool | None:
+        """None before the tree's lazy init, as FSDP2's."""
+        return None if self._unit.context is None else self._unit.is_root
+
+    @property
+    def _modules_to_run_forward(self) -> set:
+        return {m for m in self._unit.modules if id(m) in self._unit.to_run}
+
+    @property
+    def _fsdp_param_group(self) -> _UnitParams | None:
+        return _UnitParams(self._unit) if self._unit.groups else None
 
     def _lazy_init(self) -> None:
         """FSDP2's: this unit's tree initialised with this unit as its root (FSDP2's refusals included: an inner unit
@@ -65,8 +93,8 @@ class Fsdp2StateView:
         return _StateContext(self._unit)
 
     @property
-    def _fsdp_param_groups(self) -> list[_UnitReduction]:
-        return [_UnitReduction(self._unit)] if self._unit.groups else []
+    def _fsdp_param_groups(self) -> list[_UnitParams]:
+        return [_UnitParams(self._unit)] if self._unit.groups else []
 
     def _root_post_backward_final_callback(self) -> None:
         """The end of a step's backward driven from outside autograd (pipelining's REDUCE_GRAD): wait for the

@@ -93,6 +93,7 @@ class FsdpModule(CommControls, _TorchFSDPModule):
                 unit.reshard()
             unit.post_forward_shards = None  # a bool replaces fully_shard's int, as in FSDP2
             unit.controls.reshard_after_forward = value and not unit.config.strategy.keeps_weights_gathered
+            unit.controls.reshard_root = True  # set explicitly: the root follows it too, as in FSDP2
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """FSDP2's: False keeps the gathered weights after backward, so the next forward (the next microbatch) needs

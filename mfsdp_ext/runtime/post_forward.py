@@ -10,6 +10,8 @@ between forward and backward: 1/N of the gathered weights (N = W is ``True``: a 
 
 from __future__ import annotations
 
+import weakref
+
 from typing import Optional
 
 import torch
@@ -41,9 +43,11 @@ def check(value, mesh: DeviceMesh, groups: list) -> bool | int:
 def post_forward_group(mesh: DeviceMesh, n: int):
     """The process group of this rank's N consecutive ranks of ``mesh`` (made once per mesh and N: collective)."""
     key = (id(mesh), n)
-    if key not in registry.POST_FORWARD_MESHES:
-        registry.POST_FORWARD_MESHES[key] = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, n))
-    return registry.POST_FORWARD_MESHES[key].get_group(1)
+    source, view = registry.POST_FORWARD_MESHES.get(key, (None, None))
+    if source is None or source() is not mesh:  # new, or a dead mesh's id reused
+        view = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, n))
+        registry.POST_FORWARD_MESHES[key] = (weakref.ref(mesh), view)
+    return view.get_group(1)
 
 
 class PostForwardShards:

@@ -110,7 +110,8 @@ def abandon_iteration(root) -> None:
         if unit.training_state is TrainingState.PRE_BACKWARD:
             for g in unit.groups:
                 g.grads.drop_unsharded()
-        if unit.training_state is TrainingState.FORWARD and (unit.is_root or not unit.controls.reshard_after_forward):
+        if unit.training_state is TrainingState.FORWARD and (
+                (unit.is_root and not unit.controls.reshard_root) or not unit.controls.reshard_after_forward):
             continue  # as its forward left it (FSDP2's: a next forward, e.g. a pipeline's microbatch, finds it so)
         # a unit that stays gathered keeps the event of a gather the failed pass issued (e.g. a backward
         # prefetch) and not yet waited for: its next forward waits for it instead of reading the buffer early

@@ -35,8 +35,8 @@ from .reduction import GradReduction
 
 
 def resolve_reshard_after_forward(value, allow_int: bool = False) -> bool | int:
-    """FSDP2's values: True / False, None (FSDP2's default: reshard every unit but the root, which ours never
-    reshards after forward anyway) as True, and where ``allow_int`` (fully_shard; not the setter, as FSDP2) an int:
+    """FSDP2's values: True / False, None (FSDP2's default: reshard every unit but the root; UnitControls.reshard_root)
+    as True, and where ``allow_int`` (fully_shard; not the setter, as FSDP2) an int:
     reshard to groups of that many ranks (post_forward.py; checked against the mesh there)."""
     if value is None:
         return True
@@ -70,6 +70,9 @@ class UnitControls:
     are on GradReduction."""
 
     reshard_after_forward: bool = True
+    # as the root too (FSDP2's: reshard_after_forward given, or set; its default None keeps the root's weights from
+    # forward to backward, which needs them first)
+    reshard_root: bool = False
     reshard_after_backward: bool = True  # False: keep the gathered storage after backward (show_sharded_params)
     unshard_in_backward: bool = True  # False: its backward needs no weights (an embedding): no gather there
     forward_prefetch: Optional[list] = None  # explicit prefetch lists replace the recorded order
@@ -329,7 +332,7 @@ class FsdpUnit:
             self.show_sharded_params()  # evaluation: nothing will need the gathered weights
             return
         ctx.order.record_forward_end(self)
-        if (self.controls.reshard_after_forward and not self.is_root
+        if (self.controls.reshard_after_forward and (self.controls.reshard_root or not self.is_root)
                 and not ctx.order.needed_first_in_backward(self, ctx.root)):
             if self.output_hooked or not any(g.requires_grad and g.trainable() for g in self.groups):
                 self.reshard(keep_post_forward=True)
