@@ -11,7 +11,6 @@ between forward and backward: 1/N of the gathered weights (N = W is ``True``: a 
 from __future__ import annotations
 
 import weakref
-
 from typing import Optional
 
 import torch
