@@ -161,21 +161,24 @@ def test_torchtitan_qwen3_moe(tmp_path, titan_assets):
     assert runs["ours"]["counts"] == runs["fsdp2"]["counts"], (runs["ours"]["counts"], runs["fsdp2"]["counts"])
 
 
-_PP = {"1F1B": "llama3_debug_pp_cpu", "InterleavedZeroBubble": "llama3_debug_pp_zb_cpu"}
+# schedule -> (config, the checkpoint resumes checked: (implementation, whose checkpoint it loads))
+_PP = {"1F1B": ("llama3_debug_pp_cpu", RESUMES[1:2]),
+       "Interleaved1F1B": ("llama3_debug_pp_cpu", RESUMES[:1]),
+       "InterleavedZeroBubble": ("llama3_debug_pp_zb_cpu", ())}
 
 
 @pytest.mark.parametrize("schedule", list(_PP))
 def test_torchtitan_pipeline(tmp_path, titan_assets, schedule):
     """torchtitan's pipeline parallel 2 x FSDP 2 on 4 ranks (torch.distributed.pipelining drives the units through
-    fully_shard.state(...)): 1F1B, torchtitan's default schedule, one stage per rank under its chunked loss, and
-    InterleavedZeroBubble, two stages per rank with the weight gradients split from the input gradients (plain
-    cross-entropy: see titan_configs.py). Each with 2 gradient-accumulation steps of 2 pipeline microbatches: ours
-    equals FSDP2 (losses, grad norms, gathers and reductions per step); 1F1B's CheckpointManager resumes ours from
-    FSDP2's checkpoint exactly."""
+    fully_shard.state(...)), 2 gradient-accumulation steps of 2 pipeline microbatches: 1F1B, torchtitan's default
+    (one stage per rank, its chunked loss), Interleaved1F1B (two stages per rank) and InterleavedZeroBubble (two
+    stages per rank, the weight gradients computed apart from the input gradients; plain cross-entropy: see
+    titan_configs.py). Ours equals FSDP2: losses, grad norms, and every rank's gathers and reductions per step.
+    torchtitan's CheckpointManager resumes exactly: ours from FSDP2's checkpoint (1F1B), ours from its own
+    (Interleaved1F1B)."""
+    config, resumes = _PP[schedule]
     tmp = str(tmp_path)
-    args = (_PP[schedule], "--parallelism.pipeline_parallel_schedule", schedule)
-    if schedule == "1F1B":
-        args += ("--checkpoint.enable",)
+    args = (config, "--parallelism.pipeline_parallel_schedule", schedule) + (("--checkpoint.enable",) if resumes else ())
     # rank 3 holds the last stage (pipeline rank 1), which reports the loss; the others report -1 per microbatch
     full = {impl: _titan(tmp, titan_assets, f"pp_{impl}", impl, *args, counts=True, ranks=4, report_rank=3)
             for impl in ("fsdp2", "ours")}
@@ -183,8 +186,6 @@ def test_torchtitan_pipeline(tmp_path, titan_assets, schedule):
     assert len(full["ours"]["steps"]) == 4 and full["ours"]["steps"][1]["loss"] > 0, full["ours"]["steps"]
     assert full["ours"]["counts_per_rank"] == full["fsdp2"]["counts_per_rank"], (
         full["ours"]["counts_per_rank"], full["fsdp2"]["counts_per_rank"])
-    if schedule != "1F1B":
-        return
 
     def resumed(impl, source):
         dump = os.path.join(tmp, f"dump_{impl}_from_{source}")
@@ -194,7 +195,7 @@ def test_torchtitan_pipeline(tmp_path, titan_assets, schedule):
         assert "Loading the checkpoint" in run["log"] and sorted(run["steps"]) == [3, 4], sorted(run["steps"])
         return run
 
-    _check_interop(tmp, resumed, full, RESUMES[2:])
+    _check_interop(tmp, resumed, full, resumes)
 
 
 _2D = {"tensor_parallel": ("llama3_debug_cpu", "--parallelism.tensor_parallel_degree", "partial_dtensor"),
