@@ -61,7 +61,7 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
         shard_placement_fn: FSDP2's, per parameter: None or ``Shard(d)`` (d > 0: an even split) or a
             ``ShardPlacementResult`` (a mesh of its own).
         mp_policy: torch's ``MixedPrecisionPolicy`` (mapped field by field) or ``mfsdp_ext.MixedPrecisionPolicy``.
-        offload_policy: torch's ``OffloadPolicy()`` (no offload); ``CPUOffloadPolicy`` is refused.
+        offload_policy: FSDP2's ``OffloadPolicy()`` or None (no offload), or ``CPUOffloadPolicy()`` (docs/api.md).
         ignored_params: left as they are (not sharded, not moved, gradients not reduced).
         dp_mesh_dims: FSDP2's full-SPMD form: ``mesh`` holds every parallel dim, the parameters are DTensors on
             it, Replicate() on the dims this names, and fully_shard shards and replicates over those.
@@ -89,7 +89,7 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
             not take.
         TypeError: arguments of the wrong kind (a module, a policy).
     """
-    modules = _checked_call(module, offload_policy)
+    modules, offload = _checked_call(module, offload_policy)
     mp_policy = as_mfsdp_policy(mp_policy)
     reshard_root = reshard_after_forward is not None  # FSDP2's: only its default None keeps the root's weights
     reshard_after_forward = resolve_reshard_after_forward(reshard_after_forward, allow_int=True)
@@ -108,7 +108,7 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
                               copy_engine_all_gather=copy_engine_all_gather,
                               copy_engine_reduce_scatter=copy_engine_reduce_scatter,
                               several_meshes=any(own is not mesh for _, own in placed.values()))
-    groups = unit_groups.make_groups(modules, params, mesh, device, mp_policy, strategy, placed, spmd_of)
+    groups = unit_groups.make_groups(modules, params, mesh, device, mp_policy, strategy, placed, spmd_of, offload)
     reshard_after_forward = post_forward.check(reshard_after_forward, mesh, groups)
     config = UnitConfig(strategy, mp_policy, device, comm, verbose=verbose, check_finite_grads=check_finite_grads)
     unit = FsdpUnit(modules, groups, config=config, reshard_after_forward=reshard_after_forward)
@@ -123,14 +123,15 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
 fully_shard.state = fsdp2_state  # type: ignore[attr-defined]  # FSDP2's fully_shard.state(module)
 
 
-def _checked_call(module, offload_policy) -> list[nn.Module]:
-    """The modules of the call, once the arguments that need no mesh and the process group are checked."""
+def _checked_call(module, offload_policy) -> tuple[list[nn.Module], Optional[CPUOffloadPolicy]]:
+    """The modules of the call and its CPU offload policy (None: none), once the arguments that need no mesh and the
+    process group are checked."""
     modules = _modules_of(module)
-    _check_offload(offload_policy)
+    offload = _check_offload(offload_policy)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("fully_shard needs torch.distributed: call dist.init_process_group(...) first "
                            "(gloo on CPU, nccl with device_id=... on GPUs)")
-    return modules
+    return modules, offload
 
 
 def _modules_of(module) -> list[nn.Module]:
@@ -150,14 +151,14 @@ def _modules_of(module) -> list[nn.Module]:
     return modules
 
 
-def _check_offload(offload_policy) -> None:
-    """FSDP2's ``OffloadPolicy()`` (the no-offload default) is what mfsdp_ext does; CPU offload is not."""
+def _check_offload(offload_policy) -> Optional[CPUOffloadPolicy]:
+    """FSDP2's two policies: ``OffloadPolicy()`` (no offload, as None) and ``CPUOffloadPolicy`` (returned)."""
     if offload_policy is None or type(offload_policy) is OffloadPolicy:
-        return
+        return None
     if isinstance(offload_policy, CPUOffloadPolicy):
-        raise ValueError("fully_shard: CPU offload (offload_policy=CPUOffloadPolicy()) is not supported; the "
-                         "fp32 shards stay on the mesh device")
-    raise TypeError(f"fully_shard: offload_policy must be torch's OffloadPolicy() or None, got {offload_policy!r}")
+        return offload_policy
+    raise TypeError(f"fully_shard: offload_policy must be torch's OffloadPolicy(), CPUOffloadPolicy(...) or None, got "
+                    f"{offload_policy!r}")
 
 
 def _become_fsdp_module(module: nn.Module, unit: FsdpUnit) -> None:

@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 
 from .core import registry
 from .optim.base import FlatOptimizerMixin
-from .runtime import step_prefetch
+from .runtime import capture, step_prefetch
 from .runtime.context import FsdpContext
 
 
@@ -109,6 +109,9 @@ class GraphedStep:
     # ------------------------------------------------------------------ capture
     def _capture(self, leaves: list, spec):
         """Capture the step on static copies of this call's arguments, then replay it once for this call."""
+        for ref in self.contexts:  # before anything is captured: a capture that raised halfway is lost
+            if ref() is not None:
+                capture.refuse_offload(ref(), "used in mfsdp_ext.graphed")
         # The last graph (if any) lives until the new one is captured into its pool: torch refuses a pool that no
         # graph holds. Its output is let go first, so the new capture reuses that memory; it is never replayed again.
         old_graph, self.graph, self.static_out = self.graph, None, None

@@ -441,9 +441,8 @@ class _WithScale(nn.Module):
 
 def _case_ignored_params():
     """FSDP2's ignored_params: left as they are (a plain parameter, its gradient this rank's own, unreduced); the
-    others sharded as usual. CPU offload and shard_placement_fn are refused with what is supported."""
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
+    others sharded as usual. An offload_policy of the wrong kind and shard_placement_fn are refused with what is
+    supported."""
     torch.manual_seed(8)
     model = _WithScale().to(rank_device())
     ref = copy.deepcopy(model)
@@ -458,8 +457,8 @@ def _case_ignored_params():
     ref.zero_grad()
     ref(x).square().mean().backward()  # the whole batch: the sharded (averaged) gradients' reference
     assert rel_err(model.lin.weight.grad.full_tensor(), ref.lin.weight.grad) <= 1e-5
-    msgs = {"offload": _expect(ValueError, "not supported",
-                               lambda: fully_shard(nn.Linear(4, 4), offload_policy=CPUOffloadPolicy())),
+    msgs = {"offload": _expect(TypeError, "offload_policy must be",
+                               lambda: fully_shard(nn.Linear(4, 4), offload_policy="cpu")),
             "placement": _expect(ValueError, "Shard(dim)",
                                  lambda: fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Replicate())),
             "uneven": _expect(ValueError, "even split",

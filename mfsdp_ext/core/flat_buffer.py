@@ -14,12 +14,14 @@ from .layout import FlatLayout
 
 
 class FlatBuffer:
-    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, *, rank: int | None = None):
-        """``rank=None`` makes the param-major unsharded buffer; otherwise that rank's shard."""
+    def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device, *, rank: int | None = None,
+                 pin_memory: bool = False):
+        """``rank=None`` makes the param-major unsharded buffer; otherwise that rank's shard. ``pin_memory``:
+        page-locked host memory (``device`` the CPU), which copies to and from a GPU can overlap."""
         self.layout = layout
         self.rank = rank
         numel = layout.unsharded_numel if rank is None else layout.shard_numel
-        self.data = torch.empty(numel, dtype=dtype, device=device)
+        self.data = torch.empty(numel, dtype=dtype, device=device, pin_memory=pin_memory)
         self._nbytes = self.data.untyped_storage().nbytes()
         self._view_args = layout.view_args(rank)  # param_view's as_strided arguments, made once per layout
 

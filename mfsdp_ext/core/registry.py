@@ -44,6 +44,8 @@ REDUCE_SCATTER_GROUPS: dict[tuple, Any] = {}
 NATIVE_TRANSPORTS: dict[Any, Any] = {}
 # params/grads.py: groups holding gradient buffers a captured CUDA graph writes
 GRAPH_GRAD_GROUPS: weakref.WeakSet[Any] = weakref.WeakSet()
+# params/offload.py: "worker" -> the process's offload worker (one thread: offloaded gradients into their host shards)
+OFFLOAD_WORKER: dict[str, Any] = {}
 # runtime/context.py: the contexts of the live roots, and their serial numbers (oldest first)
 LIVE_CONTEXTS: weakref.WeakSet[Any] = weakref.WeakSet()
 CONTEXT_SERIALS = itertools.count()

@@ -81,7 +81,8 @@ def _full_tensors_to_local_chunks(holder: nn.Module, groups: list[ParamGroup]):
                     value = state_dict.get(key)
                     if value is None or isinstance(value, DTensor) or value.shape != info.shape:
                         continue  # absent, already sharded, or wrong (nn.Module reports the size mismatch)
-                    state_dict[key] = g.as_dtensor(i, rows.local_of_full(g, i, value).to(g.device, g.dtype))
+                    local = rows.local_of_full(g, i, value).to(g.main_weight.data.device, g.dtype)
+                    state_dict[key] = g.as_dtensor(i, local)
 
     return hook
 

@@ -3,6 +3,8 @@
 A unit's backward leaves each parameter's gradient on its unsharded view; the group packs them rank-major and
 reduce-scatters them (its reduce-scatter: comm/), adds the reduced shard into ``main_grad`` (finishing HSDP's
 all-reduce over replicas at once or once per step), and makes the sharded parameters' ``.grad`` DTensor views of it.
+An offloaded group's ``main_grad`` is in host memory: the reduced shard is copied there and added by the offload
+worker (offload.py).
 
 [Note: main-grad references]
 ``main_grad`` is owned by the ``.grad`` views, not by the group: the group holds it weakly, so
@@ -73,11 +75,13 @@ def _local_grad(info) -> Optional[torch.Tensor]:
 
 
 class GroupGradients:
-    def __init__(self, group: Any, *, reduce_when_ready: bool):
-        """``group``: the ParamGroup (held weakly: it owns this object). ``reduce_when_ready``: reduce as soon as
-        every trainable parameter has its gradient (the unit sets ``on_ready``), not at the unit's post-backward:
-        parameters used after the unit's inner units (sharding/groups.py)."""
+    def __init__(self, group: Any, *, dtype: torch.dtype, reduce_when_ready: bool):
+        """``group``: the ParamGroup (held weakly: it owns this object). ``dtype``: main_grad's (the optimizer's
+        gradients'). ``reduce_when_ready``: reduce as soon as every trainable parameter has its gradient (the unit
+        sets ``on_ready``), not at the unit's post-backward: parameters used after the unit's inner units
+        (sharding/groups.py)."""
         self._group = weakref.ref(group)
+        self.dtype = dtype
         self.reduce_when_ready = reduce_when_ready
         self.on_ready: Optional[Callable] = None  # the unit's callback for a reduce_when_ready group
         self.ready = 0  # gradients accumulated in this backward (reduce_when_ready)
@@ -177,18 +181,21 @@ class GroupGradients:
         # A new accumulation gets a new buffer: the last one is gone with its .grads, or a .grad the user still
         # holds keeps it, and keeps its values.
         main_grad = self.main_grad if accumulate else self._new_main_grad()
-        if accumulate and not all(attached):  # one without .grad starts afresh (torch's accumulation into None)
-            for i, has in zip(trainable, attached):
-                if not has:
-                    main_grad.param_view(i).zero_()
+        # one without .grad starts afresh (torch's accumulation into None)
+        restart = [i for i, has in zip(trainable, attached) if accumulate and not has]
         if isinstance(reduced, ArrivedShards):
-            if accumulate or main_grad.data.dtype != g.reduce_dtype:
+            if accumulate or main_grad.data.dtype != g.reduce_dtype or g.offload is not None:
                 # added to main_grad as one reduce-dtype sum, as a reduce-scatter's output is: the same bits
                 reduced = reduced.summed(g.reduce_dtype)
             else:  # a fresh main_grad of the reduce dtype: the shards are summed straight into it
                 scale *= reduced.scale
                 reduced = reduced.parts
-        _native.grad_accumulate(main_grad.data, reduced, scale, accumulate)
+        if g.offload is not None:  # main_grad in host memory: copied there, added by the offload worker
+            g.offload.download_grad(main_grad, reduced, scale=scale, accumulate=accumulate, restart=restart)
+        else:
+            for i in restart:
+                main_grad.param_view(i).zero_()
+            _native.grad_accumulate(main_grad.data, reduced, scale, accumulate)
         self.attach(with_grad)
 
     # ------------------------------------------------------------------ main_grad and the .grad views
@@ -200,7 +207,8 @@ class GroupGradients:
 
     def _new_main_grad(self) -> FlatBuffer:
         g = self.group
-        main_grad = FlatBuffer(g.layout, g.main_grad_dtype, g.device, rank=g.rank)
+        main_grad = (g.offload.buffer(g.layout, self.dtype, g.rank) if g.offload is not None else
+                     FlatBuffer(g.layout, self.dtype, g.device, rank=g.rank))
         self._main_grad_ref = weakref.ref(main_grad)
         if main_grad.data.is_cuda and torch.cuda.is_current_stream_capturing():
             self.keep_for_graph()

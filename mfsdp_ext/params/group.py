@@ -7,6 +7,8 @@ Buffers (laid out by FlatLayout: every parameter split as torch.chunk splits it,
                                 time: microbatches)
   unsharded        param-major  gathered compute-dtype weights; the module's parameters are views into it in compute
   main_grad        shard        the optimizer's gradients (grads.py: the group's ``grads``)
+With ``offload`` (offload.py: FSDP2's CPUOffloadPolicy on a CUDA mesh) main_weight and main_grad are in host memory and
+the device always keeps model_weight; ``device`` is where the module computes and the collectives run.
 
 Its parts: ``versions`` (versions.py: when the main weights changed), ``plan`` (gather_plan.py: the collectives' index
 lists and views), ``grads`` (grads.py), ``collectives`` (comm/policy.py gives them at lazy init), and ``cast`` (how the
@@ -36,6 +38,7 @@ from ..core.mixed_precision import GroupDtypes
 from . import replaced, rows
 from .gather_plan import GatherPlan
 from .grads import GroupGradients
+from .offload import HostOffload
 from .versions import WeightVersions
 
 
@@ -106,26 +109,44 @@ class CastState:
     synced_version: Optional[tuple] = None  # the weights version the model weight was cast from
 
 
+def _cast_state(needs_cast: bool, cache: Optional[bool], offloaded: bool) -> CastState:
+    """``cache_model_weight``'s rule; an offloaded group always keeps its model weight on the device (its main weight
+    is in host memory: it crosses once per weights version, offload.py)."""
+    if offloaded:
+        return CastState(in_slot=False, keep=True, keep_when_regathered=False)
+    return CastState(in_slot=needs_cast and not cache, keep=needs_cast and cache,  # None (auto): see note_gather
+                     keep_when_regathered=needs_cast and cache is None)
+
+
+def _new_main_weight(g: ParamGroup, device: torch.device) -> FlatBuffer:
+    """The main weight's buffer: in host memory for an offloaded group (off the meta device), else on ``device``."""
+    if g.offload is not None and device.type != "meta":
+        return g.offload.buffer(g.layout, g.dtype, g.rank)
+    return FlatBuffer(g.layout, g.dtype, device, rank=g.rank)
+
+
 class ParamGroup:
     fp8 = False  # FP8 model weights (Fp8ParamGroup, fp8_group.py)
 
     def __init__(self, params: list[tuple[str, nn.Parameter, list[ParamPlace]]], *, mesh: GroupMesh,
                  dtypes: GroupDtypes, device: torch.device, cache_model_weight: Optional[bool] = None,
                  reduce_when_ready: bool = False, dims: Optional[dict[int, int]] = None,
-                 spmd: Optional[placements.SpmdDims] = None):
+                 spmd: Optional[placements.SpmdDims] = None, offload: Optional[HostOffload] = None):
         """``params``: (fqn, parameter, its places) of the same dtype and requires_grad. ``dims``: id(parameter) ->
         the dim it is sharded on, where not 0; ``spmd``: the full SPMD mesh the parameters are DTensors on
-        (dp_mesh_dims; ``mesh.mesh`` is its data-parallel part)."""
+        (dp_mesh_dims; ``mesh.mesh`` is its data-parallel part); ``offload``: main weight and gradient in host
+        memory (offload.py)."""
         first = params[0][1]
         self.dtype, self.requires_grad = first.dtype, first.requires_grad
         self.mesh, self.shard_group, self.replicate_group = mesh.mesh, mesh.shard, mesh.replicate
         self.world = dist.get_world_size(mesh.shard) if mesh.shard is not None else 1
         self.rank = dist.get_rank(mesh.shard) if mesh.shard is not None else 0
         self.device = device
+        self.offload = offload
         self.compute_dtype, self.reduce_dtype = dtypes.compute, dtypes.reduce
         # the gradients' dtype on the wire: reduce_dtype (a reduce-scatter), or narrower (an all-to-all, then a sum in
         # reduce_dtype here: collectives.PlainReduceScatter)
-        self.reduce_comm_dtype, self.main_grad_dtype = dtypes.reduce_comm or dtypes.reduce, dtypes.main_grad
+        self.reduce_comm_dtype = dtypes.reduce_comm or dtypes.reduce
         self.stats = GroupStats()
         self.unit: Optional[weakref.ref] = None  # the FsdpUnit that owns the group (set by the unit)
         self.infos = [ParamInfo(fqn, places, p.shape, p._spec if isinstance(p, DTensor) else None,
@@ -135,15 +156,13 @@ class ParamGroup:
                                  dims=[info.dim for info in self.infos])
         self.plan = GatherPlan(self.layout, self.rank, self.world)
         self.versions = WeightVersions()
-        self.grads = GroupGradients(self, reduce_when_ready=reduce_when_ready and self.requires_grad)
+        self.grads = GroupGradients(self, dtype=dtypes.main_grad,
+                                    reduce_when_ready=reduce_when_ready and self.requires_grad)
         storage_device = torch.device("meta") if first.device.type == "meta" else device
-        self.main_weight = FlatBuffer(self.layout, self.dtype, storage_device, rank=self.rank)
+        self.main_weight = _new_main_weight(self, storage_device)
         if storage_device.type != "meta":
             rows.load_main_weight(self, [rows.local_tensor(p) for _, p, _ in params])
-        needs_cast = dtypes.compute != self.dtype
-        self.cast = CastState(in_slot=needs_cast and not cache_model_weight,
-                              keep=needs_cast and cache_model_weight,  # None (auto): not yet, see note_gather
-                              keep_when_regathered=needs_cast and cache_model_weight is None)
+        self.cast = _cast_state(dtypes.compute != self.dtype, cache_model_weight, offload is not None)
         self.model_weight = self._make_model_weight(storage_device)
         self.unsharded = self._make_unsharded(storage_device)
         self.use_collectives(plain_collectives())  # lazy init gives each group its own (comm/policy.py)
@@ -169,8 +188,9 @@ class ParamGroup:
         return FlatBuffer(self.layout, self.compute_dtype, device, rank=self.rank)
 
     def _make_unsharded(self, device: torch.device) -> FlatBuffer:
-        """The buffer the module computes with; a replicated group with no cast computes on its main weight."""
-        if self.replicated and self.compute_dtype == self.dtype:
+        """The buffer the module computes with; a replicated group with no cast computes on its main weight (unless
+        that is in host memory)."""
+        if self.replicated and self.compute_dtype == self.dtype and self.offload is None:
             return self.main_weight
         return FlatBuffer(self.layout, self.compute_dtype, device)
 
@@ -191,8 +211,8 @@ class ParamGroup:
             info.sharded = nn.Parameter(self.as_dtensor(i, self.main_weight.param_alias(i)),
                                         requires_grad=self.requires_grad)
             registry.GROUP_OF_PARAM[info.sharded] = (weakref.ref(self), i)
-            if self.main_grad_dtype != self.dtype and hasattr(info.sharded, "grad_dtype"):
-                info.sharded.grad_dtype = self.main_grad_dtype  # torch >= 2.13 checks .grad's dtype against it
+            if self.grads.dtype != self.dtype and hasattr(info.sharded, "grad_dtype"):
+                info.sharded.grad_dtype = self.grads.dtype  # torch >= 2.13 checks .grad's dtype against it
             view = self.unsharded.param_view(i)
             if info.tp_spec is not None:  # the module computes with its tensor-parallel DTensor, gathered over dp
                 view = DTensor(view, placements.with_dtype(info.tp_spec, view.dtype), requires_grad=False)
@@ -215,12 +235,12 @@ class ParamGroup:
             return
         old = self.main_weight
         self.device, self.dtype = device, dtype or self.dtype
-        self.main_weight = FlatBuffer(self.layout, self.dtype, device, rank=self.rank)
+        self.main_weight = _new_main_weight(self, device)
         self.main_weight.data.zero_() if on_meta else self.main_weight.data.copy_(old.data)
         if dtypes is not None:
             self.compute_dtype, self.reduce_dtype = dtypes.compute, dtypes.reduce
-            self.reduce_comm_dtype, self.main_grad_dtype = dtypes.reduce_comm or dtypes.reduce, dtypes.main_grad
-            self.cast = CastState(in_slot=self.compute_dtype != self.dtype, keep=False, keep_when_regathered=False)
+            self.reduce_comm_dtype, self.grads.dtype = dtypes.reduce_comm or dtypes.reduce, dtypes.main_grad
+            self.cast = _cast_state(self.compute_dtype != self.dtype, False, self.offload is not None)
             self.grads.replica_summed = False  # the new parameters have no .grad: the next reduction starts afresh
         self.model_weight = self._make_model_weight(device)
         self.versions.forget_gathers()
@@ -276,7 +296,10 @@ class ParamGroup:
         """Cast main_weight into model_weight (one fused kernel) unless it was cast at this weights_version()."""
         if self.model_weight is None or self.cast.synced_version == version:
             return
-        _native.cast(self.main_weight.data, self.model_weight.data)
+        if self.offload is not None:  # host -> device: cast on the host, one copy on this stream (offload.py)
+            self.offload.upload(self.main_weight.data, self.model_weight.data)
+        else:
+            _native.cast(self.main_weight.data, self.model_weight.data)
         self.cast.synced_version = version
         self.stats.weight_syncs += 1
 

@@ -56,19 +56,29 @@ def load_main_weight(g, params: list[torch.Tensor]) -> None:
     for i, (slot, p) in enumerate(zip(g.layout.slots, params)):
         rows = local_rows(g, i, p)
         if rows.numel() > 0:
-            local.append(rows.to(g.device, g.dtype).contiguous())
+            local.append(rows.to(g.main_weight.data.device, g.dtype).contiguous())
             offsets.append(slot.shard_offset)
     _native.pack(local, offsets, g.main_weight.data)
 
 
 def gather_full(g, shard: FlatBuffer) -> FlatBuffer:
-    """A new param-major buffer assembled from every rank's ``shard`` of ``g`` (a collective over the shard group);
-    its ``param_view(i)`` is parameter i."""
-    full = FlatBuffer(g.layout, shard.dtype, shard.data.device)
+    """A new param-major buffer assembled from every rank's ``shard`` of ``g`` (a collective over the shard group), on
+    the shard's device; its ``param_view(i)`` is parameter i. A shard in host memory (offload) is gathered on the
+    mesh's device, then copied back."""
+    home = shard.data.device
+    if home != g.device:
+        on_device = FlatBuffer(g.layout, shard.dtype, g.device, rank=g.rank)
+        on_device.data.copy_(shard.data)
+        shard = on_device
+    full = FlatBuffer(g.layout, shard.dtype, g.device)
     if g.world == 1:
         full.data.copy_(shard.data)
     else:
         dist_ops.all_gather_into([full.padded_param(i) for i in g.plan.gathered],
                                  [shard.chunk_slot(i) for i in g.plan.gathered], g.shard_group)
         g.plan.unstage(full)
+    if home != g.device:
+        back = FlatBuffer(g.layout, full.dtype, home)
+        back.data.copy_(full.data)
+        return back
     return full

@@ -10,7 +10,8 @@ at capture as it must be at every replay:
     graph reads them gathered and its optimizer step gathers them for the next replay (graphs.py);
   * the gradient shards the graph writes (made in the capture, or kept from before it) are kept alive by their
     groups, and their ``.grad`` views must stay in place between replays (group_grads.py);
-  * work that waits on the host (the finite-gradients check, the unused-parameter mask) is refused by name;
+  * work that waits on the host (the finite-gradients check, the unused-parameter mask) is refused by name, and so
+    is CPU offload (its optimizer step and gradient sums run on the host);
   * lazy initialisation (communicators, the same-model check) happens before, in an eager step.
 """
 
@@ -29,6 +30,7 @@ def enter(ctx: FsdpContext, capture_id: int) -> None:
     """The root's forward starts under the capture ``capture_id`` (once per captured region): bring the tree to
     the state every replay starts from. The capture's ``torch.cuda.graph`` synchronized the device, so dropping the
     events of earlier gathers and freeing their buffers waits for nothing."""
+    refuse_offload(ctx, "captured in a CUDA graph")
     if ctx.microbatch.explicit and not ctx.microbatch.is_first:
         raise CaptureError("mfsdp_ext: a capture starts at microbatch(is_first=False); capture the whole "
                            "accumulation, from its first microbatch")
@@ -57,6 +59,16 @@ def enter(ctx: FsdpContext, capture_id: int) -> None:
     ctx.capture.id, ctx.capture.graphed = capture_id, True
     ctx.capture.user_captured |= ctx.capture.graphed_step is None
     forget_last_input()
+
+
+def refuse_offload(ctx: FsdpContext, what: str) -> None:
+    """Raise CaptureError when a unit of ``ctx`` offloads its weights to the host (params/offload.py): the copies
+    between host and device and the host's work on the gradients are not CUDA work a graph could replay."""
+    unit = next((u for u in ctx.units if any(g.offload is not None for g in u.groups)), None)
+    if unit is not None:
+        raise CaptureError(f"mfsdp_ext: unit '{unit.name}' has offload_policy=CPUOffloadPolicy(), which cannot be "
+                           f"{what}: its gradients are summed and its optimizer steps on the host. Train it eagerly, "
+                           "or pass offload_policy=None (the default) to capture it")
 
 
 def _held_with_current_weights(ctx: FsdpContext) -> dict:

@@ -40,8 +40,8 @@ def check(root_module, units) -> None:
     first = torch.full((), total, dtype=torch.int64, device=device)
     if views:  # the max |x| of a shard is NaN or inf exactly when the shard holds one (one fused kernel)
         bad = ~torch.isfinite(torch.stack(torch._foreach_norm(views, math.inf)))
-        candidates = torch.where(bad, torch.tensor(ordinals, device=device), total)
-        first = candidates.min()
+        candidates = torch.where(bad, torch.tensor(ordinals, device=bad.device), total)
+        first = candidates.min().to(device)  # offloaded shards are in host memory; the all-reduce runs on the mesh's
     for dim in range(mesh.ndim):
         dist_ops.all_reduce(first, mesh.get_group(dim), op=dist.ReduceOp.MIN)
     index = int(first.item())

@@ -176,11 +176,13 @@ class FsdpModule(CommControls, _TorchFSDPModule):
     def _apply(self, fn, recurse=True):
         """Keep the flat-buffer parameters out of nn.Module._apply: materialize meta groups on to_empty(), cast them on
         .to(dtype) / .half() / .double() (as FSDP2 casts its sharded parameters); a move to another device is
-        refused."""
+        refused (but to the CPU for offloaded groups, whose main weights are there: ``to_empty(device="cpu")``)."""
         unit = self._mfsdp_unit
         probe = torch.zeros(1)
         moved = fn(probe)
         for g in unit.groups:
+            if g.offload is not None and moved.device.type == "cpu":
+                continue
             if moved.device.type != g.device.type or moved.device.index not in (None, g.device.index):
                 raise RuntimeError(
                     "mfsdp_ext: a sharded module cannot be moved to another device with .to()/.cuda() (unit "

@@ -88,9 +88,11 @@ class GradReduction:
                     ctx.device.record_stream(grad, ctx.rs_stream)
             hsdp = g.replicate_group is not None and not g.replicated
             all_reduce_now = self.requires_all_reduce or not hsdp  # set_requires_all_reduce(False): HSDP defers
-            defer_replicas = g.replicate_group is not None and (every_microbatch or not all_reduce_now)
+            # an offloaded main_grad is in host memory: the replicas' sum is taken on the device, at every reduction
+            defer_replicas = (g.replicate_group is not None and (every_microbatch or not all_reduce_now)
+                              and g.offload is None)
             g.grads.accumulate_reduced(reduced, defer_replicas, last and all_reduce_now, with_grad)
-        if g.grads.main_grad is not None and g.grads.main_grad is not main_grad_before:
+        if g.grads.main_grad is not None and g.grads.main_grad is not main_grad_before and g.offload is None:
             # made on the reduce-scatter stream, read by the optimizer on this one; freed whenever the user lets
             # go of the .grads (zero_grad): its memory is reused only after this stream's reads too
             ctx.device.record_stream(g.grads.main_grad.data, ctx.device.current_stream())

@@ -13,7 +13,7 @@ import torch
 
 from ..comm.policy import assign_collectives
 from ..core.states import TrainingState
-from ..params import assigned
+from ..params import assigned, offload
 from . import capture, finite_grads, same_model, summary
 from .context import FsdpContext
 
@@ -94,6 +94,7 @@ def final_callback(root) -> None:
         else:
             unit.show_sharded_params()
     ctx.device.wait_stream(ctx.rs_stream)
+    offload.drain()  # offloaded gradients are in their host shards (.grad complete when backward returns)
     if ctx.capture.capturing:  # a gather issued ahead for a unit whose backward did not come still joins the capture
         ctx.device.wait_stream(ctx.ag_stream)
     _end_iteration(ctx)
@@ -117,6 +118,7 @@ def abandon_iteration(root) -> None:
         # prefetch) and not yet waited for: its next forward waits for it instead of reading the buffer early
         unit.show_sharded_params()
     ctx.device.wait_stream(ctx.rs_stream)  # reductions the failed backward started
+    offload.drain()
     _end_iteration(ctx)
 
 

@@ -40,6 +40,8 @@ def _group_text(g) -> str:
         comm = f"all-gather {'fp8 plain' if g.fp8 else ops.all_gather.name}, reduce-scatter {ops.reduce_scatter.name}"
         if g.sums_on_arrival:
             comm += " (as all-to-all + sum)"
+    if g.offload is not None:  # CPUOffloadPolicy: the fp32 shard, gradients and optimizer state on the host
+        held += f", in {'pinned ' if g.offload.pin_memory else ''}host memory"
     return f"{len(g.infos)} params ({len(g.trainable())} trainable), {_count(numel)}, {dtypes}, {held}, {comm}"
 
 

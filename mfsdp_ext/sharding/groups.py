@@ -15,6 +15,7 @@ from ..core.states import Strategy
 from ..params import replaced
 from ..params.fp8_group import Fp8ParamGroup
 from ..params.group import GroupMesh, ParamGroup
+from ..params.offload import HostOffload, host_offload
 from ..runtime.module import FsdpModule
 from .fp8_weights import choose_fp8_weights
 from .marks import is_marked
@@ -23,13 +24,18 @@ from .mesh import resolve_mesh, whole_mesh_group
 
 def make_groups(modules: list[nn.Module], params, mesh: DeviceMesh, device: torch.device,
                 mp_policy: MixedPrecisionPolicy, strategy: Strategy, placed: dict[int, tuple] | None = None,
-                spmd_of: dict[int, placements.SpmdDims] | None = None) -> list[ParamGroup]:
+                spmd_of: dict[int, placements.SpmdDims] | None = None, offload_policy=None) -> list[ParamGroup]:
     """One ParamGroup per (mesh, dtype, requires_grad, marked no_shard, FP8) of the parameters, which become the
     groups' DTensor shards (a marked group: replicated over the mesh, as the no_shard strategy holds everything; an
     FP8 group: Fp8ParamGroup, the weights of the linear layers ``mp_policy.fp8`` chooses). ``placed``: id(parameter)
     -> (dim, mesh) where shard_placement_fn moved it off (0, ``mesh``); ``spmd_of``: id(mesh) -> its full SPMD mesh
-    (dp_mesh_dims)."""
+    (dp_mesh_dims); ``offload_policy``: FSDP2's CPUOffloadPolicy, or None (params/offload.py).
+
+    Raises:
+        ValueError: FP8 weights with offload, or on a dim other than 0.
+    """
     placed, spmd_of = placed or {}, spmd_of or {}
+    offload = host_offload(offload_policy, device, fp8=mp_policy.fp8 is not None)
     fp8 = choose_fp8_weights(modules, params, mp_policy, strategy)
     off_dim0 = [fqn for fqn, p, _ in params if id(p) in fp8 and placed.get(id(p), (0,))[0]]
     if off_dim0:
@@ -45,7 +51,7 @@ def make_groups(modules: list[nn.Module], params, mesh: DeviceMesh, device: torc
     for own, members in by_mesh.values():
         if members:
             groups += _groups_on_mesh(modules, members, own, device, mp_policy, strategy, fp8, dims,
-                                      spmd_of.get(id(own)))
+                                      spmd_of.get(id(own)), offload)
     owner = "+".join(type(m).__name__ for m in modules)
     for fqn, p, _ in params:
         registry.UNIT_OF_PARAM[p] = owner  # the original Parameter: a use of it outside this unit is caught later
@@ -66,7 +72,7 @@ def reduces_early(device: torch.device) -> bool:
 
 def _groups_on_mesh(modules, params, mesh: DeviceMesh, device: torch.device, mp_policy: MixedPrecisionPolicy,
                     strategy: Strategy, fp8: set[int], dims: dict[int, int],
-                    spmd: placements.SpmdDims | None = None) -> list[ParamGroup]:
+                    spmd: placements.SpmdDims | None = None, offload: HostOffload | None = None) -> list[ParamGroup]:
     mesh, mesh_device, shard_group, replicate_group = resolve_mesh(mesh, strategy)
     if mesh_device != device:
         raise ValueError(f"fully_shard: shard_placement_fn gives a mesh on {mesh_device}, the module's mesh is on "
@@ -87,7 +93,7 @@ def _groups_on_mesh(modules, params, mesh: DeviceMesh, device: torch.device, mp_
         if is_fp8:
             groups.append(Fp8ParamGroup(members, fp8_compute=mp_policy.fp8.compute, keep_fp8_shard=cache, **kwargs))
         else:
-            groups.append(ParamGroup(members, **kwargs, cache_model_weight=cache))
+            groups.append(ParamGroup(members, **kwargs, cache_model_weight=cache, offload=offload))
     return groups
 
 

@@ -1,0 +1,151 @@
+"""HostOffload: FSDP2's ``CPUOffloadPolicy`` for a group on a CUDA mesh: its fp32 main weight, gradient and optimizer
+state in host memory, its compute-dtype weights on the device.
+
+[Note: CPU offload]
+``main_weight`` and ``main_grad`` are host tensors (pinned with ``pin_memory=True``), so the parameters, their
+``.grad`` and the optimizer state (made where the main weight is) are DTensors with CPU local tensors on the group's
+mesh, as FSDP2's are; the optimizer steps them on the host. What the collectives read and write stays on the device:
+  * weights: the compute-dtype shard (``model_weight``) is always kept on the device and made once per weights
+    version (ParamGroup.sync_model_weight, on the all-gather stream): the host casts the main weight into a staging
+    buffer (``_native.cast``), then one H2D copy. Casting on the host sends the compute dtype over PCIe (2 bytes per
+    parameter for bf16) instead of the fp32 shard (4), once per optimizer step; FSDP2 sends the fp32 shard at every
+    all-gather (forward and backward). The staging copy is also what keeps the H2D copy's source apart from the main
+    weight, which the optimizer rewrites on the host while a copy may still be in flight. Every all-gather then
+    reads device memory and is prefetched as without offload.
+  * gradients: the reduced shard (device, reduce dtype) goes D2H on the reduce-scatter stream right behind its
+    reduction: straight into a fresh ``main_grad`` when nothing is to be added or cast, else into a staging buffer
+    that the worker thread adds into ``main_grad`` (the native CPU ``grad_accumulate``) once the copy's event has
+    completed, so the copy and the sum of one group overlap the backward of the others. Every host write to a
+    ``main_grad`` during the backward runs on that one thread, in submission order; the root's final callback waits
+    for it (``drain``), so ``.grad`` is complete when backward returns.
+Staging buffers come from torch's pinned (caching host) allocator, one per copy: a non_blocking copy records its event
+on the block, which is reused only once that copy is done. With ``pin_memory=False`` nothing is pinned and the copies
+wait on the host, as CUDA copies between pageable memory and the device do (FSDP2's too).
+On a CPU mesh everything is in host memory already: no HostOffload, the groups are plain (no staging, no thread).
+"""
+
+from __future__ import annotations
+
+import functools
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Optional
+
+import torch
+
+from .. import _native
+from ..core import registry
+from ..core.flat_buffer import FlatBuffer
+from ..core.layout import FlatLayout
+
+HOST = torch.device("cpu")
+
+
+def host_offload(policy: Any, device: torch.device, *, fp8: bool) -> Optional[HostOffload]:
+    """What ``fully_shard(offload_policy=policy)`` (torch's ``CPUOffloadPolicy``, or None for no offload) does for a
+    unit on ``device``: a HostOffload, or None where nothing moves (no policy, or a CPU mesh).
+
+    Raises:
+        ValueError: offload with FP8 weights.
+    """
+    if policy is None:
+        return None
+    if fp8:
+        raise ValueError("fully_shard: offload_policy=CPUOffloadPolicy() with FP8 weights (MixedPrecisionPolicy("
+                         "fp8=...)) is not supported: the FP8 scales and casts are computed from the fp32 main weights "
+                         "on the device every step. Pass offload_policy=None, or drop fp8=...")
+    return HostOffload(pin_memory=bool(policy.pin_memory)) if device.type != "cpu" else None
+
+
+class HostOffload:
+    """Where an offloaded group's main buffers live, and the copies of its weights and gradients to and from the
+    device (see the note)."""
+
+    def __init__(self, *, pin_memory: bool):
+        self.pin_memory = pin_memory
+
+    def buffer(self, layout: FlatLayout, dtype: torch.dtype, rank: int) -> FlatBuffer:
+        """A shard-layout buffer in host memory (the main weight, a gradient shard)."""
+        try:
+            return FlatBuffer(layout, dtype, HOST, rank=rank, pin_memory=self.pin_memory)
+        except RuntimeError as e:
+            raise _pinning_failed(layout.shard_numel * dtype.itemsize, e) from e
+
+    def _staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        try:
+            return torch.empty(numel, dtype=dtype, pin_memory=self.pin_memory)
+        except RuntimeError as e:
+            raise _pinning_failed(numel * dtype.itemsize, e) from e
+
+    def upload(self, main_weight: torch.Tensor, model_weight: torch.Tensor) -> None:
+        """``model_weight`` (device) = ``main_weight`` (host) in model_weight's dtype: cast on the host into staging,
+        then one H2D copy on the current stream."""
+        staging = self._staging(main_weight.numel(), model_weight.dtype)
+        _native.cast(main_weight, staging)
+        model_weight.copy_(staging, non_blocking=self.pin_memory)
+
+    def download_grad(self, main_grad: FlatBuffer, reduced: torch.Tensor, *, scale: float, accumulate: bool,
+                      restart: list[int]) -> None:
+        """``main_grad`` (host) = or += ``scale * reduced`` (``accumulate``), ``reduced`` being on the device, written
+        by the current stream: the D2H copy goes on that stream, the sum on the worker after it. ``restart``: the
+        parameters whose part of ``main_grad`` starts afresh (zeroed first, on the worker)."""
+        direct = not accumulate and scale == 1.0 and reduced.dtype == main_grad.dtype and not restart
+        target = main_grad.data if direct else self._staging(reduced.numel(), reduced.dtype)
+        target.copy_(reduced, non_blocking=self.pin_memory)
+        event = torch.cuda.current_stream(reduced.device).record_event() if reduced.is_cuda else None
+        work = None if direct else functools.partial(_add_into, main_grad, target, scale, accumulate, restart)
+        _worker().submit(event, work)
+
+
+def _add_into(main_grad: FlatBuffer, staged: torch.Tensor, scale: float, accumulate: bool, restart: list[int]) -> None:
+    for i in restart:
+        main_grad.param_view(i).zero_()
+    _native.grad_accumulate(main_grad.data, staged, scale, accumulate)
+
+
+def _pinning_failed(nbytes: int, error: RuntimeError) -> RuntimeError:
+    return RuntimeError(f"fully_shard(offload_policy=CPUOffloadPolicy()): {nbytes} bytes of pinned host memory could "
+                        f"not be allocated ({error}). Pass offload_policy=CPUOffloadPolicy(pin_memory=False): the "
+                        "same training from pageable memory, whose copies to and from the GPU wait on the host")
+
+
+class _Worker:
+    """The process's offload thread: runs each job once its CUDA event has completed, one after the other, in the
+    order submitted (the native CPU kernels and ``Event.synchronize`` release the GIL)."""
+
+    def __init__(self) -> None:
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsdp_ext-offload")
+        self.pending: list[Future] = []
+
+    def submit(self, event: Optional[torch.cuda.Event], work: Any) -> None:
+        """``work()`` once ``event`` (None: nothing to wait for) has completed, after the jobs submitted before."""
+        self.pending.append(self.executor.submit(_run, event, work))
+
+    def drain(self) -> None:
+        """Wait for every job submitted so far; raise the first one's error, if any."""
+        pending, self.pending = self.pending, []
+        errors = [f.exception() for f in pending]  # waits for each
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise RuntimeError("mfsdp_ext: adding an offloaded gradient into its host shard failed") from first
+
+
+def _run(event: Optional[torch.cuda.Event], work: Any) -> None:
+    if event is not None:
+        event.synchronize()
+    if work is not None:
+        work()
+
+
+def _worker() -> _Worker:
+    worker = registry.OFFLOAD_WORKER.get("worker")
+    if worker is None:
+        worker = registry.OFFLOAD_WORKER["worker"] = _Worker()
+    return worker
+
+
+def drain() -> None:
+    """Wait until every offloaded gradient copied so far is in its host shard (nothing to do where none was: no
+    offload, or a CPU mesh)."""
+    worker = registry.OFFLOAD_WORKER.get("worker")
+    if worker is not None and worker.pending:
+        worker.drain()
