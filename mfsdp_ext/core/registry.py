@@ -29,7 +29,7 @@ NO_SHARD_MARKS = WeakIdKeyDictionary()
 # shards) -> the owner's class names
 UNIT_OF_PARAM = WeakIdKeyDictionary()
 # sharding/mesh.py: (device type, id(default group)) -> (the default group, the default 1-D mesh over the world)
-DEFAULT_MESHES: dict[str, Any] = {}
+DEFAULT_MESHES: dict[tuple, Any] = {}
 # fp8/linear.py: an nn.Linear subclass -> its Fp8<Cls>(Fp8LinearMixin, Cls) subclass
 FP8_CLASSES: dict[type, type] = {}
 # api.py: a module class -> its FSDP<Cls>(FsdpModule, Cls) subclass

@@ -178,7 +178,7 @@ def test_torchtitan_pipeline(tmp_path, titan_assets, schedule):
     (Interleaved1F1B)."""
     config, resumes = _PP[schedule]
     tmp = str(tmp_path)
-    args = (config, "--parallelism.pipeline_parallel_schedule", schedule) + (("--checkpoint.enable",) if resumes else ())
+    args = (config, "--parallelism.pipeline_parallel_schedule", schedule, *(["--checkpoint.enable"] if resumes else []))
     # rank 3 holds the last stage (pipeline rank 1), which reports the loss; the others report -1 per microbatch
     full = {impl: _titan(tmp, titan_assets, f"pp_{impl}", impl, *args, counts=True, ranks=4, report_rank=3)
             for impl in ("fsdp2", "ours")}
