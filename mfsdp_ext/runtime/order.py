@@ -33,8 +33,8 @@ class ExecutionOrder:
         self.forward, self.forward_end = [], []
 
     def last_forward(self) -> list[Unit]:
-        """This iteration's forward order, or the last one's before this iteration recorded any."""
-        return self.forward or self.prev_forward
+        """The last iteration's forward order (the one to prefetch by), or, in the first iteration, this one's."""
+        return self.prev_forward or self.forward
 
     def record_forward(self, unit: Unit) -> None:
         if unit not in self.forward:
