@@ -7,6 +7,7 @@
 #include <string>
 
 #include "fp8_gemm.h"
+#include "optim.h"  // cpu_simd_paths
 #include "symm_comm.h"  // MFSDP_SYMM_COMM_ENABLED, nccl.h, kMinNcclVersion
 #include "symm_offset_allocator.h"
 
@@ -24,6 +25,9 @@ py::dict build_info() {
   py::dict d;
   d["native"] = true;
   d["cpu"] = true;
+  py::list simd;  // the CPU optimizer's code paths this CPU runs, best first
+  for (const auto& path : cpu_simd_paths()) simd.append(path);
+  d["cpu_simd_paths"] = simd;
 #ifdef MFSDP_WITH_CUDA
   d["cuda"] = true;
   // the architectures the kernels were compiled for, e.g. "sm_90a" (several joined by "__")
