@@ -261,6 +261,18 @@ def test_threads_do_not_change_bits(simd_path):
         assert all(torch.equal(a, b) for a, b in zip(res, out[0]))
 
 
+def test_kernels_run_on_torchs_threads():
+    """_C's at::parallel_for can use more than one thread: with ATen's OpenMP backend that needs _C compiled with
+    -fopenmp (without it every CPU kernel ran on one thread), and one OpenMP runtime, torch's (whose
+    set_num_threads we follow)."""
+    if "OpenMP" in torch.__config__.parallel_info().split("ATen parallel backend:")[-1]:
+        assert _native.build_info()["cpu_parallel"] == "openmp"
+        gomp = {line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line}
+        assert len(gomp) == 1, gomp
+    else:
+        assert _native.build_info()["cpu_parallel"] == "aten"
+
+
 def test_choosing_a_path():
     paths = _C.cpu_simd_paths()
     assert paths[-1] == "scalar" and set(paths) <= set(PATHS)
