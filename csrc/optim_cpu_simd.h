@@ -8,14 +8,14 @@
 //   AvxOps:    AVX + FMA3 + F16C, 8 lanes; no AVX2 needed: the float ops are AVX1, bf16 is widened with 128-bit
 //              SSE2 unpacks (AVX1 has no 256-bit integer ops)
 //
-// x86-64 only; elsewhere the kernels have the scalar path alone (MFSDP_CPU_SIMD_X86 undefined).
+// x86-64 only; elsewhere (or built with -DMFSDP_CPU_SIMD_OFF) the kernels have the scalar path alone.
 #pragma once
 
 #include <cstdint>
 
 #include "float_formats.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(MFSDP_CPU_SIMD_OFF)
 #define MFSDP_CPU_SIMD_X86 1
 #include <immintrin.h>
 #endif
