@@ -111,6 +111,36 @@ def set_simd(path: str) -> None:
         _C.set_cpu_simd(path)
 
 
+class OtherLoad:
+    """The share of the machine's CPU time that other processes took between start() and stop() (Linux): timings
+    from a machine busy with other work are slower, torch's many short parallel regions most of all."""
+
+    def start(self) -> None:
+        self.t0, self.own0 = self._stat(), self._own()
+
+    def stop(self) -> float | None:
+        t1, own1 = self._stat(), self._own()
+        if self.t0 is None or t1 is None:
+            return None
+        busy, total = t1[0] - self.t0[0], t1[1] - self.t0[1]
+        hz = os.sysconf("SC_CLK_TCK")
+        return max(0.0, (busy / hz - (own1 - self.own0)) / (total / hz)) if total else None
+
+    @staticmethod
+    def _stat():
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:]]
+            return sum(v) - v[3] - v[4], sum(v)  # busy (all but idle and iowait), total
+        except (OSError, ValueError, IndexError):
+            return None
+
+    @staticmethod
+    def _own() -> float:
+        t = os.times()
+        return t.user + t.system
+
+
 # ---------------------------------------------------------------------------------------------- timing
 def timed_round_robin(fns: dict, steps: int, warmup: int) -> dict:
     """{name: median ms}: each fn warmed up, then timed one call at a time in turn. fns[name] is (setup, call):
@@ -313,7 +343,8 @@ def report(env: dict, p1: dict, p2: list, p3: dict | None) -> str:
              f"- **Date:** {env['date']}",
              f"- **Machine:** {env['cpu']}, {env['cores']} cores, {env['mem_gib']:.0f} GiB; CPU code paths: "
              f"{', '.join(env['simd_paths'])} (default: {env['simd_paths'][0]})",
-             f"- **Versions:** torch {env['torch']}, Python {env['python']}", "",
+             f"- **Versions:** torch {env['torch']}, Python {env['python']}",
+             f"- **Other load:** {env['other_load']}", "",
              f"## One AdamW step over {env['numel'] / 1e6:.1f}M fp32 elements in {env['tensors']} parameters, "
              f"{p1['threads']} threads", "",
              f"Median of {env['steps']} rounds after {env['warmup']} (variants timed in turn). GB/s: state "
@@ -364,12 +395,18 @@ def main(argv=None) -> None:
                tensors=args.tensors, steps=args.steps, warmup=args.warmup, sweep_steps=args.sweep_steps)
     print(f"{env['cpu']}, {env['cores']} cores, torch {env['torch']}, paths {env['simd_paths']}; "
           f"{numel / 1e6:.1f}M elements", flush=True)
+    load = OtherLoad()
+    load.start()
     fs = FlatSet(numel, args.tensors)
     p1 = part1(args, fs)
     print("part 1 done", flush=True)
     p2 = part2(args, fs)
     del fs
     p3 = part3(args)
+    other = load.stop()
+    env["other_load"] = ("unknown" if other is None else
+                         f"other processes took {100 * other:.0f}% of the machine's CPU time during the run "
+                         "(0% = it ran alone)")
     text = report(env, p1, p2, p3)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"cpu_optim_{args.tag or str(cores()) + 'core'}")
