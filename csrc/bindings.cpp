@@ -59,6 +59,10 @@ void register_kernels(py::module_& m) {
         py::arg("exp_avg_sq"), py::arg("runs"), py::arg("coeffs"), py::arg("device_table") = py::none());
   m.def("sgd_step", &mfsdp::sgd_step, release(), py::arg("param"), py::arg("grad"), py::arg("momentum_buffer"),
         py::arg("runs"), py::arg("coeffs"), py::arg("device_table") = py::none());
+  m.def("cpu_simd", &mfsdp::cpu_simd, "The code path of the CPU optimizer kernels: avx512, avx or scalar.");
+  m.def("set_cpu_simd", &mfsdp::set_cpu_simd, py::arg("path"),
+        "Force the CPU optimizer kernels' code path (auto, scalar, avx, avx512); returns the one before.");
+  m.def("cpu_simd_paths", &mfsdp::cpu_simd_paths, "The CPU optimizer code paths this CPU supports, best first.");
   m.def("check_segments", &mfsdp::check_segments, release(), py::arg("segments"), py::arg("total"));
 }
 

@@ -2,11 +2,13 @@
 // (setup.py defines MFSDP_WITH_CUDA, MFSDP_CUDA_ARCHS, MFSDP_WITH_NCCL) and from the loaded NCCL library.
 #include "build_info.h"
 
+#include <ATen/Config.h>  // AT_PARALLEL_OPENMP
 #include <c10/util/Exception.h>
 
 #include <string>
 
 #include "fp8_gemm.h"
+#include "optim.h"  // cpu_simd_paths
 #include "symm_comm.h"  // MFSDP_SYMM_COMM_ENABLED, nccl.h, kMinNcclVersion
 #include "symm_offset_allocator.h"
 
@@ -24,6 +26,18 @@ py::dict build_info() {
   py::dict d;
   d["native"] = true;
   d["cpu"] = true;
+  // how at::parallel_for in the CPU kernels splits work: ATen's OpenMP backend needs _C itself compiled with
+  // -fopenmp (build_config.py), else every CPU kernel runs on one thread
+#if defined(_OPENMP)
+  d["cpu_parallel"] = "openmp";
+#elif AT_PARALLEL_OPENMP
+  d["cpu_parallel"] = "none (built without -fopenmp)";
+#else
+  d["cpu_parallel"] = "aten";  // ATen's native thread pool, called through libtorch
+#endif
+  py::list simd;  // the CPU optimizer's code paths this CPU runs, best first
+  for (const auto& path : cpu_simd_paths()) simd.append(path);
+  d["cpu_simd_paths"] = simd;
 #ifdef MFSDP_WITH_CUDA
   d["cuda"] = true;
   // the architectures the kernels were compiled for, e.g. "sm_90a" (several joined by "__")

@@ -18,12 +18,16 @@ namespace cpu {
 // elements per CPU task (at::parallel_for grain)
 constexpr int64_t kGrain = 1 << 15;
 
-// Split [0, total) into contiguous chunks over the CPU threads; in each chunk find the first segment with
-// end > chunk start (binary search) and walk forward (segment_walk.h): on_seg(i, p, q) / on_gap(p, q).
+// Split [0, total) into contiguous chunks over the CPU threads, each starting at a multiple of `align` elements;
+// in each chunk find the first segment with end > chunk start (binary search) and walk forward (segment_walk.h):
+// on_seg(i, p, q) / on_gap(p, q).
 template <class OnSeg, class OnGap>
-void walk_segments(const int64_t* seg, int64_t nseg, int64_t total, OnSeg&& on_seg, OnGap&& on_gap) {
+void walk_segments(const int64_t* seg, int64_t nseg, int64_t total, OnSeg&& on_seg, OnGap&& on_gap,
+                   int64_t align = 1) {
   if (total <= 0) return;
-  at::parallel_for(0, total, kGrain, [&](int64_t b0, int64_t b1) {
+  const int64_t blocks = (total + align - 1) / align;
+  at::parallel_for(0, blocks, (kGrain + align - 1) / align, [&](int64_t k0, int64_t k1) {
+    const int64_t b0 = k0 * align, b1 = k1 * align < total ? k1 * align : total;
     int64_t lo = 0, hi = nseg;
     while (lo < hi) {
       const int64_t mid = lo + (hi - lo) / 2;

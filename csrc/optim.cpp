@@ -6,6 +6,7 @@
 #include <string>
 
 #include "device_launch.h"
+#include "optim_cpu_simd.h"
 #include "optim_math.h"
 #include "tensor_checks.h"
 
@@ -117,6 +118,21 @@ void sgd_step(const at::Tensor& param, const at::Tensor& grad, const std::option
                     param.numel(), runs.data_ptr<int64_t>(), coeffs.data_ptr<float>(), nullptr, nullptr, n};
   use_device_table(p, device_table, param, fn);
   run_step(p, param, fn);
+}
+
+std::string cpu_simd() { return cpu::simd_path_name(cpu::optim_simd_path()); }
+
+std::string set_cpu_simd(const std::string& name) {
+  return cpu::simd_path_name(cpu::set_optim_simd_path(name.c_str()));
+}
+
+std::vector<std::string> cpu_simd_paths() {
+  std::vector<std::string> out;
+  for (int i = cpu::kNumSimdPaths - 1; i >= 0; --i) {
+    const auto path = static_cast<cpu::SimdPath>(i);
+    if (cpu::simd_path_supported(path)) out.emplace_back(cpu::simd_path_name(path));
+  }
+  return out;
 }
 
 }  // namespace mfsdp

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
+#include <vector>
 
 namespace mfsdp {
 
@@ -16,5 +18,13 @@ void adamw_step(const at::Tensor& param, const at::Tensor& grad, const at::Tenso
                 const std::optional<at::Tensor>& device_table);
 void sgd_step(const at::Tensor& param, const at::Tensor& grad, const std::optional<at::Tensor>& momentum_buffer,
               const at::Tensor& runs, const at::Tensor& coeffs, const std::optional<at::Tensor>& device_table);
+
+
+// The code path of the CPU kernels (optim_cpu_simd.h): "avx512", "avx" or "scalar", all with the same bits.
+// cpu_simd(): the one in effect; set_cpu_simd(name): force one ("auto": the best supported; ValueError for one this
+// CPU lacks), returns the one before; cpu_simd_paths(): those this CPU supports, best first.
+std::string cpu_simd();
+std::string set_cpu_simd(const std::string& name);
+std::vector<std::string> cpu_simd_paths();
 
 }  // namespace mfsdp

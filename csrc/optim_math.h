@@ -5,7 +5,8 @@
 // (except torch's CPU sqrt of large tensors, MKL VML, which is not correctly rounded; ours is):
 // lerp, `add(x, alpha=a)` and addcmul as torch's vectorized CPU kernels compute them (one fused multiply-add:
 // addcmul is fma(value * t1, t2, self)), addcdiv as `self + (value * t1) / t2` (checked against torch 2.13 in
-// tests/optim/test_optim.py).
+// tests/optim/test_optim.py). optim_cpu_vec.h computes the same in vector lanes, operation for operation: change
+// both together (tests/optim/test_cpu_optim.py compares the paths bit for bit).
 //
 // Per-run coefficients (kOptimCoeffs floats per run, computed on the host in double and rounded to fp32 as
 // torch rounds its Python scalars):

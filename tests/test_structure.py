@@ -18,7 +18,7 @@ PACKAGE = ROOT / "mfsdp_ext"
 # Lowest first. "" is the top: the public API modules of mfsdp_ext itself; testing (the shared models) uses it.
 LAYERS = ["_native", "core", "fp8", "comm", "params", "runtime", "sharding", "interop", "optim", "", "testing"]
 MAX_TOP_MODULES = 6
-MAX_FUNCTION_LINES = 80
+MAX_FUNCTION_LINES = 60  # signature and code; the docstring is not counted (documenting is not a cost)
 MAX_METHODS = 25
 MAX_ATTRIBUTES = 25
 MAX_POSITIONAL = 4  # a constructor's positional parameters besides self; the rest are keyword-only
@@ -187,12 +187,19 @@ def test_small_classes_with_keyword_only_constructors():
     assert not wide, f"make the extra constructor parameters keyword-only (or take a policy object): {wide}"
 
 
+def _docstring_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    first = node.body[0]
+    is_doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value,
+                                                                                                  str)
+    return first.end_lineno - first.lineno + 1 if is_doc else 0
+
+
 def test_no_long_functions():
     long = []
     for name, path in _modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                lines = node.end_lineno - node.lineno + 1
+                lines = node.end_lineno - node.lineno + 1 - _docstring_lines(node)
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{name}.{node.name}: {lines} lines")
     assert not long, long

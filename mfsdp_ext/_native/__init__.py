@@ -68,6 +68,12 @@ sgd_step(param, grad, momentum_buffer, runs, coeffs)
     Both take ``device_table`` (CUDA): ``optim_device_table(runs, coeffs)`` copied to param's device; the kernel
     then reads runs and coefficients there instead of from its parameters, so a CUDA graph that captured the launch
     steps with whatever the table holds at each replay.
+    CPU: one contiguous chunk of the buffer per thread (at::parallel_for, torch.get_num_threads()), stepped by one
+    of three code paths with the same bits: "avx512" (AVX-512F), "avx" (AVX + FMA + F16C; no AVX2 needed) or
+    "scalar", the best this CPU supports unless ``MFSDP_CPU_SIMD`` (auto / scalar / avx / avx512, read at the first
+    step) or ``_C.set_cpu_simd(path)`` names one (ValueError for one the CPU lacks; returns the path before).
+    ``_C.cpu_simd()``: the path in effect; ``_C.cpu_simd_paths()`` and ``build_info()["cpu_simd_paths"]``: those
+    this CPU runs, best first.
 
 fp8_quantize(src, dst, scale_inv, amax=None, dst_t=None, eps=1e-12, algo="auto")
     Per-tensor current scaling of one tensor (activations, gradients): amax = max |src| over the whole tensor,

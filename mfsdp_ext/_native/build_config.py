@@ -5,7 +5,8 @@ time, at first import) imports it as a module. Both call ``extension_spec`` and 
 same flags:
 
   * always: the C++ CPU kernels, the bindings and the symmetric pool's offset allocator (csrc/*.cpp:
-    bindings, build_info, {pack,cast,quantize,optim}.cpp and *_cpu.cpp, symm_offset_allocator, symm_comm);
+    bindings, build_info, {pack,cast,quantize,optim}.cpp and *_cpu.cpp, symm_offset_allocator, symm_comm), with
+    -fopenmp where torch's ATen parallelizes with OpenMP (at::parallel_for needs it to use more than one thread);
   * CUDA kernels (csrc/*_cuda.cu, -DMFSDP_WITH_CUDA) when torch has CUDA and nvcc is found (CUDA_HOME);
   * NCCL code (in symm_comm.cpp and build_info.cpp, -DMFSDP_WITH_NCCL, linked with -l:libnccl.so.2) when, in
     addition, nccl.h is found: $NCCL_INCLUDE_DIR, $NCCL_HOME, the ``nvidia.nccl`` Python package, CUDA_HOME, then
@@ -199,6 +200,12 @@ def extension_spec(csrc: str, jit: bool = False) -> ExtensionSpec:
                          cxx_flags=["-O3", "-ffp-contract=off"],
                          nvcc_flags=["-O3", "-fmad=true"],  # kernels use __fmul_rn / __fmaf_rn where rounding matters
                          link_args=[libstdcxx] if libstdcxx else [], with_cuda=False, notes=notes)
+    if torch.backends.openmp.is_available():
+        # ATen's OpenMP at::parallel_for is an inline `#pragma omp parallel`: compiled without -fopenmp it runs every
+        # CPU kernel on one thread. libgomp.so.1 then resolves to the one torch loaded (same soname), so our kernels
+        # share torch's thread pool and follow torch.set_num_threads.
+        spec.cxx_flags.append("-fopenmp")
+        spec.link_args.append("-fopenmp")
     nvcc = find_nvcc(notes, jit)
     if nvcc is None:
         return spec

@@ -61,7 +61,8 @@ class AdamW(FlatOptimizerMixin, torch.optim.AdamW):
 
     def _torch_step(self, group: dict, params: list) -> None:
         """torch's AdamW step for ``params`` (its state init and its functional implementation)."""
-        params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+        lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])
+        params_with_grad, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = lists
         has_complex = self._init_group(dict(group, params=params), params_with_grad, grads, exp_avgs, exp_avg_sqs,
                                        max_exp_avg_sqs, steps)
         beta1, beta2 = group["betas"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -49,15 +50,27 @@ class _GraphTables:
         self.pending: dict = {}  # ParamGroup -> host table to copy before the next replay
 
 
-class FlatOptimizerMixin:
+if TYPE_CHECKING:  # what the mixin finds beside it in a subclass: the torch optimizer it replaces
+    _Optimizer = torch.optim.Optimizer
+else:
+    _Optimizer = object
+
+
+class FlatOptimizerMixin(_Optimizer):
     STATE_NAMES: tuple[str, ...] = ()
     # step() gathers the next forward's first two units (step_prefetch.py); False on an instance: the forward does
     gather_next_forward: bool = True
     _UNSUPPORTED: tuple[tuple[str, str], ...] = ()  # (group option, what to use instead) refused when truthy
 
+    if TYPE_CHECKING:  # each subclass defines these (the module docstring says what they do)
+        def _init_flat(self, p: torch.Tensor, flat: FlatState, i: int) -> None: ...
+        def _flat_key(self, group_index: int, p: torch.Tensor) -> tuple: ...
+        def _coeffs(self, keys: list) -> torch.Tensor: ...
+        def _run_kernel(self, group, flat: FlatState, runs: torch.Tensor, keys: list, device_table=None) -> None: ...
+
     def _setup_flat(self) -> None:
         self._graph: _GraphTables | None = None  # set while mfsdp_ext.graphed captures and replays this optimizer
-        self._flat_states = weakref.WeakKeyDictionary()  # ParamGroup -> FlatState
+        self._flat_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ParamGroup -> FlatState
         for group in self.param_groups:
             self._check_group(group)
 

@@ -10,6 +10,7 @@ and DCP see torch's layout while the kernel sees one flat buffer.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -87,7 +88,7 @@ def _local_part(group: ParamGroup, i: int, value: torch.Tensor, view: DTensor) -
     return param_rows.local_of_full(group, i, value)
 
 
-def build_runs(group: ParamGroup, items: list[tuple[int, object]]) -> tuple[torch.Tensor, list[object]]:
+def build_runs(group: ParamGroup, items: Sequence[tuple[int, object]]) -> tuple[torch.Tensor, list[object]]:
     """The run table of one kernel launch: ``items`` are (parameter index, key), the key standing for
     everything the update depends on besides the data (optimizer group, step). Consecutive parameters with equal
     keys merge into one run covering their chunk slots and the alignment padding between them (all zero in

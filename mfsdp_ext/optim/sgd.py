@@ -59,7 +59,9 @@ class SGD(FlatOptimizerMixin, torch.optim.SGD):
 
     def _torch_step(self, group: dict, params: list) -> None:
         """torch's SGD step for ``params`` (its functional implementation and its momentum-buffer bookkeeping)."""
-        params_with_grad, grads, buffers = [], [], []
+        params_with_grad: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        buffers: list[torch.Tensor | None] = []
         has_sparse_grad = self._init_group(dict(group, params=params), params_with_grad, grads, buffers)
         sgd(params_with_grad, grads, buffers, weight_decay=group["weight_decay"], momentum=group["momentum"],
             lr=group["lr"], dampening=group["dampening"], nesterov=group["nesterov"], maximize=group["maximize"],
