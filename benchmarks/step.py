@@ -18,6 +18,29 @@ linear layers; the lm-head stays bf16); ``fsdp2_float8`` is FSDP2 on a model con
 excluded, before ``fully_shard``; ``precompute_float8_dynamic_scale_for_fsdp(model)`` after each optimizer
 step), skipped with a note when torchao is not importable. Both need ``--dtype bf16``.
 
+CPU offload variants, only when named in ``--impls`` (eager only: no CUDA graphs, no FP8, no ``--tp``): fully_shard
+with ``offload_policy=CPUOffloadPolicy(pin_memory=True)`` (torch's class, for both; pageable on a CPU mesh, where
+FSDP2 cannot pin): fp32 shards, gradients and optimizer state in host memory, the optimizer stepping them on the
+host. ``ours_offload``: mfsdp_ext.fully_shard with ``mfsdp_ext.optim.AdamW`` (its native CPU kernel);
+``ours_offload_torch``: the same with torch's ``AdamW(fused=True)``; ``fsdp2_offload``: FSDP2 with torch's
+``AdamW(fused=True)`` (torch's CPU kernel: the fastest of torch's AdamW on CPU tensors); ``fsdp2_offload_default``:
+FSDP2 with ``torch.optim.AdamW`` as constructed by default (on CPU tensors its per-tensor for-loop: torch defaults
+to foreach on CUDA tensors only). With ``--init meta`` FSDP2 offloaded is materialised as torchtitan does it
+(``to_empty(device="cpu")``), each module's ``reset_parameters`` run on device temporaries of this rank's shards
+and copied into the host shards (each rank from its own seed); ours as without offload. The CPU optimizers run on
+torch's intra-op threads (OMP_NUM_THREADS / torch.get_num_threads(), recorded in the report). An offloaded variant
+whose host memory estimate (``HOST_BYTES_PER_PARAM`` per parameter on this host) exceeds ``--host-guard`` of
+MemAvailable is not run (recorded as an error naming the guard): past that the kernel's OOM killer, not an
+exception, would end it. Reported for every variant: ``host_gib``, this host's MemAvailable drop from before the
+build to after the timed steps (all ranks on the host, whatever they hold: pinned and pageable), and
+``pinned_gib``, the pinned bytes that torch's caching host allocator owns then (in use and cached, blocks rounded up
+as it allocates them), summed over the ranks; an "Offload" section of the report lists them with the step-time and
+peak ratios between offloaded and other variants.
+
+``--sync-steps N``: N more steps after the timed ones, each between two device synchronisations and timed on the
+host (max over ranks): the step as one waits for it, next to the back-to-back time (CUDA events between steps
+issued without waiting, which is also where a step's host work shows when the GPU waits for it).
+
 Model: the Llama-style decoder of mfsdp_ext/testing/gpt.py (RMSNorm, causal SDPA, SwiGLU, rotary, vocab 32000,
 n_heads = dim / 128), fp32 master weights, bf16 compute, fp32 gradient reduction
 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` for both), AdamW, one ``fully_shard`` unit
@@ -38,7 +61,7 @@ block x layers + embeddings/head if the whole model does not fit; on CUDA the fa
 of it), times the microbatches, plus one fused AdamW step over a single rank's fp32 shard (numel / world
 parameters). efficiency = floor / step time.
 
-Rank 0 writes ``step_<N>gpu.{md,json,png}`` (``step_<N>cpu...`` on CPU) into ``--out`` after every config.
+Rank 0 writes ``step_<N>gpu.{md,json,png}`` (``step_<N>cpu...`` on CPU) into ``--out`` after every variant.
 """
 
 from __future__ import annotations
@@ -132,6 +155,9 @@ class Variant:
     graph: str = ""  # "" eager | "fwdbwd": torch.cuda.graph around forward+backward, the optimizer eager (torchtitan's
     # recipe) | "step": the whole step as one graph (mfsdp_ext.graphed) | "step_unheld": the same, its first units
     # gathered at the start of each replay (hold_first_units=False: what holding them across replays saves)
+    offload: bool = False  # fully_shard(offload_policy=CPUOffloadPolicy(pin_memory=True)) (see OFFLOAD_IMPLS)
+    optimizer: str = ""  # "" as fused_optimizer says | "torch_fused": torch's AdamW(fused=True) wherever the
+    # parameters are (the CPU kernel for offloaded ones) | "torch_default": torch's AdamW with its defaults
 
 
 FUSED_IMPLS = {"ours_fused": "ours", "ours_fp8_fused": "ours_fp8"}  # name -> the variant it is, with our AdamW
@@ -145,6 +171,17 @@ GRAPH_IMPLS = {"fsdp2_fused": ("fsdp2", "", ""), "fsdp2_captured": ("fsdp2", "fw
 
 
 FP8_IMPLS = {"ours_fp8": ("ours", "ours"), "fsdp2_float8": ("fsdp2", "torchao")}  # name -> (impl, fp8)
+
+# name -> (impl, fused_optimizer, optimizer): CPU offload (see the module docstring); ours_offload steps with
+# mfsdp_ext.optim.AdamW, the others with torch's AdamW, fused (its CPU kernel) or as constructed by default
+OFFLOAD_IMPLS = {"ours_offload": ("ours", True, ""), "ours_offload_torch": ("ours", False, "torch_fused"),
+                 "fsdp2_offload": ("fsdp2", False, "torch_fused"),
+                 "fsdp2_offload_default": ("fsdp2", False, "torch_default")}
+
+# Host bytes per parameter an offloaded variant needs on its host, for the guard (--host-guard): fp32 main weight and
+# gradient, pinned (torch's pinned allocator rounds each block up to a power of two: up to 2x), AdamW's two fp32
+# states (pageable), staging. An estimate to stay clear of the OOM killer, not a measurement (host_gib is).
+HOST_BYTES_PER_PARAM = 20
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -181,6 +218,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (see above)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
+    p.add_argument("--sync-steps", type=int, default=0, metavar="N",
+                   help="N more steps per variant after the timed ones, each between two device synchronisations and "
+                        "timed on the host (max over ranks): reported as 'synced' next to the back-to-back time")
+    p.add_argument("--host-guard", type=float, default=0.9, metavar="FRACTION",
+                   help="do not run an offloaded variant whose host memory estimate (HOST_BYTES_PER_PARAM per "
+                        "parameter held on this host) exceeds FRACTION of MemAvailable (0: no guard)")
     p.add_argument("--floor-steps", type=int, default=5)
     p.add_argument("--no-floor", action="store_true")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="compute dtype")
@@ -207,6 +250,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def make_variants(args) -> list[Variant]:
     variants = []
     for impl in [s.strip() for s in args.impls.split(",") if s.strip()]:
+        if impl in OFFLOAD_IMPLS:
+            base, fused, optimizer = OFFLOAD_IMPLS[impl]
+            variants.append(Variant(impl, base, {}, fused_optimizer=fused, offload=True, optimizer=optimizer))
+            continue
         if impl in GRAPH_IMPLS:
             base, graph, fp8 = GRAPH_IMPLS[impl]
             variants.append(Variant(impl, base, {}, fp8, fused_optimizer=True, graph=graph))
@@ -226,8 +273,8 @@ def make_variants(args) -> list[Variant]:
             variants.append(Variant(impl, base, {}, fp8))
             continue
         if impl not in gpt.IMPLS:
-            raise SystemExit(f"unknown impl {impl!r} (choose from "
-                             f"{list(gpt.IMPLS) + list(FP8_IMPLS) + list(FUSED_IMPLS) + list(GRAPH_IMPLS)})")
+            known = list(gpt.IMPLS) + list(FP8_IMPLS) + list(FUSED_IMPLS) + list(GRAPH_IMPLS) + list(OFFLOAD_IMPLS)
+            raise SystemExit(f"unknown impl {impl!r} (choose from {known})")
         variants.append(Variant(impl, impl, {}))
     for base_name, fp8, fused, graph, texts in (("ours", "", False, "", args.extra_ours),
                                                 ("ours_fp8", "ours", False, "", args.extra_ours_fp8),
@@ -286,6 +333,85 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        # the pinned blocks torch's host allocator caches (an offloaded variant's shards): back to the OS, or the next
+        # variant (other block sizes) would hold its own on top
+        empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
+        if empty_host_cache is not None:
+            empty_host_cache()
+
+
+def mem_available() -> float | None:
+    """This host's MemAvailable in bytes (/proc/meminfo), None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def pinned_bytes() -> float | None:
+    """Pinned host bytes that torch's caching host allocator owns (in use and cached, blocks as allocated from CUDA:
+    rounded up), None where torch does not say (no CUDA, or no host_memory_stats)."""
+    if not torch.cuda.is_available() or not hasattr(torch.cuda, "host_memory_stats"):
+        return None
+    try:
+        value = torch.cuda.host_memory_stats().get("allocated_bytes.current")
+    except Exception:  # noqa: BLE001 - informational only
+        return None
+    return None if value is None else float(value)
+
+
+class HostMemoryGuard(RuntimeError):
+    """An offloaded variant not run: its host memory estimate exceeds --host-guard of MemAvailable."""
+
+
+def check_host_memory(v: Variant, n_params: int, device: torch.device, fraction: float) -> None:
+    """Raise HostMemoryGuard on every rank if any rank's host lacks the memory an offloaded variant is estimated to
+    take there (HOST_BYTES_PER_PARAM per parameter, for the share of the model its local ranks hold)."""
+    if not v.offload or fraction <= 0:
+        return
+    world = dist.get_world_size()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    need = n_params * HOST_BYTES_PER_PARAM * local_world / world
+    avail = mem_available()
+    short = avail is not None and need > fraction * avail
+    flag = torch.tensor([1.0 if short else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        here = f"{avail / 2**30:.0f} GiB" if avail is not None else "unknown"
+        raise HostMemoryGuard(f"host memory guard: {v.name} needs ~{need / 2**30:.0f} GiB of host memory on a host "
+                              f"({HOST_BYTES_PER_PARAM} B x {n_params / 1e9:.2f}B parameters x {local_world}/{world} "
+                              f"ranks), over {fraction:g} of MemAvailable (here {here}); not run")
+
+
+def host_usage(device: torch.device, avail_before: float | None) -> tuple[float | None, float | None]:
+    """(GiB by which MemAvailable fell since ``avail_before``, read by each host's local rank 0, summed over the hosts;
+    pinned GiB owned by torch's host allocator, summed over the ranks); each None where some rank does not know."""
+    dist.barrier()
+    local0 = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    now = mem_available()
+    pinned = pinned_bytes() if device.type == "cuda" else None
+    drop_known = not local0 or (avail_before is not None and now is not None)
+    t = torch.tensor([avail_before - now if local0 and drop_known else 0.0, pinned or 0.0,
+                      0.0 if drop_known else 1.0, 0.0 if pinned is not None else 1.0],
+                     dtype=torch.float64, device=device)
+    dist.all_reduce(t)  # sums; the last two count the ranks that do not know
+    return (None if t[2].item() else t[0].item() / 2**30), (None if t[3].item() else t[1].item() / 2**30)
+
+
+def time_synced(fn: Callable[[], None], steps: int, device: torch.device) -> list[float]:
+    """Per-step wall times in ms, each step between two device synchronisations (host clock)."""
+    times = []
+    for _ in range(steps):
+        gpt.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        gpt.synchronize(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
 
 
 def make_batches(bc: BenchConfig, device: torch.device, seed: int):
@@ -424,6 +550,41 @@ def build_fsdp2_float8(cfg: gpt.GPTConfig, device: torch.device, meta_init: bool
     return model
 
 
+def build_fsdp2_offloaded(cfg: gpt.GPTConfig, device: torch.device, meta_init: bool, **shard_kwargs):
+    """FSDP2 with CPUOffloadPolicy (in shard_kwargs). --init full: as without offload (the whole model on the device,
+    sharded: fully_shard moves the shards to the host). --init meta: built on meta, sharded, materialised as torchtitan
+    does with offload (to_empty(device="cpu"): FSDP2 pins the shards), then initialised through the device: each
+    module's reset_parameters() on device temporaries the shape of this rank's shards of its own parameters, copied
+    into the host shards. (model.init_weights() on the host DTensors draws the normals on the CPU: tens of seconds per
+    rank at the 8B shape.) Each rank draws from its own seed, so shards are not slices of one full init."""
+    from torch.distributed.tensor import DTensor
+
+    if not meta_init:
+        return gpt.build_sharded(cfg, "fsdp2", device, False, **shard_kwargs)
+    with torch.device("meta"):
+        model = gpt.GPT(cfg)
+    gpt.shard_model(model, gpt.load_impl("fsdp2")[0], **shard_kwargs)
+    model.to_empty(device="cpu")
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        torch.manual_seed(1000 + dist.get_rank())
+        for m in model.modules():
+            own = [(n, p) for n, p in m._parameters.items() if p is not None]
+            if not own or not hasattr(m, "reset_parameters"):
+                continue
+            shards = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in own}
+            for n, p in own:
+                m._parameters[n] = torch.nn.Parameter(torch.empty(shards[n].shape, dtype=shards[n].dtype,
+                                                                  device=device), requires_grad=p.requires_grad)
+            try:
+                m.reset_parameters()
+                for n, _ in own:
+                    shards[n].copy_(m._parameters[n])
+            finally:
+                for n, p in own:
+                    m._parameters[n] = p
+    return model
+
+
 def train_step(model, optimizer, batches, impl: str, losses: list, after_step=None) -> None:
     """One optimizer step over len(batches) microbatches (gradients reduced on the last one)."""
     loss_sum = gpt.forward_backward(model, impl, batches)
@@ -436,6 +597,10 @@ def train_step(model, optimizer, batches, impl: str, losses: list, after_step=No
 
 def make_optimizer(v: Variant, model):
     hyper = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    if v.optimizer == "torch_fused":  # wherever the parameters are: torch's CPU kernel for offloaded (CPU) shards
+        return torch.optim.AdamW(model.parameters(), fused=True, **hyper)
+    if v.optimizer == "torch_default":  # on CPU tensors: the per-tensor for-loop (foreach is the default on CUDA)
+        return torch.optim.AdamW(model.parameters(), **hyper)
     if v.fused_optimizer and v.impl == "ours":
         import mfsdp_ext.optim
 
@@ -500,6 +665,9 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
     free_memory(device)
     _, MixedPrecisionPolicy = gpt.load_impl(v.impl)
     cfg = bc.model_config()
+    check_host_memory(v, gpt.num_params(gpt.GPT(cfg, device="meta")), device, args.host_guard)
+    dist.barrier()  # every rank's previous variant freed: this host's MemAvailable before the build
+    avail_before = mem_available() if int(os.environ.get("LOCAL_RANK", 0)) == 0 else None
     t_build = time.perf_counter()
     torch.manual_seed(0)
     # keys "mp.NAME" go to MixedPrecisionPolicy (e.g. mp.cache_model_weight=False), the rest to fully_shard;
@@ -513,16 +681,22 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
 
         mp_extra["fp8"] = mfsdp_ext.Fp8Policy(compute=True, linear_config=mfsdp_ext.Fp8LinearConfig(**linear_extra))
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, **mp_extra)
+    if v.offload:  # torch's policy for both (ours takes FSDP2's); FSDP2 cannot pin without an accelerator
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        shard_extra["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     # --init full: the full model on every rank, same seed: identical initial weights for every variant
     if v.fp8 == "torchao":
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp as after_step
 
         model = build_fsdp2_float8(cfg, device, args.init == "meta", mesh=mesh, mp_policy=mp, **shard_extra)
+    elif v.offload and v.impl == "fsdp2":
+        model = build_fsdp2_offloaded(cfg, device, args.init == "meta", mesh=mesh, mp_policy=mp, **shard_extra)
     else:
         model = gpt.build_sharded(cfg, v.impl, device, args.init == "meta", tp_mesh=tp_mesh, mesh=mesh, mp_policy=mp,
                                   **shard_extra)
-    if args.init != "meta":
-        free_memory(device)  # drop the transient full model (and reset the peak after it)
+    if args.init != "meta" or v.offload:
+        free_memory(device)  # drop the transient full model or init temporaries (and reset the peak after them)
     optimizer = make_optimizer(v, model)
     gpt.synchronize(device)
     build_s = time.perf_counter() - t_build
@@ -535,15 +709,17 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
     gpt.synchronize(device)
     dist.barrier()
     times = time_fn(step, args.steps, 0, device)
+    synced = time_synced(step, args.sync_steps, device)
+    host_gib, pinned_gib = host_usage(device, avail_before)  # the model and optimizer alive, after their steps
     if args.profile_dir:
         mb = f"x{k}mb" if k > 1 else ""  # configs 4 and 5 share a shape: the microbatches tell their files apart
         profile_step(step, device, os.path.join(args.profile_dir,
                                                 f"profile_L{bc.n_layers}_d{bc.dim}_{bc.batch}x{bc.seq}{mb}_{v.name}.txt"))
 
     # A step takes as long as its slowest rank.
-    t = torch.tensor(times, dtype=torch.float64, device=device)
+    t = torch.tensor(times + synced, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    times = t.tolist()
+    times, synced = t.tolist()[: len(times)], t.tolist()[len(times):]
     if device.type == "cuda":
         mem = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)],
                            dtype=torch.float64, device=device)
@@ -568,6 +744,8 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
     free_memory(device)
     return dict(median_ms=statistics.median(times), min_ms=min(times), max_ms=max(times), times_ms=times,
                 peak_gib=mem[0].item() / 2**30, resting_gib=mem[1].item() / 2**30, build_s=build_s,
+                synced_median_ms=statistics.median(synced) if synced else None, synced_ms=synced,
+                host_gib=host_gib, pinned_gib=pinned_gib,
                 loss_first=loss_first, loss_last=loss_last,
                 tokens_per_s=mesh.size() * k * bc.batch * bc.seq / (statistics.median(times) / 1e3),
                 mfu=model_flops_utilization(bc, statistics.median(times), device, args.tp))
@@ -640,7 +818,8 @@ def environment(device: torch.device, world: int, args) -> dict:
     env = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
                python=platform.python_version(), torch=torch.__version__, world=world, device=device.type,
                steps=args.steps, warmup=args.warmup, dtype=args.dtype, tiny=args.tiny, init=args.init, tp=args.tp,
-               sm_carveout=args.sm_carveout)
+               sm_carveout=args.sm_carveout, sync_steps=args.sync_steps, cpu_threads=torch.get_num_threads(),
+               cpus=os.cpu_count())
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         v = torch.cuda.nccl.version()
@@ -668,6 +847,90 @@ def learned(res: dict) -> bool:
 
 def _fmt(x, spec=".1f", missing="-"):
     return missing if x is None else format(x, spec)
+
+
+def optimizer_label(v: Variant) -> str:
+    """The optimizer a variant steps with (make_optimizer), and where its shards are."""
+    where = "host" if v.offload else "device"
+    if v.optimizer == "torch_fused":
+        return f"torch AdamW(fused=True) on the {where}"
+    if v.optimizer == "torch_default" or not v.fused_optimizer:
+        return ("torch AdamW() defaults (per-tensor for-loop on the host)" if v.offload else
+                "torch AdamW() defaults (foreach on CUDA)")
+    if v.impl == "ours":
+        return "mfsdp_ext.optim.AdamW" + (" (native CPU kernel, host)" if v.offload else " (device)")
+    return "torch AdamW(fused=True) on the device"
+
+
+def offload_pairs(variants: list[Variant]) -> list[tuple[str, str]]:
+    """(x, y) pairs the offload ratios compare: each offloaded ours against each offloaded FSDP2, then each offloaded
+    variant against the plain (no FP8, no graph, no extra keywords) non-offloaded variants of its implementation."""
+    off = [v for v in variants if v.offload]
+    pairs = [(a.name, b.name) for a in off if a.impl == "ours" for b in off if b.impl == "fsdp2"]
+    for a in off:
+        pairs += [(a.name, b.name) for b in variants
+                  if not b.offload and b.impl == a.impl and not b.fp8 and not b.graph and not b.extra]
+    return pairs
+
+
+def offload_ratios(entry: dict, variants: list[Variant]) -> list[str]:
+    """One line per offload pair of a config: x/y of the back-to-back and synced median step times and GPU peaks."""
+    lines = []
+    for a, b in offload_pairs(variants):
+        ra, rb = entry["variants"].get(a) or {}, entry["variants"].get(b) or {}
+        if not ra.get("median_ms") or not rb.get("median_ms"):
+            continue
+        parts = [f"step {ra['median_ms'] / rb['median_ms']:.3f}"]
+        if ra.get("synced_median_ms") and rb.get("synced_median_ms"):
+            parts.append(f"synced {ra['synced_median_ms'] / rb['synced_median_ms']:.3f}")
+        if ra.get("peak_gib") and rb.get("peak_gib"):
+            parts.append(f"GPU peak {ra['peak_gib'] / rb['peak_gib']:.3f}")
+        lines.append(f"{a}/{b}: " + ", ".join(parts))
+    return lines
+
+
+def offload_section(results: list[dict], variants: list[Variant], env: dict) -> list[str]:
+    """The report's CPU offload section (only when an offloaded variant ran)."""
+    lines = [
+        "## CPU offload",
+        "",
+        "Offloaded variants: `fully_shard(..., offload_policy=CPUOffloadPolicy(pin_memory=True))` (torch's class, for "
+        "both implementations): fp32 shards, their gradients and the AdamW state in host memory, the optimizer "
+        f"stepping on the host with {env.get('cpu_threads', '?')} CPU threads per rank (torch's intra-op threads; "
+        f"{env.get('cpus', '?')} CPUs on the host, {env['world']} ranks).",
+        "",
+        "step ms: the median back-to-back step time of the table above. synced ms: "
+        + (f"the median of {env['sync_steps']} more steps, each between two device synchronisations, on the host "
+           "clock (max over ranks)." if env.get("sync_steps") else "not measured (`--sync-steps 0`).")
+        + (" GPU peak" if env["device"] == "cuda" else " peak (on CPU: the RSS high-water)")
+        + ": as above. host GiB: how far this host's MemAvailable fell from "
+        "before the variant's build to after its timed steps, all its ranks together (pinned and pageable: weights, "
+        "gradients, optimizer state, staging, allocator caches; and anything else that ran on the host meanwhile). "
+        "pinned GiB: the pinned bytes torch's caching host allocator owned then, summed over the ranks (in use and "
+        "cached, each block rounded up to a power of two as the allocator allocates it).",
+        "",
+        f"| cfg | variant | offload | optimizer | step ms | synced ms | {'GPU ' if env['device'] == 'cuda' else ''}peak"
+        " GiB | host GiB | pinned GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        for v in variants:
+            res = r["variants"].get(v.name)
+            if res is None:
+                continue
+            if "error" in res:
+                cells = ["error: " + res["error"].strip().splitlines()[-1].replace("|", "/")] + ["-"] * 4
+            else:
+                cells = [_fmt(res.get("median_ms")), _fmt(res.get("synced_median_ms")),
+                         _fmt(res.get("peak_gib"), ".2f"), _fmt(res.get("host_gib"), ".1f"),
+                         _fmt(res.get("pinned_gib"), ".1f")]
+            lines.append(f"| {r['id']} | {v.name} | {'yes' if v.offload else 'no'} | {optimizer_label(v)} | "
+                         + " | ".join(cells) + " |")
+    lines += ["", "Ratios x/y: step = x's step ms / y's, synced = x's synced ms / y's, GPU peak = x's / y's.", ""]
+    for r in results:
+        lines += [f"- config {r['id']}: {line}" for line in offload_ratios(r, variants)]
+    lines.append("")
+    return lines
 
 
 def write_report(results: list[dict], variants: list[Variant], env: dict, out_dir: str, stem: str) -> None:
@@ -750,6 +1013,8 @@ def write_report(results: list[dict], variants: list[Variant], env: dict, out_di
         if (r.get("floor") or {}).get("method", "whole model") != "whole model":
             lines.append(f"- config {r['id']} floor measured {r['floor']['method']}")
     lines.append("")
+    if any(v.offload for v in variants):
+        lines += offload_section(results, variants, env)
     with open(os.path.join(out_dir, stem + ".md"), "w") as f:
         f.write("\n".join(lines))
     write_chart(results, names, env, os.path.join(out_dir, stem + ".png"))
@@ -807,6 +1072,8 @@ def _meshes(device: torch.device, world: int, args):
         raise SystemExit(f"--tp {args.tp} does not divide the {world} ranks")
     if any(v.fp8 for v in make_variants(args)):
         raise SystemExit("--tp: the FP8 variants refuse tensor-parallel layers; leave them out of --impls")
+    if any(v.offload for v in make_variants(args)):
+        raise SystemExit("--tp: the offload variants are not run tensor-parallel here; leave them out of --impls")
     args.no_floor = True  # the floor is one GPU's unsharded step: not a tensor-parallel rank's
     mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
     return mesh["dp"], mesh["tp"]
@@ -857,20 +1124,29 @@ def main(argv=None) -> None:
             dist.barrier()
 
         order = variants[n_cfg % len(variants):] + variants[: n_cfg % len(variants)]
+        results.append(entry)
         for v in order:
             try:
                 res = run_variant(v, bc, mesh, dtype, device, args, tp_mesh)
                 log(f"  {v.name:<24} median {res['median_ms']:8.1f} ms (min {res['min_ms']:.1f}, max "
                     f"{res['max_ms']:.1f})"
-                    f" | peak {res['peak_gib']:6.2f} GiB | rest {res['resting_gib']:6.2f} GiB"
-                    f" | {res['tokens_per_s']:9.0f} tok/s | build {res['build_s']:.1f} s"
+                    + (f" | synced {res['synced_median_ms']:.1f} ms" if res["synced_median_ms"] is not None else "")
+                    + f" | peak {res['peak_gib']:6.2f} GiB | rest {res['resting_gib']:6.2f} GiB"
+                    + (f" | host {res['host_gib']:.1f} GiB" if res["host_gib"] is not None else "")
+                    + (f" | pinned {res['pinned_gib']:.1f} GiB" if res["pinned_gib"] is not None else "")
+                    + f" | {res['tokens_per_s']:9.0f} tok/s | build {res['build_s']:.1f} s"
                     f" | loss {res['loss_first']:.4f} -> {res['loss_last']:.4f}"
                     + ("" if learned(res) else "  !! loss did not fall: is the optimizer step reaching the model?"))
+            except HostMemoryGuard as e:  # every rank raised it, before building anything
+                res = dict(error=str(e))
+                log(f"  {v.name:<24} {e}")
             except Exception:  # noqa: BLE001 - record and go on (assumes all ranks failed alike, e.g. OOM)
                 res = dict(error=traceback.format_exc())
                 print(f"[rank {rank}] config {cid} {v.name} failed:\n{res['error']}", flush=True)
                 free_memory(device)
             entry["variants"][v.name] = res
+            if rank == 0:  # after every variant: a run cut short by a timeout keeps what it measured
+                write_report(results, variants, env, args.out, stem)
 
         names = [v.name for v in variants]
         if "fsdp2" in names:
@@ -879,9 +1155,8 @@ def main(argv=None) -> None:
                 ms = entry["variants"][n].get("median_ms")
                 if n != "fsdp2" and ms and base:
                     log(f"  {n}/fsdp2 = {ms / base:.3f}")
-        results.append(entry)
-        if rank == 0:
-            write_report(results, variants, env, args.out, stem)
+        for line in offload_ratios(entry, variants):
+            log("  " + line)
     log(f"\nwrote {os.path.join(args.out, stem)}.md / "
         ".json" + (" / .png" if os.path.exists(os.path.join(args.out, stem + ".png")) else ""))
     dist.barrier()

@@ -15,7 +15,9 @@
 #   graphs6: config 6 with graphs; graphsx: configs 3 and 1 captured/graphed over symmetric memory and native
 #   collectives; graphsce: the copy-engine collectives under graphs, configs 1-5 (graphsce6: config 6; ceeager: the
 #   same without graphs); carveout: matmuls leaving SMs to NCCL; titan: torchtitan's Trainer at the 8B shape, see
-#   scripts/gpu_titan.sh; nd: N-D layouts on 4 GPUs: Shard(1) GPU tests, dp2 x tp2 step rows at configs 1 and 6.
+#   scripts/gpu_titan.sh; nd: N-D layouts on 4 GPUs: Shard(1) GPU tests, dp2 x tp2 step rows at configs 1 and 6;
+#   offload: CPU offload: its GPU tests, config 6 offloaded and not, ours and FSDP2, in one run (2 GPUs), and the
+#   largest model each trains with and without offload (4 GPUs, where present; CAPACITY_BUDGET_S, default 300).
 #   bash scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
 #   bash scripts/gpu_check.sh build fp8train FP8 weights in fully_shard: GPU tests + step.py's FP8 variants (2 GPUs)
 #
@@ -63,6 +65,22 @@ for stage in $stages; do
             run nd_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/sharding/test_shard_placement.py
         run nd_step timeout -k 10 300 torchrun --standalone --nproc-per-node 4 benchmarks/step.py --tp 2 \
             --configs 1,6 --impls ours_fused,fsdp2_fused --steps 6 --warmup 2 --init meta --out "$OUT" ;;
+    offload)  # CPU offload (CPUOffloadPolicy(pin_memory=True)): the GPU offload tests; config 6 (the 8B shape,
+              # seq 8192) on 2 GPUs, ours_fused, ours_offload, fsdp2_fused and fsdp2_offload in one run: step time
+              # back to back and synchronised, GPU peak, host and pinned memory ($OUT/offload_step6/step_2gpu.md);
+              # then on 4 GPUs, where present, the largest model of config 6's width each trains with and without
+              # offload ($OUT/offload_capacity/offload_capacity_4gpu.md). Both implementations' host optimizers run
+              # on nproc / ranks CPU threads per rank (OMP_NUM_THREADS)
+        cpus=$(nproc)
+        run offload_tests timeout -k 10 180 python3 -m pytest -m gpu -q -s tests/params/test_offload.py
+        run offload_step6 env OMP_NUM_THREADS=$(( cpus >= 4 ? cpus / 2 : 2 )) timeout -k 10 360 \
+            torchrun --standalone --nproc-per-node 2 benchmarks/step.py --configs 6 \
+            --impls ours_fused,ours_offload,fsdp2_fused,fsdp2_offload --steps 3 --warmup 2 --sync-steps 2 \
+            --init meta --no-floor --out "$OUT/offload_step6"
+        [ "$(nvidia-smi -L | wc -l)" -ge 4 ] &&
+            run offload_capacity env OMP_NUM_THREADS=$(( cpus >= 8 ? cpus / 4 : 2 )) \
+                timeout -k 10 $(( ${CAPACITY_BUDGET_S:-300} + 200 )) python3 benchmarks/offload_capacity.py \
+                --nproc 4 --budget-s "${CAPACITY_BUDGET_S:-300}" --trial-timeout-s 150 --out "$OUT/offload_capacity" ;;
     step6)  # real size: the Llama-3-8B shape, seq 8192, activation checkpointing per block; MFU, bf16 and FP8 (2 GPUs)
         run step6 timeout -k 10 420 torchrun --standalone --nproc-per-node 2 benchmarks/step.py --configs 6 \
             --impls ours_fused,ours_fp8_fused,fsdp2 --steps 5 --warmup 2 --init meta --out "$OUT" ;;
