@@ -24,6 +24,14 @@ Only on a CPU-only machine (2 gloo ranks; FSDP2 needs them as much as ours), mar
   2. gloo has no PREMUL_SUM, which FSDP2 uses after torchtitan's set_gradient_divide_factor(1.0): FSDP2's units also
      get set_force_sum_reduction_for_comms(True) (SUM without scaling, exactly what factor 1.0 means). Ours always
      reduces with SUM.
+  3. --training.enable_cpu_offload asks init_process_group for torchtitan's device backend plus "cpu:gloo", which on a
+     CPU device is "cpu:gloo,cpu:gloo": torch refuses it ("Duplicate device type cpu"), FSDP2 as ours. The CPU
+     backend is gloo already: torchtitan's init_distributed is called without enable_cpu_backend.
+  4. --training.enable_cpu_offload gives every fully_shard call CPUOffloadPolicy() (pin_memory=True); FSDP2 pins the
+     offloaded shards, and pinning needs an accelerator ("Cannot access accelerator device when none is available"
+     at fully_shard). FSDP2's units get CPUOffloadPolicy(pin_memory=False) (torchtitan has no option for it); ours
+     take torchtitan's policy as it is (on a CPU mesh the parameters are in host memory already: pin_memory is not
+     used). Rank 0 prints the policy each implementation was given ("offload_policy: ...").
 And for a torch older than torchtitan 0.3.0 expects (any device): torch.distributed.set_timeout is skipped when this
 torch lacks it (2.13 does), and torch < 2.12 gets a placeholder for torch.distributed.fsdp.DataParallelMeshDims, a
 name torchtitan imports but uses only with its spmd_types / full_dtensor backends (full_dtensor needs torch >= 2.12).
@@ -35,6 +43,7 @@ on the expert-data-parallel mesh and the block on the dp mesh (FSDP2 and ours al
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -149,6 +158,17 @@ if CPU_ONLY and args.impl == "fsdp2":  # CPU ONLY 2: FSDP2 on gloo, SUM reductio
                 m.set_force_sum_reduction_for_comms(True)
 
     tt_fsdp.disable_fsdp_gradient_division = _disable_division_sum_only
+
+if CPU_ONLY:  # CPU ONLY 3: the CPU backend of enable_cpu_offload is the one backend already
+    _init_distributed = tt_dist_utils.init_distributed
+
+    def _init_distributed_cpu(*a, enable_cpu_backend=False, **k):
+        return _init_distributed(*a, **k)
+
+    tt_dist_utils.init_distributed = _init_distributed_cpu
+
+if CPU_ONLY and args.impl == "fsdp2":  # CPU ONLY 4: FSDP2 pins offloaded shards only with an accelerator
+    tt_fsdp.CPUOffloadPolicy = functools.partial(tt_fsdp.CPUOffloadPolicy, pin_memory=False)
 
 if args.impl == "ours_fp8":  # torchtitan's MixedPrecisionPolicy plus mfsdp_ext's FP8 weights
     import mfsdp_ext
@@ -271,6 +291,19 @@ if EXPERTS_UNIT:
             print(f"[torchtitan_train] experts as their own unit: {len(ours)} blocks", flush=True)
 
     tt_fsdp.disable_fsdp_gradient_division = _disable_division_and_report
+
+# ---- the offload policy torchtitan gives (--training.enable_cpu_offload): rank 0 prints the first one ----------------
+_fully_shard_logged = tt_fsdp.fully_shard  # FSDP2's, ours, or one of the wrappers above: the outermost one
+
+
+def _fully_shard_log_offload(module, *a, **k):
+    if "offload_policy" in k and RANK == 0 and not getattr(_fully_shard_log_offload, "said", False):
+        _fully_shard_log_offload.said = True
+        print(f"[torchtitan_train] offload_policy: {k['offload_policy']!r}", flush=True)
+    return _fully_shard_logged(module, *a, **k)
+
+
+tt_fsdp.fully_shard = _fully_shard_log_offload
 
 if args.metrics:  # one JSON line per step and rank, from torchtitan's own metrics
     from torchtitan.components.metrics import MetricsProcessor

@@ -6,6 +6,13 @@ compares the per-step fp32 losses and grad norms (relative 1e-5). Checkpoints: a
 resumed by a new process; its steps after K must equal the uninterrupted run's, for ours -> ours, FSDP2 -> ours and
 ours -> FSDP2. Each test skips, saying which, when its framework is not installed (scripts/install.sh installs
 them on the CPU path).
+
+The frameworks' own CPU offload options (accelerate's cpu_offload=True, the Trainer's "offload", torchtitan's
+--training.enable_cpu_offload) ride on launches that are there anyway (each launch costs 30-60 s of CI): a pair or a
+resumed run with offload on, compared with FSDP2's run. On CPU, offload changes no fp32 number and a checkpoint loads
+offloaded or not, so an offloaded run equals the plain one. All three pass torch's CPUOffloadPolicy()
+(pin_memory=True), which FSDP2 cannot pin without an accelerator: FSDP2's runs get pin_memory=False (the examples'
+CPU ONLY accommodation), ours what the framework passes; _offloaded checks which policy each run was given.
 """
 
 from __future__ import annotations
@@ -97,6 +104,13 @@ def _assert_same(ref: dict, other: dict, what: str) -> None:
     print(f"{what}: {len(other['steps'])} steps, max rel {worst:.3g}")
 
 
+def _offloaded(run: dict, impl: str, name: str) -> None:
+    """The run's units were given CPU offload: the framework's CPUOffloadPolicy() for ours; for FSDP2 on CPU the
+    unpinned one (FSDP2 pins only with an accelerator)."""
+    expected = f"offload_policy: CPUOffloadPolicy(pin_memory={impl == 'ours'})"
+    assert expected in run["log"], f"{name}: no '{expected}' in its log:\n{run['log'][-3000:]}"
+
+
 RESUMES = (("ours", "ours"), ("ours", "fsdp2"), ("fsdp2", "ours"))  # (implementation, whose checkpoint it loads)
 
 
@@ -126,7 +140,9 @@ def _titan(tmp, assets, name, impl, config, *extra, dump=None, counts=False, ran
 def test_torchtitan_llama3(tmp_path, titan_assets):
     """torchtitan's Trainer, Llama3 debug model, 2 microbatches per step, chunked loss, clipping, LR schedule:
     ours equals FSDP2 (losses, grad norms, and the gathers and reductions per step), and its CheckpointManager
-    resumes exactly, also across the two implementations."""
+    resumes exactly, also across the two implementations. The two cross resumes run with torchtitan's
+    --training.enable_cpu_offload (its CPUOffloadPolicy() on every unit, the model initialised on the CPU): ours
+    offloaded from FSDP2's checkpoint and FSDP2 offloaded from ours equal FSDP2's plain uninterrupted run."""
     tmp = str(tmp_path)
     full = {impl: _titan(tmp, titan_assets, f"llama_{impl}", impl, "llama3_debug_cpu", "--checkpoint.enable",
                          counts=True) for impl in ("fsdp2", "ours")}
@@ -143,9 +159,15 @@ def test_torchtitan_llama3(tmp_path, titan_assets):
         dump = os.path.join(tmp, f"dump_{impl}_from_{source}")
         shutil.copytree(os.path.join(tmp, f"dump_llama_{source}", "checkpoint", "step-2"),
                         os.path.join(dump, "checkpoint", "step-2"))
+        offload = impl != source  # the cross resumes run offloaded
         run = _titan(tmp, titan_assets, f"llama_{impl}_from_{source}", impl, "llama3_debug_cpu",
-                     "--checkpoint.enable", dump=dump)
+                     "--checkpoint.enable", *(["--training.enable_cpu_offload"] if offload else []), dump=dump)
         assert "Loading the checkpoint" in run["log"] and sorted(run["steps"]) == [3, 4], sorted(run["steps"])
+        if offload:
+            assert "Applied CPU Offloading to the model" in run["log"], run["log"][-3000:]
+            _offloaded(run, impl, f"torchtitan {impl} from {source}")
+        else:
+            assert "offload_policy:" not in run["log"]
         return run
 
     _check_interop(tmp, resumed, full)
@@ -210,14 +232,15 @@ def test_torchtitan_2d(tmp_path, titan_assets, layout):
     fully_shard over the dp mesh), and expert parallel 2 (Qwen3 MoE: the experts DTensors over "ep", sharded over
     "efsdp" through shard_placement_fn's ShardPlacementResult, the rest over "fsdp"); each also under torchtitan's
     full_dtensor backend (every parameter a DTensor on the full mesh, fully_shard given dp_mesh_dims). Ours equals
-    FSDP2, with the same collectives, and its CheckpointManager resumes exactly: each implementation from the other's
-    checkpoint under partial_dtensor, ours from its own under full_dtensor (ours from ours under partial_dtensor:
-    test_torchtitan_llama3; all three on 4 ranks would add minutes to CI)."""
+    FSDP2, with the same collectives. Under partial_dtensor, torchtitan's CheckpointManager also resumes ours from
+    FSDP2's checkpoint exactly (the other directions: test_torchtitan_llama3 on 2 ranks; each 4-rank launch costs
+    about a minute of CI, so full_dtensor runs no resume)."""
     config, degree, backend = _2D[layout]
     tmp = str(tmp_path)
     saved = 2 if config.startswith("llama3") else 1  # of 4 and 2 steps
-    args = (config, degree, "2", "--parallelism.spmd_backend", backend, "--checkpoint.enable",
-            "--checkpoint.interval", str(saved))
+    resumes = RESUMES[1:2] if backend == "partial_dtensor" else ()  # ours from FSDP2's checkpoint
+    args = (config, degree, "2", "--parallelism.spmd_backend", backend,
+            *(["--checkpoint.enable", "--checkpoint.interval", str(saved)] if resumes else []))
     full = {impl: _titan(tmp, titan_assets, f"{layout}_{impl}", impl, *args, counts=True, ranks=4)
             for impl in ("fsdp2", "ours")}
     _assert_same(full["fsdp2"], full["ours"], f"torchtitan {layout}: ours vs FSDP2")
@@ -231,7 +254,7 @@ def test_torchtitan_2d(tmp_path, titan_assets, layout):
         assert "Loading the checkpoint" in run["log"] and min(run["steps"]) == saved + 1, sorted(run["steps"])
         return run
 
-    _check_interop(tmp, resumed, full, RESUMES[:1] if backend == "full_dtensor" else RESUMES[1:])
+    _check_interop(tmp, resumed, full, resumes)
 
 
 def test_torchtitan_expert_parallel_experts_unit(tmp_path, titan_assets):
@@ -256,7 +279,8 @@ def test_torchtitan_expert_parallel_experts_unit(tmp_path, titan_assets):
 # ----------------------------------------------------------------------------------------------- accelerate
 def test_accelerate(tmp_path):
     """accelerate's FSDP2 plugin, LlamaForCausalLM with tied embeddings (one list unit [norm, embed, lm_head]),
-    accumulation 2, clipping: ours equals FSDP2, and save_state / load_state resume exactly both ways."""
+    accumulation 2, clipping: ours equals FSDP2, and save_state / load_state resume exactly both ways; ours from
+    FSDP2's checkpoint with the plugin's cpu_offload=True (an offloaded model loading a plain run's state)."""
     _needs("transformers", "pip install transformers")
     _needs("accelerate", "pip install accelerate (bash scripts/install.sh)")
     tmp = str(tmp_path)
@@ -266,27 +290,39 @@ def test_accelerate(tmp_path):
     assert "LlamaRMSNorm" in full["ours"]["log"]  # the tail list unit exists
 
     def resumed(impl, source):
-        return _run(tmp, f"acc_{impl}_from_{source}", "accelerate_train.py", "--impl", impl, "--steps", "4",
-                    "--load", os.path.join(tmp, f"ckpt_{source}"), "--resume-step", "2")
+        offload = (impl, source) == ("ours", "fsdp2")
+        run = _run(tmp, f"acc_{impl}_from_{source}", "accelerate_train.py", "--impl", impl, "--steps", "4",
+                   "--load", os.path.join(tmp, f"ckpt_{source}"), "--resume-step", "2",
+                   *(["--cpu-offload"] if offload else []))
+        if offload:
+            _offloaded(run, impl, f"accelerate {impl} from {source}")
+        return run
 
     _check_interop(tmp, resumed, full)
 
 
-def test_accelerate_cpu_ram_efficient_loading(tmp_path):
-    """cpu_ram_efficient_loading=True: accelerate shards the model on the meta device, broadcasts rank 0's weights
-    and loads them with load_state_dict(assign=True); the run equals FSDP2's plain one."""
+def test_accelerate_cpu_offload_ram_efficient_loading(tmp_path):
+    """The plugin's cpu_offload=True (every fully_shard call given CPUOffloadPolicy()) for both implementations, and
+    for ours also cpu_ram_efficient_loading=True: accelerate shards the model on the meta device, broadcasts rank 0's
+    weights, moves the shards to the CPU (its offload branch) and loads them with load_state_dict(assign=True). Ours
+    equals FSDP2 offloaded with the plain loading."""
     _needs("transformers", "pip install transformers")
     _needs("accelerate", "pip install accelerate (bash scripts/install.sh)")
     tmp = str(tmp_path)
-    ref = _run(tmp, "acc_fsdp2", "accelerate_train.py", "--impl", "fsdp2", "--steps", "2")
-    ours = _run(tmp, "acc_ours_ram", "accelerate_train.py", "--impl", "ours", "--steps", "2", "--ram-efficient")
-    _assert_same(ref, ours, "accelerate cpu_ram_efficient_loading: ours vs FSDP2")
+    ref = _run(tmp, "acc_fsdp2_offload", "accelerate_train.py", "--impl", "fsdp2", "--steps", "2", "--cpu-offload")
+    ours = _run(tmp, "acc_ours_offload_ram", "accelerate_train.py", "--impl", "ours", "--steps", "2",
+                "--cpu-offload", "--ram-efficient")
+    for impl, run in (("fsdp2", ref), ("ours", ours)):
+        _offloaded(run, impl, f"accelerate {impl}")
+    _assert_same(ref, ours, "accelerate cpu_offload + cpu_ram_efficient_loading: ours vs FSDP2 offloaded")
 
 
 # ----------------------------------------------------------------------------------------------- HF Trainer
 def test_hf_trainer(tmp_path):
     """The HF Trainer with FSDP2 (tied embeddings, accumulation 2, clipping, warm-up + linear decay): ours equals
-    FSDP2, and save_steps / resume_from_checkpoint resume exactly both ways."""
+    FSDP2, and save_steps / resume_from_checkpoint resume exactly both ways. The two cross resumes run with the
+    Trainer's FSDP offload, said both ways it takes it: ours with fsdp="full_shard offload auto_wrap", FSDP2 with
+    fsdp_config["cpu_offload"]=True; each equals FSDP2's plain uninterrupted run."""
     _needs("transformers", "pip install transformers accelerate")
     _needs("accelerate", "pip install accelerate (bash scripts/install.sh)")
     tmp = str(tmp_path)
@@ -294,10 +330,17 @@ def test_hf_trainer(tmp_path):
                        "2", "--out", os.path.join(tmp, f"out_{impl}")) for impl in ("fsdp2", "ours")}
     _assert_same(full["fsdp2"], full["ours"], "HF Trainer: ours vs FSDP2")
 
+    offload = {("ours", "fsdp2"): "fsdp", ("fsdp2", "ours"): "fsdp_config"}
+
     def resumed(impl, source):
-        return _run(tmp, f"hf_{impl}_from_{source}", "hf_trainer_train.py", "--impl", impl, "--steps", "4",
-                    "--out", os.path.join(tmp, f"out_{impl}_from_{source}"),
-                    "--resume", os.path.join(tmp, f"out_{source}", "checkpoint-2"))
+        how = offload.get((impl, source))
+        run = _run(tmp, f"hf_{impl}_from_{source}", "hf_trainer_train.py", "--impl", impl, "--steps", "4",
+                   "--out", os.path.join(tmp, f"out_{impl}_from_{source}"),
+                   "--resume", os.path.join(tmp, f"out_{source}", "checkpoint-2"),
+                   *(["--cpu-offload", how] if how else []))
+        if how:
+            _offloaded(run, impl, f"HF Trainer {impl} from {source}")
+        return run
 
     _check_interop(tmp, resumed, full)
 
