@@ -189,8 +189,8 @@ def test_small_classes_with_keyword_only_constructors():
 
 def _docstring_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     first = node.body[0]
-    is_doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value,
-                                                                                                  str)
+    value = first.value if isinstance(first, ast.Expr) else None
+    is_doc = isinstance(value, ast.Constant) and isinstance(value.value, str)
     return first.end_lineno - first.lineno + 1 if is_doc else 0
 
 
