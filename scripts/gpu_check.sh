@@ -16,7 +16,8 @@
 #   collectives; graphsce: the copy-engine collectives under graphs, configs 1-5 (graphsce6: config 6; ceeager: the
 #   same without graphs); carveout: matmuls leaving SMs to NCCL; titan: torchtitan's Trainer at the 8B shape, see
 #   scripts/gpu_titan.sh; nd: N-D layouts on 4 GPUs: Shard(1) GPU tests, dp2 x tp2 step rows at configs 1 and 6;
-#   offload: CPU offload: its GPU tests, config 6 offloaded and not, ours and FSDP2, in one run (2 GPUs), and the
+#   hosts2: 4 GPUs simulated as 2 hosts of 2 (MFSDP_EXT_SIMULATE_HOSTS=2, NCCL without P2P and shared memory),
+#   configs 1 and 4 ours vs FSDP2; offload: CPU offload: its GPU tests, config 6 offloaded and not, ours and FSDP2, in one run (2 GPUs), and the
 #   largest model each trains with and without offload (4 GPUs, where present; CAPACITY_BUDGET_S, default 300).
 #   bash scripts/gpu_check.sh build fp8      FP8 quantizer / transpose / Linear only (GPU tests + both benchmarks)
 #   bash scripts/gpu_check.sh build fp8train FP8 weights in fully_shard: GPU tests + step.py's FP8 variants (2 GPUs)
@@ -65,6 +66,14 @@ for stage in $stages; do
             run nd_tests timeout -k 10 300 python3 -m pytest -m gpu -q -s tests/sharding/test_shard_placement.py
         run nd_step timeout -k 10 300 torchrun --standalone --nproc-per-node 4 benchmarks/step.py --tp 2 \
             --configs 1,6 --impls ours_fused,fsdp2_fused --steps 6 --warmup 2 --init meta --out "$OUT" ;;
+    hosts2)  # 4 GPUs answering as 2 hosts of 2 (MFSDP_EXT_SIMULATE_HOSTS=2, comm/hosts.py) with NCCL's traffic on
+             # its network path (no P2P, no shared memory), the same settings for both implementations: the paths of
+             # runs that span hosts (the fp32 gradient wire; symmetric memory and copy engines kept within a host):
+             # configs 1 and 4 ours vs FSDP2 (losses from the same initial weights, step time)
+        [ "$(nvidia-smi -L | wc -l)" -ge 4 ] || { echo "hosts2 needs 4 GPUs"; status=1; continue; }
+        run hosts2_step env MFSDP_EXT_SIMULATE_HOSTS=2 NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 timeout -k 10 420 \
+            torchrun --standalone --nproc-per-node 4 benchmarks/step.py --configs 1,4 \
+            --impls ours_fused,fsdp2_fused --steps 10 --warmup 3 --no-floor --out "$OUT/hosts2" ;;
     offload)  # CPU offload (CPUOffloadPolicy(pin_memory=True)): the GPU offload tests; config 6 (the 8B shape,
               # seq 8192) on 2 GPUs, ours_fused, ours_offload, fsdp2_fused and fsdp2_offload in one run: step time
               # back to back and synchronised, GPU peak, host and pinned memory ($OUT/offload_step6/step_2gpu.md);

@@ -18,6 +18,9 @@
 #                                       where torch lacks FSDP2's per-parameter meshes (ShardPlacementResult, torch
 #                                       >= 2.12; 2.11 here), torchtitan_train.py's "experts as their own unit" gives
 #                                       FSDP2 and ours alike the experts as a fully_shard unit on the "efsdp" mesh
+#   bash scripts/gpu_titan.sh pp        the same, then torchtitan's pipeline parallel 2 x FSDP 2 on 4 GPUs at the 8B shape
+#                                       (TITAN_LAYERS, default 16; local batch 4 in microbatches of 1), 1F1B and
+#                                       Interleaved1F1B (TITAN_PP_SCHEDULES), FSDP2 and ours: one table per schedule
 #   bash scripts/gpu_titan.sh resume    the same, then torchtitan's checkpoint resume on 4 GPUs (about 8 minutes):
 #                                       its debug models in bf16, tensor parallel 2 and expert parallel 2, FSDP2 and
 #                                       ours resumed from their own and each other's checkpoints
@@ -79,6 +82,19 @@ if [ "${1:-}" = "nd" ]; then
         --layers 4 --steps 8 --warmup 3 --impls fsdp2,ours,fsdp2_rerun --deadline 220 --run-timeout 150 \
         -- --parallelism.expert_parallel_degree 2
     exit $(( rc || $? ))
+fi
+if [ "${1:-}" = "pp" ]; then  # pipeline parallel 2 x FSDP 2 on 4 GPUs, 1F1B and Interleaved1F1B (TITAN_PP_SCHEDULES)
+    [ "$(nvidia-smi -L | wc -l)" -ge 4 ] || { echo "gpu_titan.sh pp needs 4 GPUs"; exit 2; }
+    WORK=$(mktemp -d -t gpu_titan_pp.XXXX)
+    trap 'cp "$WORK"/titan_step_*.md "$WORK"/titan_step_*.json "$OUT"/ 2>/dev/null;
+          tar czf "$OUT/titan_pp_logs.tgz" -C "$WORK" --exclude "dump_*" --exclude titan_assets . ' EXIT
+    rc=0
+    for schedule in ${TITAN_PP_SCHEDULES:-1F1B Interleaved1F1B}; do
+        timeout -k 10 300 python3 benchmarks/titan_step.py --out "$WORK" --nproc 4 --config llama3_8b_pp_gpu \
+            --tag "pp2_$schedule" --layers "${TITAN_LAYERS:-16}" --steps 8 --warmup 3 --impls fsdp2,ours \
+            --deadline 290 --run-timeout 140 -- --parallelism.pipeline_parallel_schedule "$schedule" || rc=1
+    done
+    exit $rc
 fi
 if [ "${1:-}" = "resume" ]; then
     [ "$(nvidia-smi -L | wc -l)" -ge 4 ] || { echo "gpu_titan.sh resume needs 4 GPUs"; exit 2; }

@@ -24,6 +24,10 @@ Each starts from torchtitan's own config and changes only what is listed; the mo
                        TITAN_AC=full: full activation checkpointing of each block instead of torchtitan's selective
                        one (which saves every other matmul output: mfsdp_ext's FP8 GEMMs are native kernels it does
                        not see, so under it they are all recomputed)
+  llama3_8b_pp_gpu     llama3_8b_gpu on 4 GPUs with pipeline parallel 2 (2 ranks of FSDP per stage): local batch
+                       TITAN_PP_BATCH (default 4) in microbatches of 1 (a schedule needs at least as many microbatches
+                       as stages); the schedule by --parallelism.pipeline_parallel_schedule. torchtitan itself turns
+                       its CUDA graphs off under pipeline parallel
   qwen3_moe_gpu        torchtitan's qwen3_30b_a3b (dim 2048, 128 experts, top 8, vocab 151936), seq 4096, local batch
                        1, bf16 compute, its full activation checkpointing, with TITAN_LAYERS of its 48 layers (default
                        4); no checkpoints, 10 steps; expert parallel by --parallelism.expert_parallel_degree
@@ -170,6 +174,14 @@ def llama3_8b_gpu():
         from torchtitan.distributed.activation_checkpoint import FullAC
 
         config.activation_checkpoint = FullAC.Config()
+    return config
+
+
+def llama3_8b_pp_gpu():
+    config = llama3_8b_gpu()
+    config.parallelism.pipeline_parallel_degree = 2
+    config.parallelism.pipeline_parallel_microbatch_size = 1
+    config.training.local_batch_size = int(os.environ.get("TITAN_PP_BATCH", "4"))
     return config
 
 
