@@ -26,7 +26,7 @@ from .runtime.context import SharedStreams
 from .runtime.fsdp2_state import state as fsdp2_state
 from .runtime.module import FsdpModule
 from .runtime.unit import FsdpUnit, UnitConfig, resolve_reshard_after_forward
-from .runtime.unit_io import eager_hook
+from .runtime.unit_io import compiled_hook, eager_hook
 from .sharding import groups as unit_groups
 from .sharding import mesh as unit_mesh
 from .sharding import params as unit_params
@@ -174,8 +174,10 @@ def _become_fsdp_module(module: nn.Module, unit: FsdpUnit) -> None:
     for _, managed in unit_params.own_modules(module):  # as FSDP2 marks them (HF generate reads it; dynamo too)
         managed._is_fsdp_managed_module = True
         managed._fsdp_use_orig_params = True
-    module.register_forward_pre_hook(eager_hook(unit.pre_forward), prepend=True, with_kwargs=True)
-    module.register_forward_hook(eager_hook(unit.post_forward), prepend=False)
+    # compiled already (torchtitan compiles each block before sharding it): hooks that dynamo skips
+    as_hook = compiled_hook if getattr(module, "_compiled_call_impl", None) is not None else eager_hook
+    module.register_forward_pre_hook(as_hook(unit.pre_forward), prepend=True, with_kwargs=True)
+    module.register_forward_hook(as_hook(unit.post_forward), prepend=False)
     for m in module.modules():  # inner units now belong to this subtree's context (built at the first forward)
         inner = m._mfsdp_unit if isinstance(m, FsdpModule) else None
         if inner is not None and inner is not unit:

@@ -22,6 +22,7 @@ from . import root
 from .comm_controls import CommControls
 from .fsdp2_state import Fsdp2StateView
 from .unit import FsdpUnit, resolve_reshard_after_forward
+from .unit_io import compiled_hook
 
 
 class UnshardHandle(_TorchUnshardHandle):
@@ -164,13 +165,10 @@ class FsdpModule(CommControls, _TorchFSDPModule):
         """``nn.Module.compile``, with this unit's hooks kept out of the compiled region: they become
         dynamo-disabled functions in place (same order among the module's hooks), so dynamo skips them without
         breaking the graph."""
-        import torch._dynamo  # torch.compile imports it anyway
-
         for hooks in (self._forward_pre_hooks, self._forward_hooks):
             for key, hook in list(hooks.items()):
                 if hasattr(hook, "mfsdp_hook"):
-                    hooks[key] = torch._dynamo.disable(hook.mfsdp_hook, recursive=True,
-                                                       reason="mfsdp_ext hooks run eagerly")
+                    hooks[key] = compiled_hook(hook)
         super().compile(*args, **kwargs)  # type: ignore[misc]  # the module's own class has it
 
     def _apply(self, fn, recurse=True):

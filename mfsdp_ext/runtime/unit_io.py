@@ -83,8 +83,8 @@ def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
 def eager_hook(hook: Callable) -> Callable:
     """The hook, run outside any torch.compile'd region: ``torch.compile(module)`` traces the module's hooks too,
     and ours (collectives, stream and state bookkeeping) must run eagerly around the compiled forward, as FSDP2's
-    do. Eager calls pay one flag read (no torch._dynamo import); ``FsdpModule.compile()`` swaps in the
-    dynamo-disabled hook itself, which dynamo skips without a graph break."""
+    do. Eager calls pay one flag read (no torch._dynamo import); a module compiled with ``module.compile()``
+    (before or after fully_shard) gets ``compiled_hook(hook)`` instead."""
 
     @functools.wraps(hook)
     def eager(*args, **kwargs):
@@ -94,3 +94,14 @@ def eager_hook(hook: Callable) -> Callable:
 
     eager.mfsdp_hook = hook  # type: ignore[attr-defined]
     return eager
+
+
+def compiled_hook(hook: Callable) -> Callable:
+    """The hook as a dynamo-disabled function, for a module compiled with ``module.compile()``: its frame is one
+    dynamo skips (as FSDP2's hooks), so it runs eagerly without a graph break, also under ``fullgraph=True``
+    (torchtitan compiles each block so, before fully_shard). ``eager_hook``'s wrapper would be traced there, and
+    its call to torch._dynamo.disable inside the trace is refused with fullgraph."""
+    import torch._dynamo  # only for compiled modules: torch.compile imports it anyway
+
+    hook = getattr(hook, "mfsdp_hook", hook)  # the hook itself, not eager_hook's wrapper
+    return torch._dynamo.disable(hook, recursive=True, reason="mfsdp_ext hooks run eagerly")

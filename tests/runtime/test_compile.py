@@ -18,6 +18,8 @@ def _losses(how: str) -> list[float]:
     torch.manual_seed(80)
     model = TinyLM()
     for b in model.blocks:
+        if how == "module_first":  # torchtitan's order: compiled with fullgraph=True, then sharded
+            b.compile(backend="eager", fullgraph=True)
         fully_shard(b)
         if how == "forward":  # the block's forward only (examples/train_hf.py --compile): hooks stay outside
             b.forward = torch.compile(b.forward, backend="eager")
@@ -60,6 +62,6 @@ def _case_compiled_blocks(how: str):
     return {"graphs": counters["stats"]["unique_graphs"], "graph breaks": sum(breaks.values())}
 
 
-@pytest.mark.parametrize("how", ["forward", "module", "wrapped"])
+@pytest.mark.parametrize("how", ["forward", "module", "module_first", "wrapped"])
 def test_compiled_blocks_train_as_eager(cpu_pool, how):
     print(cpu_pool.run(_case_compiled_blocks, how)[0])
