@@ -23,31 +23,37 @@ def all_gather_into(outputs: list[torch.Tensor], inputs: list[torch.Tensor], gro
     on the current stream. An input may be this rank's slot of its output (in place)."""
     if len(inputs) == 1:
         _all_gather_flat(outputs[0], inputs[0], group=group)
-    elif _gloo_lacks(_probe_grouped_all_gather, group):
+        return
+
+    def one_by_one():
         for output, input in zip(outputs, inputs):
             _all_gather_flat(output, input, group=group)
-    else:
-        group.allgather_into_tensor_coalesced(outputs, inputs).wait()
+
+    _or_gloo_fallback("grouped all-gather", group,
+                      lambda: group.allgather_into_tensor_coalesced(outputs, inputs).wait(), one_by_one)
 
 
 def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
     """output (n) <- SUM over ranks of this rank's n-element slice of input (world * n)."""
-    if _gloo_lacks(_probe_reduce_scatter, group):
+
+    def by_all_reduce():
         dist.all_reduce(input, group=group)
         rank = dist.get_rank(group)
         output.copy_(input[rank * output.numel() : (rank + 1) * output.numel()])
-        return
-    _reduce_scatter_flat(output, input, group=group)
+
+    _or_gloo_fallback("reduce-scatter", group, lambda: _reduce_scatter_flat(output, input, group=group), by_all_reduce)
 
 
 def grouped_reduce_scatter_into(outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                 group: dist.ProcessGroup) -> None:
     """reduce_scatter_into for every (outputs[i], inputs[i]) as one grouped collective (one NCCL group)."""
-    if _gloo_lacks(_probe_grouped_reduce_scatter, group):
+
+    def one_by_one():
         for output, input in zip(outputs, inputs):
             reduce_scatter_into(output, input, group)
-    else:
-        group.reduce_scatter_tensor_coalesced(outputs, inputs, dist.ReduceScatterOptions()).wait()
+
+    _or_gloo_fallback("grouped reduce-scatter", group, lambda: group.reduce_scatter_tensor_coalesced(
+        outputs, inputs, dist.ReduceScatterOptions()).wait(), one_by_one)
 
 
 def all_to_all_into(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -59,41 +65,30 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.
     dist.all_reduce(tensor, op=op, group=group)
 
 
-def _probe_grouped_all_gather(group: dist.ProcessGroup) -> None:
-    world = dist.get_world_size(group)
-    group.allgather_into_tensor_coalesced([torch.zeros(world), torch.zeros(world)],
-                                          [torch.zeros(1), torch.zeros(1)]).wait()
-
-
-def _probe_reduce_scatter(group: dist.ProcessGroup) -> None:
-    _reduce_scatter_flat(torch.zeros(1), torch.zeros(dist.get_world_size(group)), group=group)
-
-
-def _probe_grouped_reduce_scatter(group: dist.ProcessGroup) -> None:
-    world = dist.get_world_size(group)
-    group.reduce_scatter_tensor_coalesced([torch.zeros(1), torch.zeros(1)], [torch.zeros(world), torch.zeros(world)],
-                                          dist.ReduceScatterOptions()).wait()
-
-
-# (probe, group name, backend) -> whether gloo ran it. Keyed by name, not id(group): c10d names groups alike on
-# every rank, while a new group may get a freed group's id on one rank and not on another, and then only some ranks
-# would run the probe's collective.
+# (collective, group name, backend) -> whether gloo runs it. Keyed by name, not id(group): c10d names groups alike on
+# every rank, while a new group may get a freed group's id on one rank and not on another.
 _GLOO_SUPPORT: dict[tuple, bool] = {}
 
 
-def _gloo_lacks(probe, group: dist.ProcessGroup) -> bool:
-    """Some gloo builds lack a grouped all-gather or a flat reduce-scatter (NCCL has both): run the small probe
-    collective once per group (every rank does, in the same order), then take the fallback where it failed."""
-    key = (probe, group.group_name, dist.get_backend(group))
-    if key not in _GLOO_SUPPORT:
-        supported = True
-        if dist.get_backend(group) == "gloo":
-            try:
-                probe(group)
-            except (RuntimeError, NotImplementedError, AttributeError):
-                supported = False
-        _GLOO_SUPPORT[key] = supported
-    return not _GLOO_SUPPORT[key]
+def _or_gloo_fallback(kind: str, group: dist.ProcessGroup, collective, fallback) -> None:
+    """Some gloo builds lack a grouped all-gather or a flat reduce-scatter (NCCL has both), and refuse it at the
+    call, before any rank communicates (the same on every rank): the first call of ``kind`` on a gloo group tries
+    the collective itself and, refused, runs ``fallback`` then and from then on. No probe collective: the calls
+    each rank issues are the ones a run needs (what PyTorch's FSDP2 tests count)."""
+    key = (kind, group.group_name, dist.get_backend(group))
+    supported = _GLOO_SUPPORT.get(key)
+    if supported is None and dist.get_backend(group) == "gloo":
+        try:
+            collective()
+        except (RuntimeError, NotImplementedError, AttributeError):
+            _GLOO_SUPPORT[key] = False
+            fallback()
+            return
+        _GLOO_SUPPORT[key] = True
+    elif supported is False:
+        fallback()
+    else:
+        collective()
 
 
 def on_one_host(group: dist.ProcessGroup) -> bool:
