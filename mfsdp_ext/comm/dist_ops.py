@@ -75,9 +75,10 @@ def _or_gloo_fallback(kind: str, group: dist.ProcessGroup, collective, fallback)
     call, before any rank communicates (the same on every rank): the first call of ``kind`` on a gloo group tries
     the collective itself and, refused, runs ``fallback`` then and from then on. No probe collective: the calls
     each rank issues are the ones a run needs (what PyTorch's FSDP2 tests count)."""
-    key = (kind, group.group_name, dist.get_backend(group))
+    backend = dist.get_backend(group)
+    key = (kind, group.group_name, backend)
     supported = _GLOO_SUPPORT.get(key)
-    if supported is None and dist.get_backend(group) == "gloo":
+    if supported is None and backend == "gloo":
         try:
             collective()
         except (RuntimeError, NotImplementedError, AttributeError):
