@@ -1,8 +1,8 @@
 """AdamW on the CPU (the optimizer step of CPU-offloaded training): mfsdp_ext's native kernel against torch's AdamW,
 and both against the machine's memory bandwidth measured in the same run. No GPU needed.
 
-    python3 benchmarks/cpu_optim.py --out /tmp/cpu_optim                      # ~30M elements, every thread count
-    python3 benchmarks/cpu_optim.py --numel 100000000 --tensors 200 --out /tmp/cpu_optim --tag 64core
+    python3 benchmarks/cpu_optim.py --out DIR                               # ~30M elements, every thread count
+    python3 benchmarks/cpu_optim.py --numel 100000000 --tensors 200 --out DIR --tag 64core
 
 Writes cpu_optim_<tag>.md and .json into --out (tag: --tag, default "<cores>core") and prints the tables.
 

@@ -1,7 +1,7 @@
 """FP8 Linear micro-benchmark (one GPU): forward and forward + backward of config 4's Linear layers, in one run.
 
     python benchmarks/fp8_linear.py [--out DIR] [--tokens 1024,4096] [--reps N]
-    python benchmarks/fp8_linear.py --device cpu --tokens 32 --reps 2 --out /tmp/x   # smoke test of the script
+    python benchmarks/fp8_linear.py --device cpu --tokens 32 --reps 2 --out DIR   # smoke test of the script
 
 Shapes: config 4 of benchmarks/step.py (d_model 4096, ffn 11008, the Llama block of mfsdp_ext/testing/gpt.py): wq / wk
 / wv / wo 4096 -> 4096, w1 / w3 4096 -> 11008, w2 11008 -> 4096, no bias, bf16 weights and activations, at 1024 and 4096

@@ -1,7 +1,7 @@
 """The largest model each implementation trains on the GPUs given, with and without CPU offload.
 
     python3 benchmarks/offload_capacity.py --nproc 4 --out DIR
-    python3 benchmarks/offload_capacity.py --nproc 2 --tiny --out /tmp/cap    # CPU smoke test of this driver
+    python3 benchmarks/offload_capacity.py --nproc 2 --tiny --out DIR    # CPU smoke test of this driver
 
 The family: step.py's config 6 (the Llama-3-8B shape: dim 4096, ffn 14336, 8 KV heads, vocab 128256, batch 1 x seq
 8192 per GPU, every block recomputed) with more layers: ``--layers`` (default 32,48,64,80,96,112,128: 8.0B to 29.0B

@@ -1,7 +1,7 @@
 """One AdamW step over the shards that benchmarks/step.py's configs give rank 0 of 2, on one device.
 
     python benchmarks/optim.py --configs 1,3 --out benchmarks/results          # one GPU
-    python benchmarks/optim.py --device cpu --quick --out /tmp/optim_bench     # CPU smoke test (tiny configs)
+    python benchmarks/optim.py --device cpu --quick --out DIR     # CPU smoke test (tiny configs)
 
 No process group is needed: the GPT of the config is built on the meta device, its parameters are grouped as
 fully_shard groups them (one unit per block, the root's embeddings / norm / head), each group gets the FlatLayout

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 benchmarks/step.py --configs 1,2,3,4,5 --out benchmarks/results
     torchrun --nproc-per-node 4 benchmarks/step.py --extra-ours use_symm_mem=auto --out benchmarks/results
-    torchrun --nproc-per-node 2 benchmarks/step.py --tiny --impls fsdp2 --out /tmp/step   # CPU smoke test
+    torchrun --nproc-per-node 2 benchmarks/step.py --tiny --impls fsdp2 --out DIR   # CPU smoke test
     torchrun --nproc-per-node 2 benchmarks/step.py --impls ours,ours_fp8,fsdp2,fsdp2_float8 --out benchmarks/results
     torchrun --nproc-per-node 4 benchmarks/step.py --tp 2 --configs 1,6 --impls ours_fused,fsdp2_fused --out ...
 
