@@ -213,13 +213,8 @@ def separate_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """A process group over ``group``'s ranks for the reduce-scatters alone (FSDP2's set_separate_reduce_scatter_group),
     one per rank set and process: made the first time (collective over those ranks), then shared."""
     ranks = tuple(dist.get_process_group_ranks(group))
-    world = dist.distributed_c10d._get_default_group()  # a new one after destroy_process_group
-    key = (ranks, id(world))
-    made_in, separate = registry.REDUCE_SCATTER_GROUPS.get(key, (None, None))
-    if made_in is not world:  # new, or a dead group's id reused
-        separate = dist.new_group(list(ranks), use_local_synchronization=True)
-        registry.REDUCE_SCATTER_GROUPS[key] = (world, separate)
-    return separate
+    return registry.per_default_group(registry.REDUCE_SCATTER_GROUPS, ranks,
+                                      lambda: dist.new_group(list(ranks), use_local_synchronization=True))
 
 
 def release_symmetric(resources: CommResources, groups: list) -> None:

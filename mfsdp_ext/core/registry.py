@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -28,7 +29,7 @@ NO_SHARD_MARKS = WeakIdKeyDictionary()
 # sharding/groups.py (written) and sharding/params.py (read): parameters a unit took (the user's originals and our
 # shards) -> the owner's class names
 UNIT_OF_PARAM = WeakIdKeyDictionary()
-# sharding/mesh.py: (device type, id(default group)) -> (the default group, the default 1-D mesh over the world)
+# sharding/mesh.py (per_default_group): device type -> the default 1-D mesh over the world
 DEFAULT_MESHES: dict[tuple, Any] = {}
 # fp8/linear.py: an nn.Linear subclass -> its Fp8<Cls>(Fp8LinearMixin, Cls) subclass
 FP8_CLASSES: dict[type, type] = {}
@@ -37,8 +38,8 @@ FSDP_CLASSES: dict[type, type] = {}
 # runtime/post_forward.py: (id(mesh), N) -> (a weak reference to the mesh, the mesh viewed as (-1, N)):
 # reshard_after_forward=N's groups
 POST_FORWARD_MESHES: dict[tuple, Any] = {}
-# comm/policy.py: (shard ranks, id(default group)) -> (that group, the process group of their reduce-scatters):
-# set_separate_reduce_scatter_group
+# comm/policy.py (per_default_group): shard ranks -> the process group of their reduce-scatters
+# (set_separate_reduce_scatter_group)
 REDUCE_SCATTER_GROUPS: dict[tuple, Any] = {}
 # comm/native.py: shard process group -> its NcclTransport (one NCCL communicator per group and process)
 NATIVE_TRANSPORTS: dict[Any, Any] = {}
@@ -59,6 +60,18 @@ class _Counters:
 # optimizer -> optimizer_steps() after its last step
 _LAST_STEP: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _HOOKS: dict[str, Any] = {}  # name -> the handle of a global optimizer hook, registered once
+
+
+def per_default_group(table: dict, key: Any, make: Callable[[], Any]) -> Any:
+    """``table``'s value for ``key`` in the current default process group, made by ``make()`` the first time: a
+    default group made after destroy_process_group (or one per rank thread of a threaded world) gets its own, also
+    when it reuses a dead group's id."""
+    world = dist.distributed_c10d._get_default_group()
+    made_in, value = table.get((key, id(world)), (None, None))
+    if made_in is not world:
+        value = make()
+        table[(key, id(world))] = (world, value)
+    return value
 
 
 def install_optimizer_hook(name: str, hook: Callable, *, pre: bool) -> None:

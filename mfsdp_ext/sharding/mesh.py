@@ -35,14 +35,8 @@ def resolve_mesh(mesh: Optional[DeviceMesh], strategy: Strategy
 
 def _default_mesh() -> DeviceMesh:
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    # per default group: a new one after destroy_process_group, and one per rank thread of a threaded world
-    world = dist.distributed_c10d._get_default_group()
-    key = (device_type, id(world))
-    made_in, mesh = registry.DEFAULT_MESHES.get(key, (None, None))
-    if made_in is not world:  # new, or a dead group's id reused
-        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-        registry.DEFAULT_MESHES[key] = (world, mesh)
-    return mesh
+    return registry.per_default_group(registry.DEFAULT_MESHES, device_type,
+                                      lambda: init_device_mesh(device_type, (dist.get_world_size(),)))
 
 
 def whole_mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:

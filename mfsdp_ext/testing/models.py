@@ -10,6 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..sharding.groups import reduces_early
+
 
 class Block(nn.Module):
     def __init__(self, dim: int, ffn: int, checkpointing: str = "off"):
@@ -83,7 +85,7 @@ def root_groups(device: torch.device) -> int:
     """The parameter groups of shard_tiny_lm's root unit: on CUDA two, the embedding and the final norm and aux head
     used after the blocks (reduced as soon as their grads are ready, under the rest of the backward); on the CPU,
     where no collective overlaps compute, one (one reduce-scatter per unit, FSDP2's count)."""
-    return 2 if device.type == "cuda" else 1
+    return 2 if reduces_early(device) else 1
 
 
 def shard_tiny_lm(model: TinyLM, fully_shard, **kwargs) -> TinyLM:

@@ -34,7 +34,7 @@ from mfsdp_ext.core import registry
 from mfsdp_ext.interop.checkpoint import full_state_dict
 from mfsdp_ext.runtime.capture import CaptureError
 from mfsdp_ext.sharding import groups as sharding_groups
-from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, rel_err
+from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, lm_train_step, rank_device, rel_err
 from tests.runtime.test_capture import _seen_as_capturing
 
 STEPS = 4
@@ -505,15 +505,7 @@ def test_gpu_comm_options(gpu_pool, option):
 def _case_gpu_graph_refused():
     """mfsdp_ext.graphed refuses an offloaded model before it captures anything, naming the option."""
     model = _model("ours", 9)
-    opt = mfsdp_ext.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def step(tokens, targets):
-        loss = lm_loss(model, tokens, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    step = lm_train_step(model, mfsdp_ext.optim.AdamW(model.parameters(), lr=1e-3))
     graphed = mfsdp_ext.graphed(step, warmup=1)
     tokens, targets = batch(0, 2)
     graphed(tokens, targets)
