@@ -244,14 +244,14 @@ class GraphedStep:
             if self._cpu_group is None:
                 self._cpu_group = dist.new_group(backend="gloo")
             spec, arguments = key[0], [a[:2] if isinstance(a, tuple) else a for a in key[1]]  # not the rank's device
-            flag = torch.tensor([changed, zlib.crc32(repr((spec, arguments)).encode()), written], dtype=torch.int64)
-            low = flag.clone()
+            crc = zlib.crc32(repr((spec, arguments)).encode())
+            # one MAX reduction: the argument checksum's maximum and (negated) minimum differ iff ranks disagree
+            flag = torch.tensor([changed, crc, -crc, written], dtype=torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group)
-            dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self._cpu_group)
-            if flag[1] != low[1]:
+            if flag[1] != -flag[2]:
                 raise RuntimeError("mfsdp_ext.graphed: the ranks called the step with different argument shapes or "
                                    "values; every rank must run the same step (a replay is a collective)")
-            changed, written = int(flag[0]), int(flag[2])
+            changed, written = int(flag[0]), int(flag[3])
         if written:  # weights written between steps: gathering the first units in the graph is not worth it
             self.hold_first_units = False
         return not changed

@@ -96,6 +96,11 @@ def optimizer_steps() -> int:
     return _Counters.optimizer_steps
 
 
+def last_step(optimizer) -> int:
+    """optimizer_steps() right after ``optimizer``'s last step (0: it never stepped)."""
+    return _LAST_STEP.get(optimizer, 0)
+
+
 def optimizers_stepped_since(count: int) -> list:
     """The optimizers that stepped after optimizer_steps() was ``count``."""
     return [opt for opt, last in list(_LAST_STEP.items()) if last > count]

@@ -9,6 +9,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 from .. import _native
 from .base import FlatOptimizerMixin
 from .flat_state import FlatState
+from .graph_tables import ReplayPlan
 
 
 class AdamW(FlatOptimizerMixin, torch.optim.AdamW):
@@ -43,6 +44,21 @@ class AdamW(FlatOptimizerMixin, torch.optim.AdamW):
         state = self.state[p]
         state["step"] += 1
         return group_index, state["step"].item()
+
+    def _step_counters(self, params: list) -> torch.Tensor:
+        """The steps of ``params`` moved into one CPU tensor, each ``state[p]["step"]`` becoming a 0-dim view of its
+        element (read, saved and loaded as torch's scalar step): a replay advances them all with one add."""
+        steps = torch.stack([self.state[p]["step"] for p in params])
+        for k, p in enumerate(params):
+            self.state[p]["step"] = steps[k]
+        return steps
+
+    def _replay_keys(self, plan: ReplayPlan) -> list | None:
+        """Every step advanced by one in one add; each run's key from its first parameter's step, as _flat_key
+        reads it."""
+        plan.counters.add_(1)
+        steps = plan.counters.index_select(0, plan.first_positions).tolist()
+        return [(group_index, step) for (group_index, _), step in zip(plan.keys, steps)]
 
     def _coeffs(self, keys: list[tuple[int, float]]) -> torch.Tensor:
         """Per run the kernel's coefficients (_native.adamw_step), in double as torch computes its scalars."""

@@ -26,6 +26,7 @@ from .. import _native
 from ..params.group import owner_of
 from ..runtime import step_prefetch
 from .flat_state import FlatState, build_runs, flat_owner
+from .graph_tables import GraphTables, ReplayPlan
 
 
 def _grad_view_owner(p: torch.Tensor):
@@ -35,19 +36,6 @@ def _grad_view_owner(p: torch.Tensor):
         return None
     group, i = owner
     return owner if group.infos[i].sharded is p and group.grads.attached_at(i) else None
-
-
-class _GraphTables:
-    """A flat optimizer's steps inside a CUDA graph (mfsdp_ext.graphed): per ParamGroup, the runs and coefficients
-    live in a device table that the captured kernel reads. Before each replay the host computes the step's
-    coefficients exactly as an eager step would (advancing the step counters, reading the current lr) and copies
-    them there: the same bits as eager, and schedulers work without a new capture."""
-
-    def __init__(self):
-        self.tables: dict = {}  # ParamGroup -> the device table the captured kernel reads
-        self.items: dict = {}  # ParamGroup -> the (index, parameter, optimizer group index) stepped in the capture
-        self.runs: dict = {}  # ParamGroup -> the run table captured (its structure is the graph's)
-        self.pending: dict = {}  # ParamGroup -> host table to copy before the next replay
 
 
 if TYPE_CHECKING:  # what the mixin finds beside it in a subclass: the torch optimizer it replaces
@@ -69,7 +57,7 @@ class FlatOptimizerMixin(_Optimizer):
         def _run_kernel(self, group, flat: FlatState, runs: torch.Tensor, keys: list, device_table=None) -> None: ...
 
     def _setup_flat(self) -> None:
-        self._graph: _GraphTables | None = None  # set while mfsdp_ext.graphed captures and replays this optimizer
+        self._graph: GraphTables | None = None  # set while mfsdp_ext.graphed captures and replays this optimizer
         self._flat_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ParamGroup -> FlatState
         for group in self.param_groups:
             self._check_group(group)
@@ -207,9 +195,9 @@ class FlatOptimizerMixin(_Optimizer):
         """One kernel launch over the group's flat buffers (in a CUDA graph: reading its device table)."""
         flat = self._flat(group)
         keyed = [(i, self._flat_key(gi, p)) for i, p, gi in items]
-        runs, keys = build_runs(group, keyed)
+        runs, keys, _ = build_runs(group, keyed)
         table = None
-        if self._graph is not None and torch.cuda.is_current_stream_capturing():
+        if self._graph is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             table = self._graph.tables.get(group)
             if table is None:
                 raise RuntimeError("mfsdp_ext.graphed: a parameter group was first stepped inside the capture; run "
@@ -224,26 +212,35 @@ class FlatOptimizerMixin(_Optimizer):
     def graph_begin(self) -> None:
         """Before a capture of the step: its kernels will read device tables, made here, outside the capture. A
         buffer made inside it would share addresses with the graph's temporaries freed before it, which each replay
-        writes again before the optimizer reads the table: the host's coefficients would be overwritten. Sized for
-        one run per parameter, the most a group's run table holds."""
-        self._graph = _GraphTables()
-        for group in list(self._flat_states.keys()):
-            self._graph.tables[group] = torch.empty(len(group.infos) * (16 + 4 * _native.OPTIM_COEFFS),
-                                                    dtype=torch.uint8, device=group.device)
+        writes again before the optimizer reads the table: the host's coefficients would be overwritten."""
+        self._graph = GraphTables(list(self._flat_states.keys()))
 
     def graph_upload(self) -> None:
         """Copy the coefficients of the step to be replayed into the device tables (on the current stream, before
         the replay)."""
-        for group, host in self._graph.pending.items():
-            self._graph.tables[group][: host.numel()].copy_(host, non_blocking=True)
-        self._graph.pending.clear()
+        self._graph.upload()
 
     def graph_prologue(self) -> None:
         """Before a replay: this step's host work as an eager step does it (step counters, coefficients from the
-        current hyperparameters), without the kernels, which the replay runs."""
+        current hyperparameters), without the kernels, which the replay runs. Through the plan the last call left
+        when it still holds (graph_tables.py), else parameter by parameter."""
         graph = self._graph
+        plan = graph.plan
+        keys = self._replay_keys(plan) if plan is not None and plan.valid_for(self) else None
+        if keys is None:
+            self._prologue_per_parameter()
+            return
+        plan.keys = keys
+        distinct = list(dict.fromkeys(keys))
+        row = {key: r for r, key in enumerate(distinct)}
+        plan.fill(graph, self._coeffs(distinct), [row[key] for key in keys])
+
+    def _prologue_per_parameter(self) -> None:
+        """graph_prologue the long way, as an eager step: every parameter's key, then a plan for the next calls."""
+        graph = self._graph
+        done = {}
         for group, items in graph.items.items():
-            runs, keys = build_runs(group, [(i, self._flat_key(gi, p)) for i, p, gi in items])
+            runs, keys, firsts = build_runs(group, [(i, self._flat_key(gi, p)) for i, p, gi in items])
             if not torch.equal(runs, graph.runs[group]):
                 raise RuntimeError("mfsdp_ext.graphed: the optimizer's runs changed (parameters stepped apart); "
                                    "capture again")
@@ -251,10 +248,22 @@ class FlatOptimizerMixin(_Optimizer):
             flat = self._flat(group)
             for i, p, gi in items:
                 self._after_flat(gi, p, flat, i)
+            by_index = {i: (gi, p) for i, p, gi in items}
+            done[group] = runs, keys, [by_index[i] for i in firsts]
         self.graph_upload()
+        params = [p for items in graph.items.values() for _, p, _ in items]
+        graph.plan = ReplayPlan(graph, done, params, self._step_counters(params))
 
-    def graph_end(self) -> None:
-        self._graph = None
+    def _step_counters(self, params: list) -> torch.Tensor | None:
+        """One tensor holding the per-parameter counters a step advances by one (AdamW's ``step``); none here."""
+        return None
+
+    def _replay_keys(self, plan: ReplayPlan) -> list | None:
+        """The keys of ``plan``'s runs for the next replay, advancing what a step advances; None (nothing advanced)
+        when they no longer follow from the plan. Here: each run's first parameter's key, which must not have
+        changed (a run's keys change together only through a step outside the graph, which drops the plan)."""
+        keys = [self._flat_key(gi, p) for gi, p in plan.run_firsts]
+        return keys if keys == plan.keys else None
 
     def _after_flat(self, group_index: int, p, flat: FlatState, i: int) -> None:
         pass
@@ -263,6 +272,8 @@ class FlatOptimizerMixin(_Optimizer):
         """torch's load, then the loaded state tensors of flat parameters are copied into the flat buffers (torch's
         load replaces the state tensors, which would detach them from the buffers the kernel steps)."""
         super().load_state_dict(state_dict)
+        if self._graph is not None:  # new state tensors: the next replay's host work is done the long way
+            self._graph.plan = None
         for group in self.param_groups:
             self._check_group(group)
             for p in group["params"]:

@@ -88,15 +88,16 @@ def _local_part(group: ParamGroup, i: int, value: torch.Tensor, view: DTensor) -
     return param_rows.local_of_full(group, i, value)
 
 
-def build_runs(group: ParamGroup, items: Sequence[tuple[int, object]]) -> tuple[torch.Tensor, list[object]]:
+def build_runs(group: ParamGroup, items: Sequence[tuple[int, object]]) -> tuple[torch.Tensor, list[object], list[int]]:
     """The run table of one kernel launch: ``items`` are (parameter index, key), the key standing for
     everything the update depends on besides the data (optimizer group, step). Consecutive parameters with equal
     keys merge into one run covering their chunk slots and the alignment padding between them (all zero in
     weight, grad and state, so the update leaves it zero). Returns (runs, an int64 (n, 2) CPU tensor of
-    [start, end) element ranges, and the key of each run)."""
+    [start, end) element ranges, the key of each run, and the parameter index each run starts with)."""
     slots = group.layout.slots
     rows: list[list[int]] = []
     keys: list[object] = []
+    firsts: list[int] = []
     prev = None
     for i, key in sorted(items, key=lambda item: item[0]):
         slot = slots[i]
@@ -106,5 +107,6 @@ def build_runs(group: ParamGroup, items: Sequence[tuple[int, object]]) -> tuple[
         else:
             rows.append([slot.shard_offset, end])
             keys.append(key)
+            firsts.append(i)
         prev = i
-    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 2), keys
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 2), keys, firsts

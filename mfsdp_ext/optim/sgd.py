@@ -34,7 +34,9 @@ class SGD(FlatOptimizerMixin, torch.optim.SGD):
         pass  # torch makes the momentum buffer at the first step (a copy of the gradient): the kernel does
 
     def _flat_key(self, group_index: int, p) -> tuple[int, bool]:
-        return group_index, self.state.get(p, {}).get("momentum_buffer") is None
+        # "first step of the momentum buffer": only with momentum (SGD without it keeps no buffer)
+        first = self.param_groups[group_index]["momentum"] != 0 and self.state.get(p, {}).get("momentum_buffer") is None
+        return group_index, first
 
     def _coeffs(self, keys: list[tuple[int, bool]]) -> torch.Tensor:
         rows = []
