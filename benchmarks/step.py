@@ -402,16 +402,19 @@ def host_usage(device: torch.device, avail_before: float | None) -> tuple[float 
     return (None if t[2].item() else t[0].item() / 2**30), (None if t[3].item() else t[1].item() / 2**30)
 
 
-def time_synced(fn: Callable[[], None], steps: int, device: torch.device) -> list[float]:
-    """Per-step wall times in ms, each step between two device synchronisations (host clock)."""
-    times = []
+def time_synced(fn: Callable[[], None], steps: int, device: torch.device) -> tuple[list[float], list[float]]:
+    """Per-step wall times in ms, each step between two device synchronisations (host clock); and how long each
+    call itself took to return: with the device idle when it starts, its host work (a replay's, or an eager step's
+    launches and whatever in it waits for the device)."""
+    times, calls = [], []
     for _ in range(steps):
         gpt.synchronize(device)
         t0 = time.perf_counter()
         fn()
+        calls.append((time.perf_counter() - t0) * 1e3)
         gpt.synchronize(device)
         times.append((time.perf_counter() - t0) * 1e3)
-    return times
+    return times, calls
 
 
 def make_batches(bc: BenchConfig, device: torch.device, seed: int):
@@ -709,7 +712,7 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
     gpt.synchronize(device)
     dist.barrier()
     times = time_fn(step, args.steps, 0, device)
-    synced = time_synced(step, args.sync_steps, device)
+    synced, calls = time_synced(step, args.sync_steps, device)
     host_gib, pinned_gib = host_usage(device, avail_before)  # the model and optimizer alive, after their steps
     if args.profile_dir:
         mb = f"x{k}mb" if k > 1 else ""  # configs 4 and 5 share a shape: the microbatches tell their files apart
@@ -717,9 +720,10 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
                                                 f"profile_L{bc.n_layers}_d{bc.dim}_{bc.batch}x{bc.seq}{mb}_{v.name}.txt"))
 
     # A step takes as long as its slowest rank.
-    t = torch.tensor(times + synced, dtype=torch.float64, device=device)
+    t = torch.tensor(times + synced + calls, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    times, synced = t.tolist()[: len(times)], t.tolist()[len(times):]
+    n, m = len(times), len(synced)
+    times, synced, calls = t.tolist()[:n], t.tolist()[n: n + m], t.tolist()[n + m:]
     if device.type == "cuda":
         mem = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)],
                            dtype=torch.float64, device=device)
@@ -745,6 +749,7 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
     return dict(median_ms=statistics.median(times), min_ms=min(times), max_ms=max(times), times_ms=times,
                 peak_gib=mem[0].item() / 2**30, resting_gib=mem[1].item() / 2**30, build_s=build_s,
                 synced_median_ms=statistics.median(synced) if synced else None, synced_ms=synced,
+                call_median_ms=statistics.median(calls) if calls else None,
                 host_gib=host_gib, pinned_gib=pinned_gib,
                 loss_first=loss_first, loss_last=loss_last,
                 tokens_per_s=mesh.size() * k * bc.batch * bc.seq / (statistics.median(times) / 1e3),
@@ -1015,9 +1020,36 @@ def write_report(results: list[dict], variants: list[Variant], env: dict, out_di
     lines.append("")
     if any(v.offload for v in variants):
         lines += offload_section(results, variants, env)
+    elif env.get("sync_steps"):
+        lines += synced_section(results, names)
     with open(os.path.join(out_dir, stem + ".md"), "w") as f:
         f.write("\n".join(lines))
     write_chart(results, names, env, os.path.join(out_dir, stem + ".png"))
+
+
+def synced_section(results: list[dict], names: list[str]) -> list[str]:
+    """Per config and variant: the step back to back and synchronised after every step, as ratios to FSDP2's best
+    of its variants in the run, and how long the call itself takes to return (its host work)."""
+    lines = ["## Back to back and synchronised after every step", "",
+             "back to back: the median of the table above. synced: the median step between two device "
+             "synchronisations (a loop that reads the loss every step). call: how long the step's call takes to "
+             "return when the device is idle at its start (its host work; max over ranks). Ratios are to FSDP2's "
+             "fastest variant in the run, the same way timed.", "",
+             "| cfg | variant | back to back ms | ratio | synced ms | ratio | call ms |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        res = {n: r["variants"].get(n) or {} for n in names}
+        best = {key: min((res[n][key] for n in names if n.startswith("fsdp2") and res[n].get(key)), default=None)
+                for key in ("median_ms", "synced_median_ms")}
+        for n in names:
+            if "error" in res[n] or not res[n]:
+                continue
+            cells = [str(r["id"]), n]
+            for key in ("median_ms", "synced_median_ms"):
+                ms = res[n].get(key)
+                cells += [_fmt(ms), _fmt(ms / best[key], ".3f") if ms and best[key] else "-"]
+            cells.append(_fmt(res[n].get("call_median_ms"), ".2f"))
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def write_chart(results: list[dict], names: list[str], env: dict, path: str) -> None:
@@ -1130,7 +1162,8 @@ def main(argv=None) -> None:
                 res = run_variant(v, bc, mesh, dtype, device, args, tp_mesh)
                 log(f"  {v.name:<24} median {res['median_ms']:8.1f} ms (min {res['min_ms']:.1f}, max "
                     f"{res['max_ms']:.1f})"
-                    + (f" | synced {res['synced_median_ms']:.1f} ms" if res["synced_median_ms"] is not None else "")
+                    + (f" | synced {res['synced_median_ms']:.1f} ms, call {res['call_median_ms']:.2f} ms"
+                       if res["synced_median_ms"] is not None else "")
                     + f" | peak {res['peak_gib']:6.2f} GiB | rest {res['resting_gib']:6.2f} GiB"
                     + (f" | host {res['host_gib']:.1f} GiB" if res["host_gib"] is not None else "")
                     + (f" | pinned {res['pinned_gib']:.1f} GiB" if res["pinned_gib"] is not None else "")
