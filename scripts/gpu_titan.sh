@@ -21,6 +21,12 @@
 #   bash scripts/gpu_titan.sh pp        the same, then torchtitan's pipeline parallel 2 x FSDP 2 on 4 GPUs at the 8B shape
 #                                       (TITAN_LAYERS, default 16; local batch 4 in microbatches of 1), 1F1B and
 #                                       Interleaved1F1B (TITAN_PP_SCHEDULES), FSDP2 and ours: one table per schedule
+#   bash scripts/gpu_titan.sh fast      the same, then torchtitan's fast paths on all GPUs here (TITAN_GPUS), one table each
+#                                       (TITAN_FAST_MODES, default all): eager (--training.disable_cuda_graphs),
+#                                       graphs (its default: its CUDA graph of forward + backward), compile
+#                                       (--compile.enable), float8 (compile + torchao float8 rowwise through its
+#                                       converter, TITAN_FLOAT8), fp8 (compile + our FP8 weights: ours_fp8 only);
+#                                       TITAN_LAYERS default 8 here
 #   bash scripts/gpu_titan.sh resume    the same, then torchtitan's checkpoint resume on 4 GPUs (about 8 minutes):
 #                                       its debug models in bf16, tensor parallel 2 and expert parallel 2, FSDP2 and
 #                                       ours resumed from their own and each other's checkpoints
@@ -32,7 +38,7 @@
 #   TITAN_ND=moe (nd: the MoE table only), TITAN_RESUME=tp2 or moe (resume: that check only), TITAN_AC=full (full activation checkpointing instead of torchtitan's selective one; tables get _fullac).
 set -uo pipefail
 WHEELS=(torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
-        torchdata==0.11.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19)
+        torchdata==0.11.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 torchao==0.17.0)
 # WHEELS_DIR made absolute: the install below runs from the repository root
 [ -n "${WHEELS_DIR:-}" ] && WHEELS_DIR=$(mkdir -p "$WHEELS_DIR" && cd "$WHEELS_DIR" && pwd)
 if [ "${1:-}" = "--download" ]; then  # on a host with network: the wheels for a Python 3.12 GPU host
@@ -44,7 +50,7 @@ fi
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"   # NVLink multicast off, repository root, PYTHONPATH, $OUT
 # (found, not imported: torchtitan 0.3.0 itself does not import on torch 2.11 without the example's placeholder)
 if ! python3 -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('torchtitan', 'spmd_types',
-        'tyro', 'docstring_parser', 'typeguard', 'torchdata', 'datasets', 'dill', 'multiprocess')))"; then
+        'tyro', 'docstring_parser', 'typeguard', 'torchdata', 'datasets', 'dill', 'multiprocess', 'torchao')))"; then
     if [ -n "${WHEELS_DIR:-}" ]; then
         echo "== installing torchtitan and its missing dependencies from $WHEELS_DIR (--no-index --no-deps)"
         python3 -m pip install -q --no-deps --no-index "$WHEELS_DIR"/*.whl || exit 2
@@ -93,6 +99,28 @@ if [ "${1:-}" = "pp" ]; then  # pipeline parallel 2 x FSDP 2 on 4 GPUs, 1F1B and
         timeout -k 10 300 python3 benchmarks/titan_step.py --out "$WORK" --nproc 4 --config llama3_8b_pp_gpu \
             --tag "pp2_$schedule" --layers "${TITAN_LAYERS:-16}" --steps 8 --warmup 3 --impls fsdp2,ours \
             --deadline 290 --run-timeout 140 -- --parallelism.pipeline_parallel_schedule "$schedule" || rc=1
+    done
+    exit $rc
+fi
+if [ "${1:-}" = "fast" ]; then  # torchtitan's fast paths, FSDP2 vs ours, one table per mode (TITAN_FAST_MODES)
+    N=${TITAN_GPUS:-$(nvidia-smi -L | wc -l)}
+    WORK=$(mktemp -d -t gpu_titan_fast.XXXX)
+    trap 'cp "$WORK"/titan_step_*.md "$WORK"/titan_step_*.json "$OUT"/ 2>/dev/null;
+          tar czf "$OUT/titan_fast_logs.tgz" -C "$WORK" --exclude "dump_*" --exclude titan_assets . ' EXIT
+    rc=0
+    for mode in ${TITAN_FAST_MODES:-eager graphs compile float8 fp8}; do
+        impls=fsdp2,ours; float8=; extra=(--training.disable_cuda_graphs)
+        case $mode in
+            eager) ;;                                     # torchtitan's plain path
+            graphs) extra=() ;;                           # its default: forward + backward in its CUDA graph
+            compile) extra+=(--compile.enable) ;;         # per-block torch.compile
+            float8) extra+=(--compile.enable); float8=rowwise ;;   # compile + torchao float8 rowwise (its converter)
+            fp8) extra+=(--compile.enable); impls=ours_fp8 ;;      # compile + our FP8 weights (Fp8Policy)
+            *) echo "unknown mode $mode"; exit 2 ;;
+        esac
+        TITAN_FLOAT8=$float8 timeout -k 10 400 python3 benchmarks/titan_step.py --out "$WORK" --nproc "$N" \
+            --tag "fast_$mode" --layers "${TITAN_LAYERS:-8}" --steps "${TITAN_STEPS:-8}" --warmup 3 --impls "$impls" \
+            --deadline 390 --run-timeout 180 -- "${extra[@]}" || rc=1
     done
     exit $rc
 fi

@@ -20,9 +20,11 @@ python3 -c "import pybind11, ninja, pytest, numpy, transformers, wheel, setuptoo
 # installed. MFSDP_FRAMEWORKS=0 skips this, =1 forces it.
 #   torchtitan 0.3.0 is installed without its dependencies (it asks for wandb and torch_checkpointing, which its
 #   train path does not import, and for datasets<4.8): what it imports is listed here instead; triton is imported at
-#   load (torchtitan/distributed/minimal_async_ep/kernels.py), tensorboard by torch.utils.tensorboard.
+#   load (torchtitan/distributed/minimal_async_ep/kernels.py), tensorboard by torch.utils.tensorboard; torchao by
+#   torchtitan's float8 converter (TITAN_FLOAT8 in examples/frameworks/titan_configs.py).
 FRAMEWORKS=(accelerate==1.15.0 lightning==2.6.6 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0
-            typeguard==4.6.1 torchdata==0.11.0 datasets==5.2.0 einops==0.8.2 tensorboard==2.21.0 triton==3.9.0)
+            typeguard==4.6.1 torchdata==0.11.0 datasets==5.2.0 einops==0.8.2 tensorboard==2.21.0 triton==3.9.0
+            torchao==0.18.0)
 want_frameworks=${MFSDP_FRAMEWORKS:-$(python3 -c "import torch; print(0 if torch.version.cuda else 1)")}
 if [ "$want_frameworks" = 1 ]; then
     if python3 -c "

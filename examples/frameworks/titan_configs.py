@@ -40,7 +40,12 @@ Changes for every config:
   * parallelism.spmd_backend = "partial_dtensor": the default "spmd_types" makes FSDP2 itself fail at fully_shard on
     torch 2.13 (and ours, with the same cause: plain tensors given with dp_mesh_dims); "full_dtensor" works for
     both (--parallelism.spmd_backend full_dtensor)
-  * no validator, no CUDA graphs, fixed seed, log every step, no tensorboard
+  * no validator, fixed seed, log every step, no tensorboard
+  * torchtitan's CUDA graph of forward + backward stays on (its default; on the CPU it runs eagerly, but zero_grad
+    still keeps the gradients, zeroed in place, as under the graph), except under pipeline parallel, which torchtitan
+    refuses it with, and the MoE configs (expert parallel); --training.disable_cuda_graphs turns it off
+  * TITAN_FLOAT8=rowwise (GPU) or emulate (CPU, eager only): torchtitan's float8 converter (torchao's Float8Linear)
+    on the linear layers, as torchtitan's *_float8 configs apply it
   * torch < 2.12 (the GPU image's 2.11): the plain cross-entropy loss in place of torchtitan's ChunkedLossWrapper
     (FSDP2 itself fails there in backward, "data is not allocated yet": torchtitan 0.3.0 targets torch >= 2.12)
   * TITAN_DUMP names the dump folder (checkpoints: TITAN_DUMP/checkpoint/step-N)
@@ -75,7 +80,6 @@ def _common(config, *, seq_len: int, local_batch_size: int, steps: int):
     config.training.seq_len = seq_len
     config.training.local_batch_size = local_batch_size
     config.training.steps = steps
-    config.training.disable_cuda_graphs = True
     if _TORCH < (2, 12):  # FSDP2 of torch 2.11 fails in backward under torchtitan 0.3.0's chunked loss: plain CE
         config.loss = config.loss.loss_fn
     config.parallelism.spmd_backend = "partial_dtensor"
@@ -84,7 +88,20 @@ def _common(config, *, seq_len: int, local_batch_size: int, steps: int):
     config.metrics.log_freq = 1
     config.metrics.enable_tensorboard = False
     config.dump_folder = os.environ.get("TITAN_DUMP", os.path.join(HERE, "outputs", "titan"))
+    float8 = os.environ.get("TITAN_FLOAT8")
+    if float8:
+        _float8(config, float8)
     return config
+
+
+def _float8(config, recipe: str) -> None:
+    """torchtitan's float8 converter (torchao's Float8Linear) on the model's linear layers, as its *_float8 configs
+    apply it: recipe "rowwise" (GPU, SM89+) or "emulate" (its CPU path: float8 rounding emulated, not with compile)."""
+    from torchtitan.components.quantization import Float8LinearConverter
+
+    converter = Float8LinearConverter.Config(emulate=recipe == "emulate", model_compile_enabled=recipe != "emulate",
+                                             **({} if recipe == "emulate" else {"recipe_name": recipe}))
+    config.model_spec.model = converter.build().convert(config.model_spec.model)
 
 
 def _cpu(config, steps: int):
@@ -106,6 +123,7 @@ def llama3_debug_cpu():
 def llama3_debug_pp_cpu():
     config = llama3_debug_cpu()
     config.parallelism.pipeline_parallel_degree = 2
+    config.training.disable_cuda_graphs = True  # torchtitan refuses its CUDA graphs with pipeline parallel
     config.activation_checkpoint = None
     return config
 
@@ -119,7 +137,7 @@ def llama3_debug_pp_zb_cpu():
 def qwen3_moe_debug_cpu():
     from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
 
-    config = _cpu(qwen3_moe_debug(), steps=2)
+    config = _no_graphs_with_experts(_cpu(qwen3_moe_debug(), steps=2))
     config.model_spec.model.layers = config.model_spec.model.layers[:2]
     config.training.seq_len = 128
     for layer in config.model_spec.model.layers:
@@ -153,7 +171,7 @@ def llama3_debug_gpu():
 def qwen3_moe_debug_gpu():
     from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
 
-    return _debug_gpu(qwen3_moe_debug())
+    return _no_graphs_with_experts(_debug_gpu(qwen3_moe_debug()))
 
 
 def _gpu(config, *, seq_len: int, default_layers: int):
@@ -180,6 +198,7 @@ def llama3_8b_gpu():
 def llama3_8b_pp_gpu():
     config = llama3_8b_gpu()
     config.parallelism.pipeline_parallel_degree = 2
+    config.training.disable_cuda_graphs = True  # torchtitan refuses its CUDA graphs with pipeline parallel
     config.parallelism.pipeline_parallel_microbatch_size = 1
     config.training.local_batch_size = int(os.environ.get("TITAN_PP_BATCH", "4"))
     return config
@@ -188,4 +207,11 @@ def llama3_8b_pp_gpu():
 def qwen3_moe_gpu():
     from torchtitan.models.qwen3.config_registry import qwen3_30b_a3b
 
-    return _gpu(qwen3_30b_a3b(), seq_len=4096, default_layers=4)
+    return _no_graphs_with_experts(_gpu(qwen3_30b_a3b(), seq_len=4096, default_layers=4))
+
+
+def _no_graphs_with_experts(config):
+    """The MoE configs run with expert parallel, where torchtitan refuses its CUDA graphs with the default token
+    dispatcher (it synchronises with the host): off."""
+    config.training.disable_cuda_graphs = True
+    return config

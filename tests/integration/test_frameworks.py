@@ -198,6 +198,19 @@ def test_torchtitan_compile(tmp_path, titan_assets):
     print(f"graph breaks (both ranks): {breaks}")
 
 
+def test_torchtitan_float8(tmp_path, titan_assets):
+    """torchtitan's float8 converter (torchao's Float8Linear on the blocks' and head's linear layers; on the CPU its
+    emulated path, TITAN_FLOAT8=emulate) on top of our units: ours equals FSDP2 (losses, grad norms, the
+    collectives)."""
+    _needs("torchao.float8", "bash scripts/install.sh (torchao)")
+    tmp = str(tmp_path)
+    runs = {impl: _titan(tmp, titan_assets, f"float8_{impl}", impl, "llama3_debug_cpu", counts=True,
+                         env={"TITAN_FLOAT8": "emulate"}) for impl in ("fsdp2", "ours")}
+    assert "Float8 training active" in runs["ours"]["log"], runs["ours"]["log"][-3000:]
+    _assert_same(runs["fsdp2"], runs["ours"], "torchtitan float8: ours vs FSDP2")
+    assert runs["ours"]["counts"] == runs["fsdp2"]["counts"], (runs["ours"]["counts"], runs["fsdp2"]["counts"])
+
+
 # schedule -> (config, the checkpoint resumes checked: (implementation, whose checkpoint it loads))
 _PP = {"1F1B": ("llama3_debug_pp_cpu", RESUMES[1:2]),
        "Interleaved1F1B": ("llama3_debug_pp_cpu", RESUMES[:1]),
