@@ -89,7 +89,6 @@ def measure(cid: int, table: dict, device: torch.device, mesh, steps: int, timer
     t = torch.tensor([medians[k] for k in medians], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     units = len(model._mfsdp_unit.context.units)
-    del graphed, model, opt
     return dict(zip(medians, t.tolist()), units=units)
 
 

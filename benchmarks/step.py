@@ -1035,7 +1035,8 @@ def synced_section(results: list[dict], names: list[str]) -> list[str]:
              "synchronisations (a loop that reads the loss every step). call: how long the step's call takes to "
              "return when the device is idle at its start (its host work; max over ranks). Ratios are to FSDP2's "
              "fastest variant in the run, the same way timed.", "",
-             "| cfg | variant | back to back ms | ratio | synced ms | ratio | call ms |", "|---|---|---|---|---|---|---|"]
+             "| cfg | variant | back to back ms | ratio | synced ms | ratio | call ms |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         res = {n: r["variants"].get(n) or {} for n in names}
         best = {key: min((res[n][key] for n in names if n.startswith("fsdp2") and res[n].get(key)), default=None)

@@ -10,6 +10,7 @@
 #include "float_formats.h"  // E4M3T / E5M2T::max_value
 #include "fp8_gemm.h"
 #include "fp8_linear.h"
+#include "host_agree.h"
 #include "launch.h"         // kInlineTableEntries, QuantizeAlgo, kOptimInlineRuns, kOptimCoeffs
 #include "optim.h"
 #include "pack.h"
@@ -64,6 +65,8 @@ void register_kernels(py::module_& m) {
         "Force the CPU optimizer kernels' code path (auto, scalar, avx, avx512); returns the one before.");
   m.def("cpu_simd_paths", &mfsdp::cpu_simd_paths, "The CPU optimizer code paths this CPU supports, best first.");
   m.def("check_segments", &mfsdp::check_segments, release(), py::arg("segments"), py::arg("total"));
+  m.def("host_max_agree", &mfsdp::host_max_agree, release(), py::arg("slots"), py::arg("rank"), py::arg("world"),
+        py::arg("seq"), py::arg("values"), py::arg("timeout_s"));
 }
 
 void register_constants(py::module_& m) {
@@ -72,6 +75,8 @@ void register_constants(py::module_& m) {
   m.attr("PACK_INLINE_TABLE_ENTRIES") = mfsdp::kInlineTableEntries;
   m.attr("OPTIM_INLINE_RUNS") = mfsdp::kOptimInlineRuns;
   m.attr("OPTIM_COEFFS") = mfsdp::kOptimCoeffs;
+  m.attr("AGREE_RANK_WORDS") = mfsdp::kAgreeRankWords;
+  m.attr("AGREE_MAX_VALUES") = mfsdp::kAgreeMaxValues;
   py::dict algos;  // fp8_quantize's algo argument
   algos["auto"] = static_cast<int>(mfsdp::kQuantizeAuto);
   algos["two_pass"] = static_cast<int>(mfsdp::kQuantizeTwoPass);

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
+from .comm.host_agreement import MaxAgreement
 from .core import registry
 from .optim.base import FlatOptimizerMixin
 from .runtime import capture, step_prefetch
@@ -73,7 +74,7 @@ class GraphedStep:
         self.captures = 0
         self.hold_first_units = True  # the first units' gathers at the end of the graph (_hold_first_units)
         self.steps_at_capture = 0  # optimizer steps counted when the graph was captured
-        self._cpu_group = None
+        self._agreement: MaxAgreement | None = None  # the ranks' decision before each call
         self._warned = False
 
     def __call__(self, *args, **kwargs):
@@ -236,22 +237,20 @@ class GraphedStep:
 
     def _same_on_every_rank(self, key: tuple) -> bool:
         """Whether the graph still fits this call, decided together: a rank that replays while another captures
-        would wait for it forever. One small all-reduce over a CPU group (no device synchronisation). Also
+        would wait for it forever. Through host memory (comm/host_agreement.py; no device synchronisation). Also
         together: whether the held units' weights were written outside the graph on some rank (then the next
         captures hold none: ``hold_first_units``)."""
         changed, written = int(key != self.key), int(self.key is not None and key[5:] != self.key[5:])
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            if self._cpu_group is None:
-                self._cpu_group = dist.new_group(backend="gloo")
+            if self._agreement is None:
+                self._agreement = MaxAgreement()
             spec, arguments = key[0], [a[:2] if isinstance(a, tuple) else a for a in key[1]]  # not the rank's device
             crc = zlib.crc32(repr((spec, arguments)).encode())
-            # one MAX reduction: the argument checksum's maximum and (negated) minimum differ iff ranks disagree
-            flag = torch.tensor([changed, crc, -crc, written], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._cpu_group)
-            if flag[1] != -flag[2]:
+            # maxima only: the argument checksum's maximum and (negated) minimum differ iff ranks disagree
+            changed, crc_max, neg_crc_max, written = self._agreement.max([changed, crc, -crc, written])
+            if crc_max != -neg_crc_max:
                 raise RuntimeError("mfsdp_ext.graphed: the ranks called the step with different argument shapes or "
                                    "values; every rank must run the same step (a replay is a collective)")
-            changed, written = int(flag[0]), int(flag[3])
         if written:  # weights written between steps: gathering the first units in the graph is not worth it
             self.hold_first_units = False
         return not changed

@@ -181,6 +181,8 @@ MIN_NCCL_VERSION: int = _C.MIN_NCCL_VERSION  # runtime NCCL needed by the symmet
 PACK_INLINE_TABLE_ENTRIES: int = _C.PACK_INLINE_TABLE_ENTRIES  # CUDA pack/unpack: table in the kernel parameters
 OPTIM_INLINE_RUNS: int = _C.OPTIM_INLINE_RUNS  # CUDA adamw_step/sgd_step: runs in the kernel parameters
 OPTIM_COEFFS: int = _C.OPTIM_COEFFS  # columns of adamw_step/sgd_step's coefficient table
+AGREE_RANK_WORDS: int = _C.AGREE_RANK_WORDS  # host_max_agree: int64 words per rank of the shared mapping
+AGREE_MAX_VALUES: int = _C.AGREE_MAX_VALUES  # host_max_agree: the most values agreed on at once
 FP8_E4M3_MAX: float = _C.FP8_E4M3_MAX  # largest finite float8_e4m3fn (the kernels saturate to it)
 FP8_E5M2_MAX: float = _C.FP8_E5M2_MAX  # largest finite float8_e5m2
 
@@ -362,3 +364,12 @@ def optim_device_table(runs: torch.Tensor, coeffs: torch.Tensor) -> torch.Tensor
     table[: 16 * n].view(torch.int64).copy_(runs.reshape(-1))
     table[16 * n:].view(torch.float32).copy_(coeffs.reshape(-1))
     return table
+
+
+def host_max_agree(slots: torch.Tensor, rank: int, world: int, seq: int, values: torch.Tensor,
+                   timeout_s: float) -> None:
+    """The processes of one host agree on ``values``: each publishes its own for decision ``seq`` (1, 2, ...) in
+    ``slots`` (a CPU int64 tensor of world x AGREE_RANK_WORDS words mapped shared by all of them), waits for the
+    others' and leaves in ``values`` each value's maximum over the ranks. RuntimeError when a rank has not arrived
+    after ``timeout_s``."""
+    _C.host_max_agree(slots, rank, world, seq, values, timeout_s)

@@ -4,8 +4,8 @@ setup.py (ahead of time) imports this file by its path, before the package exist
 time, at first import) imports it as a module. Both call ``extension_spec`` and so compile the same sources with the
 same flags:
 
-  * always: the C++ CPU kernels, the bindings and the symmetric pool's offset allocator (csrc/*.cpp:
-    bindings, build_info, {pack,cast,quantize,optim}.cpp and *_cpu.cpp, symm_offset_allocator, symm_comm), with
+  * always: the C++ CPU kernels, the bindings and the symmetric pool's offset allocator (csrc/*.cpp: bindings,
+    build_info, {pack,cast,quantize,optim}.cpp and *_cpu.cpp, host_agree, symm_offset_allocator, symm_comm), with
     -fopenmp where torch's ATen parallelizes with OpenMP (at::parallel_for needs it to use more than one thread);
   * CUDA kernels (csrc/*_cuda.cu, -DMFSDP_WITH_CUDA) when torch has CUDA and nvcc is found (CUDA_HOME);
   * NCCL code (in symm_comm.cpp and build_info.cpp, -DMFSDP_WITH_NCCL, linked with -l:libnccl.so.2) when, in
@@ -38,7 +38,7 @@ from torch.utils.cpp_extension import CUDA_HOME
 # csrc/README.md: which file holds what
 SOURCES = ("bindings.cpp", "build_info.cpp", "capture_info.cpp", "pack.cpp", "pack_cpu.cpp", "cast.cpp",
            "cast_cpu.cpp", "quantize.cpp", "quantize_cpu.cpp", "fp8_gemm.cpp", "fp8_linear.cpp", "optim.cpp",
-           "optim_cpu.cpp", "symm_offset_allocator.cpp", "symm_comm.cpp")
+           "optim_cpu.cpp", "host_agree.cpp", "symm_offset_allocator.cpp", "symm_comm.cpp")
 # Not pack.cu / cast.cu: torch names object files by stem, so they would clash with pack.o / cast.o.
 CUDA_SOURCES = ("pack_cuda.cu", "cast_cuda.cu", "quantize_cuda.cu", "optim_cuda.cu")
 SOURCE_SUFFIXES = (".cpp", ".h", ".cu", ".cuh")  # what csrc/ holds; all of it ships in the wheel and the sdist
