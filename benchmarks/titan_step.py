@@ -57,11 +57,12 @@ def run_logged(cmd: list, env: dict, log_path: str, timeout: float) -> tuple:
 
 
 def run_one(args, impl: str, layers: int, out_dir: str, timeout: float) -> dict:
-    metrics = os.path.join(out_dir, f"titan_{impl}_L{layers}.jsonl")
+    stem = f"titan_{args.tag + '_' if args.tag else ''}{impl}_L{layers}"  # one folder may hold several tags' runs
+    metrics = os.path.join(out_dir, f"{stem}.jsonl")
     for r in range(args.nproc):
         if os.path.exists(f"{metrics}.rank{r}"):
             os.remove(f"{metrics}.rank{r}")
-    log_path = os.path.join(out_dir, f"titan_{impl}_L{layers}.log")
+    log_path = os.path.join(out_dir, f"{stem}.log")
     env = {**os.environ, "TITAN_LAYERS": str(layers), "TITAN_DUMP": os.path.join(out_dir, f"dump_{impl}"),
            "TITAN_ASSETS": args.assets, "TITAN_AC": args.ac, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
@@ -77,7 +78,8 @@ def run_one(args, impl: str, layers: int, out_dir: str, timeout: float) -> dict:
         if os.path.exists(path):
             rows[r] = [json.loads(line) for line in open(path) if line.strip()]
     result = {"impl": impl, "layers": layers, "rc": rc, "oom": oom, "seconds": round(time.time() - t0, 1),
-              "log": os.path.basename(log_path), "per_rank": rows}
+              "log": os.path.basename(log_path), "per_rank": rows,
+              "cuda_graph": "Recorded CUDA graph" in text}  # torchtitan's log line when it captured its graph
     if rc == 0 and rows:
         timed = {r: [row for row in rs if row["step"] > args.warmup] for r, rs in rows.items()}
         result["tokens_per_s_per_gpu"] = min(statistics.median(x["tokens_per_s"] for x in rs)
@@ -176,7 +178,8 @@ def write_table(args, results: list[dict], meta: dict) -> str:
              f"- tok/s/GPU: median over steps {args.warmup + 1}..{args.steps} (min over ranks); peak: "
              "torch.cuda.max_memory_allocated, max over steps and ranks",
              "- loss / grad norm vs fsdp2: the largest relative difference over the steps from fsdp2's run (the last "
-             "rank's logged values; bf16 runs differ run to run: `fsdp2_rerun` is FSDP2 again, its spread)", "",
+             "rank's logged values; bf16 runs differ run to run: `fsdp2_rerun` is FSDP2 again, its spread)",
+             "- status \"its CUDA graph\": torchtitan recorded its CUDA graph of forward + backward in that run", "",
              "| impl | layers | tok/s/GPU | vs fsdp2 | peak GiB | vs fsdp2 | reserved GiB | loss first -> last | "
              "loss vs fsdp2 | grad norm vs fsdp2 | status |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -188,7 +191,7 @@ def write_table(args, results: list[dict], meta: dict) -> str:
                               if ref and r is not ref else ("-", "-"))
             lines.append(f"| {r['impl']} | {r['layers']} | {tps:.0f} | {vs_t} | {peak:.2f} | {vs_m} | "
                          f"{r['peak_reserved_gib']:.2f} | {r['loss_first']:.4f} -> {r['loss_last']:.4f} | "
-                         f"{d_loss} | {d_norm} | ok |")
+                         f"{d_loss} | {d_norm} | ok{', its CUDA graph' if r.get('cuda_graph') else ''} |")
         else:
             lines.append(f"| {r['impl']} | {r['layers']} | - | - | - | - | - | - | - | - | rc {r['rc']}"
                          f"{' (out of memory)' if r['oom'] else ''}, see {r['log']} |")

@@ -219,7 +219,7 @@ class GraphedStep:
         # only the models the step uses: another one built or collected meanwhile changes nothing
         modes = tuple(ctx.root.module.training if ctx is not None else None
                       for ctx in (ref() for ref in self.contexts))
-        optimizers = tuple((id(opt), tuple(tuple(id(p) for p in g["params"]) for g in opt.param_groups))
+        optimizers = tuple((id(opt), tuple(tuple(map(id, g["params"])) for g in opt.param_groups))
                            for opt in self.optimizers.values())
         return (str(spec), arguments, modes, optimizers, registry.buffers_generation(), self._held_writes())
 
