@@ -25,7 +25,8 @@
 #                                       (TITAN_FAST_MODES, default all): eager (--training.disable_cuda_graphs),
 #                                       graphs (its default: its CUDA graph of forward + backward), compile
 #                                       (--compile.enable), float8 (compile + torchao float8 rowwise through its
-#                                       converter, TITAN_FLOAT8), fp8 (compile + our FP8 weights: ours_fp8 only);
+#                                       converter, TITAN_FLOAT8), fp8 (our FP8 weights, ours_fp8 only, without
+#                                       compile: fully_shard refuses FP8 compute in a compiled module);
 #                                       TITAN_LAYERS default 8 here
 #   bash scripts/gpu_titan.sh resume    the same, then torchtitan's checkpoint resume on 4 GPUs (about 8 minutes):
 #                                       its debug models in bf16, tensor parallel 2 and expert parallel 2, FSDP2 and
@@ -115,7 +116,7 @@ if [ "${1:-}" = "fast" ]; then  # torchtitan's fast paths, FSDP2 vs ours, one ta
             graphs) extra=() ;;                           # its default: forward + backward in its CUDA graph
             compile) extra+=(--compile.enable) ;;         # per-block torch.compile
             float8) extra+=(--compile.enable); float8=rowwise ;;   # compile + torchao float8 rowwise (its converter)
-            fp8) extra+=(--compile.enable); impls=ours_fp8 ;;      # compile + our FP8 weights (Fp8Policy)
+            fp8) impls=ours_fp8 ;;  # our FP8 weights (Fp8Policy(compute=True)); refused under torch.compile
             *) echo "unknown mode $mode"; exit 2 ;;
         esac
         TITAN_FLOAT8=$float8 timeout -k 10 400 python3 benchmarks/titan_step.py --out "$WORK" --nproc "$N" \

@@ -41,6 +41,8 @@ def choose_fp8_weights(modules: list[nn.Module], params, mp_policy: MixedPrecisi
     if strategy is Strategy.NO_SHARD:
         raise ValueError("MixedPrecisionPolicy(fp8=...) with sharding_strategy='no_shard': FP8 weights save the "
                          "all-gather's bytes, and no_shard gathers nothing; use a sharded strategy or no fp8")
+    if policy.compute:
+        _refuse_compiled(modules)
     config = policy.linear_config or Fp8LinearConfig()
     if not isinstance(config, Fp8LinearConfig):
         raise TypeError(f"Fp8Policy.linear_config must be an Fp8LinearConfig, got {config!r}")
@@ -69,3 +71,16 @@ def choose_fp8_weights(modules: list[nn.Module], params, mp_policy: MixedPrecisi
                 m.fp8_config = config
             m._fp8_name, m._fp8_weight_only = fqn or type(m).__name__, True
     return chosen
+
+
+def _refuse_compiled(modules: list[nn.Module]) -> None:
+    """FP8 compute inside a module torch.compile wraps (torchtitan compiles each block before sharding it): the FP8
+    layers' native kernels are not torch operators, so dynamo cannot trace them (with fullgraph=True, the first
+    forward fails deep inside the compiler). Refused here, by name."""
+    compiled = [type(m).__name__ for module in modules for m in module.modules()
+                if getattr(m, "_compiled_call_impl", None) is not None]
+    if compiled:
+        raise ValueError(f"MixedPrecisionPolicy(fp8=Fp8Policy(compute=True)) on a module compiled with torch.compile "
+                         f"({compiled[0]}): the FP8 layers' native kernels cannot be traced by torch.compile; shard "
+                         "it without compiling it (torchtitan: without --compile.enable), or use torchao's float8 "
+                         "training (torchtitan's float8 converter), which torch.compile traces")

@@ -279,6 +279,12 @@ def _case_bad_configs():
         fully_shard(_tiny_lm(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                fp8=Fp8Policy(linear_config="fast")))
     out.append("linear_config")
+    compiled = _tiny_lm()
+    compiled.blocks[0].compile()  # as torchtitan compiles each block before sharding it
+    with pytest.raises(ValueError, match="compiled with torch.compile"):
+        fully_shard(compiled.blocks[0], mp_policy=_policy(compute=True))
+    fully_shard(compiled.blocks[0], mp_policy=_policy(compute=False))  # FP8 weights, bf16 compute: accepted
+    out.append("compute under torch.compile")
     # a predicate chooses instead of the default (here: fc1 only, in both blocks)
     model = shard_tiny_lm(_tiny_lm(), fully_shard, mp_policy=_policy(False, modules=lambda fqn, m: "fc1" in fqn))
     assert [[i.fqn for i in g.infos] for g in _fp8_groups(model)] == [["fc1.weight"], ["fc1.weight"]]
