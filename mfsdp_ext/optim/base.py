@@ -8,7 +8,7 @@ A subclass (also a subclass of the torch optimizer it replaces) defines:
   _flat_key(group_index, p)       what besides the data its update depends on (merged runs share it); may
                                   advance per-parameter counters (AdamW's step)
   _run_kernel(group, flat, runs, keys, device_table)   one native launch over the group's buffers (device_table:
-                                  in a CUDA graph, runs and coefficients are read from it, see _GraphTables)
+                                  in a CUDA graph, runs and coefficients are read from it, see graph_tables.py)
   _torch_step(group, params)      torch's step for ``params`` (a subset of ``group["params"]``)
   _after_flat(group_index, p, flat, i)  state bookkeeping after the kernel (SGD's momentum buffer)
 """

@@ -312,3 +312,58 @@ def _case_graphed_two_optimizers():
 @pytest.mark.gpu
 def test_graphed_two_optimizers(gpu_pool_from_one):
     print(gpu_pool_from_one.run(_case_graphed_two_optimizers)[0])
+
+
+def _case_graphed_hf_llama():
+    """A HuggingFace LlamaForCausalLM (transformers, from a LlamaConfig) under fully_shard, the whole step through
+    mfsdp_ext.graphed: 8 graphed steps equal 8 eager steps of a twin bit for bit (losses and fp32 shards), with one
+    capture. No attention_mask, so transformers takes SDPA's is_causal in both (an all-ones mask would become an
+    explicit causal mask under stream capture only: other kernels, docs/cuda_graphs.md); SDPA's math backend on
+    both sides, whose backward is deterministic."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+                         attn_implementation="sdpa")
+    torch.manual_seed(3)
+    base = LlamaForCausalLM(config).to(rank_device())
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    models = []
+    for _ in range(2):
+        model = copy.deepcopy(base)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        models.append(fully_shard(model, mp_policy=policy))
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+    def make_step(model):
+        opt = mfsdp_ext.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def train_step(ids):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        return train_step
+
+    graphed, eager = mfsdp_ext.graphed(make_step(models[0]), warmup=2), make_step(models[1])
+    ours, theirs = [], []
+    with sdpa_kernel(SDPBackend.MATH):
+        for step in range(8):
+            ids = torch.randint(0, 128, (2 * world, 32), generator=torch.Generator().manual_seed(100 + step))
+            ids = ids.chunk(world)[rank].to(rank_device())
+            ours.append(graphed(ids).item())
+            theirs.append(eager(ids).item())
+    assert graphed.captures == 1, graphed.captures
+    assert ours == theirs, (ours, theirs)
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(p.to_local(), q.to_local()), name
+    return {"losses": ours[-3:]}
+
+
+@pytest.mark.gpu
+def test_graphed_hf_llama(gpu_pool):
+    pytest.importorskip("transformers")
+    print(gpu_pool.run(_case_graphed_hf_llama)[0])
