@@ -40,12 +40,13 @@ from ..core.layout import FlatLayout
 HOST = torch.device("cpu")
 
 
-def host_offload(policy: Any, device: torch.device, *, fp8: bool) -> Optional[HostOffload]:
+def host_offload(policy: Any, device: torch.device, *, fp8: bool,
+                 cache_model_weight: Optional[bool] = None) -> Optional[HostOffload]:
     """What ``fully_shard(offload_policy=policy)`` (torch's ``CPUOffloadPolicy``, or None for no offload) does for a
     unit on ``device``: a HostOffload, or None where nothing moves (no policy, or a CPU mesh).
 
     Raises:
-        ValueError: offload with FP8 weights.
+        ValueError: offload with FP8 weights, or with ``cache_model_weight=False`` on a GPU.
     """
     if policy is None:
         return None
@@ -53,7 +54,14 @@ def host_offload(policy: Any, device: torch.device, *, fp8: bool) -> Optional[Ho
         raise ValueError("fully_shard: offload_policy=CPUOffloadPolicy() with FP8 weights (MixedPrecisionPolicy("
                          "fp8=...)) is not supported: the FP8 scales and casts are computed from the fp32 main weights "
                          "on the device every step. Pass offload_policy=None, or drop fp8=...")
-    return HostOffload(pin_memory=bool(policy.pin_memory)) if device.type != "cpu" else None
+    if device.type == "cpu":
+        return None
+    if cache_model_weight is False:  # the note: the compute-dtype shard is what stays on the device
+        raise ValueError("fully_shard: offload_policy=CPUOffloadPolicy() with MixedPrecisionPolicy("
+                         "cache_model_weight=False): an offloaded group keeps its compute-dtype shard on the GPU, "
+                         "cast on the host and copied once per optimizer step (its fp32 main weight is in host "
+                         "memory). Pass cache_model_weight=None (the default) or True")
+    return HostOffload(pin_memory=bool(policy.pin_memory))
 
 
 class HostOffload:

@@ -51,8 +51,8 @@ def _host_path():
     (pageable memory), so the CUDA path's code runs with the host as the device."""
     original = sharding_groups.host_offload
 
-    def as_on_a_gpu(policy, device, *, fp8):
-        return original(policy, torch.device("cuda"), fp8=fp8)
+    def as_on_a_gpu(policy, device, **kwargs):
+        return original(policy, torch.device("cuda"), **kwargs)
 
     sharding_groups.host_offload = as_on_a_gpu
     try:
@@ -376,6 +376,10 @@ def _case_refusals():
         "type": _expect(TypeError, "offload_policy must be", lambda: fully_shard(nn.Linear(4, 4),
                                                                                  offload_policy="cpu")),
     }
+    with _host_path():  # as on a GPU: the compute-dtype shard stays on the device
+        messages["no_cache"] = _expect(ValueError, "cache_model_weight=False", lambda: fully_shard(
+            nn.Linear(16, 16), offload_policy=PAGEABLE,
+            mp_policy=MixedPrecisionPolicy(param_dtype=BF16, cache_model_weight=False)))
     if not torch.cuda.is_available():  # no pinned memory without an accelerator
         with _host_path():
             messages["pinned"] = _expect(RuntimeError, r"CPUOffloadPolicy\(pin_memory=False\)", lambda: fully_shard(
