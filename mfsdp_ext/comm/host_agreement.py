@@ -29,21 +29,31 @@ class MaxAgreement:
         if len(set(group_hosts(self.group))) == 1:
             self.slots = self._map_shared()
 
-    def _map_shared(self) -> torch.Tensor:
-        """The file every rank maps: named by rank 0, mapped by all, then unlinked (the mappings keep it)."""
+    def _map_shared(self) -> torch.Tensor | None:
+        """The file every rank maps: made by rank 0, mapped by all, then unlinked (the mappings keep it). None on
+        every rank when some rank could not make or map it (a full or read-only folder): gloo is used instead."""
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        name = [os.path.join(folder, f"mfsdp_ext_agree_{uuid.uuid4().hex}") if self.rank == 0 else None]
-        dist.broadcast_object_list(name, src=0, group=self.group)
         words = self.world * _native.AGREE_RANK_WORDS
+        name = [""]
         if self.rank == 0:
-            with open(name[0], "wb") as f:
-                f.write(bytes(8 * words))
-        dist.barrier(group=self.group)
-        slots = torch.from_file(name[0], shared=True, size=words, dtype=torch.int64)
-        dist.barrier(group=self.group)
+            name[0] = os.path.join(folder, f"mfsdp_ext_agree_{uuid.uuid4().hex}")
+            try:
+                with open(name[0], "wb") as f:
+                    f.write(bytes(8 * words))
+            except OSError:
+                name[0] = ""
+        dist.broadcast_object_list(name, src=0, group=self.group)
+        if not name[0]:
+            return None
+        try:
+            slots: torch.Tensor | None = torch.from_file(name[0], shared=True, size=words, dtype=torch.int64)
+        except (OSError, RuntimeError):
+            slots = None
+        mapped = torch.tensor([int(slots is not None)])
+        dist.all_reduce(mapped, op=dist.ReduceOp.MIN, group=self.group)  # also: every rank has mapped it by now
         if self.rank == 0:
             os.unlink(name[0])
-        return slots
+        return slots if mapped.item() else None
 
     def max(self, values: list[int]) -> list[int]:
         """Each of ``values``' maximum over the ranks (every rank calls with as many values, in the same order)."""

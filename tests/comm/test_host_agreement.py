@@ -1,6 +1,7 @@
 """The ranks' agreement before each call of a graphed step (comm/host_agreement.py): every rank gets each value's
 maximum over the ranks, decision after decision, through the shared mapping on one host and through gloo across
-(simulated) hosts; a rank that never arrives is named in an error, and bad arguments are refused."""
+(simulated) hosts or where the mapping fails; a rank that never arrives is named in an error, and bad arguments are
+refused."""
 
 from __future__ import annotations
 
@@ -32,6 +33,28 @@ def _case_max_over_ranks(simulated_hosts: str):
 @pytest.mark.parametrize("simulated_hosts", ["", "2"], ids=["one_host", "two_simulated_hosts"])
 def test_max_over_ranks(cpu_pool, simulated_hosts):
     print(cpu_pool.run(_case_max_over_ranks, simulated_hosts)[0])
+
+
+def _case_unmappable_falls_back():
+    """A rank that cannot map the file (here the last one): every rank agrees through gloo instead."""
+    original = torch.from_file
+
+    def refuse(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    if dist.get_rank() == dist.get_world_size() - 1:
+        torch.from_file = refuse
+    try:
+        agreement = MaxAgreement()
+    finally:
+        torch.from_file = original
+    assert agreement.slots is None
+    assert agreement.max([dist.get_rank(), 5]) == [dist.get_world_size() - 1, 5]
+    return {"path": "gloo"}
+
+
+def test_unmappable_falls_back(cpu_pool):
+    print(cpu_pool.run(_case_unmappable_falls_back)[0])
 
 
 def test_missing_rank_is_named():
