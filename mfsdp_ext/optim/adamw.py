@@ -45,9 +45,11 @@ class AdamW(FlatOptimizerMixin, torch.optim.AdamW):
         state["step"] += 1
         return group_index, state["step"].item()
 
-    def _step_counters(self, params: list) -> torch.Tensor:
+    def _step_counters(self, params: list) -> torch.Tensor | None:
         """The steps of ``params`` moved into one CPU tensor, each ``state[p]["step"]`` becoming a 0-dim view of its
         element (read, saved and loaded as torch's scalar step): a replay advances them all with one add."""
+        if not params:  # nothing stepped in the graph (no gradients reached this optimizer)
+            return None
         steps = torch.stack([self.state[p]["step"] for p in params])
         for k, p in enumerate(params):
             self.state[p]["step"] = steps[k]
@@ -56,6 +58,8 @@ class AdamW(FlatOptimizerMixin, torch.optim.AdamW):
     def _replay_keys(self, plan: ReplayPlan) -> list | None:
         """Every step advanced by one in one add; each run's key from its first parameter's step, as _flat_key
         reads it."""
+        if plan.counters is None:
+            return []
         plan.counters.add_(1)
         steps = plan.counters.index_select(0, plan.first_positions).tolist()
         return [(group_index, step) for (group_index, _), step in zip(plan.keys, steps)]

@@ -110,6 +110,24 @@ def _case_counters_load_into_torch():
     return {"steps": len(steps)}
 
 
+def _case_nothing_stepped(kind: str):
+    """An optimizer the captured step called without gradients (nothing of it stepped in the graph): its replays'
+    host work is empty, the long way and through the plan."""
+    model = shard_tiny_lm(TinyLM(tie=False).to(rank_device()), fully_shard)
+    opt = _make(kind, model)
+    lm_train_step(model, opt)(*batch(0, 4))
+    opt.graph_begin()  # as a capture that stepped none of its groups leaves it
+    for _ in range(3):
+        opt.graph_prologue()
+    assert opt._graph.plan is not None and opt._graph.plan.keys == []
+    return {"kind": kind}
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_nothing_stepped(cpu_pool, kind):
+    print(cpu_pool.run(_case_nothing_stepped, kind)[0])
+
+
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 def test_plan_equals_long_way(cpu_pool, kind):
     print(cpu_pool.run(_case_plan_equals_long_way, kind)[0])
