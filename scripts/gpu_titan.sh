@@ -26,8 +26,8 @@
 #                                       graphs (its default: its CUDA graph of forward + backward), compile
 #                                       (--compile.enable), float8 (compile + torchao float8 rowwise through its
 #                                       converter, TITAN_FLOAT8), fp8 (our FP8 weights, ours_fp8 only, without
-#                                       compile: fully_shard refuses FP8 compute in a compiled module);
-#                                       TITAN_LAYERS default 8 here
+#                                       compile: fully_shard refuses FP8 compute in a compiled module; compare it with
+#                                       FSDP2's rows of the other modes of the same invocation); TITAN_LAYERS default 8
 #   bash scripts/gpu_titan.sh resume    the same, then torchtitan's checkpoint resume on 4 GPUs (about 8 minutes):
 #                                       its debug models in bf16, tensor parallel 2 and expert parallel 2, FSDP2 and
 #                                       ours resumed from their own and each other's checkpoints
