@@ -85,6 +85,7 @@ def run_file(path: str, impl: str, site_dir: str, keyword: str | None, timeout: 
         except subprocess.TimeoutExpired:
             return {f"{os.path.basename(path)}": "timeout"}
         if log_dir:
+            os.makedirs(log_dir, exist_ok=True)
             with open(os.path.join(log_dir, f"{os.path.basename(path)}.{impl}.log"), "w") as f:
                 f.write(out.stdout + out.stderr)
         if not os.path.exists(junit):
@@ -125,12 +126,18 @@ def main() -> None:
     p.add_argument("--tests", required=True, help="folder holding PyTorch's test_fully_shard_*.py")
     p.add_argument("--impl", choices=["both", "fsdp2", "ours"], default="both")
     p.add_argument("--out", help="write the table (markdown) here too")
+    p.add_argument("--files", help="only these files of the folder (comma-separated names)")
     p.add_argument("-k", dest="keyword", help="pytest -k expression")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per file and implementation")
     p.add_argument("--logs", help="a folder for pytest's output of each file and implementation")
     args = p.parse_args()
-    files = sorted(os.path.join(args.tests, f) for f in os.listdir(args.tests)
-                   if f.startswith("test_fully_shard") and f.endswith(".py"))
+    wanted = set(args.files.split(",")) if args.files else None
+    folder = os.path.abspath(args.tests)  # pytest runs in the file's folder
+    files = sorted(os.path.join(folder, f) for f in os.listdir(folder)
+                   if f.startswith("test_fully_shard") and f.endswith(".py") and (wanted is None or f in wanted))
+    if wanted is not None and len(files) != len(wanted):
+        missing = sorted(wanted - {os.path.basename(f) for f in files})
+        raise SystemExit(f"fsdp2_tests: not in {args.tests}: {', '.join(missing)}")
     impls = ["fsdp2", "ours"] if args.impl == "both" else [args.impl]
     with tempfile.TemporaryDirectory() as site_dir:
         with open(os.path.join(site_dir, "sitecustomize.py"), "w") as f:

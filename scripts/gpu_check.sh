@@ -12,7 +12,7 @@
 #   torch.distributed's collectives; timeline: where the GPU waits in each config's step; graphs: CUDA graph tests
 #   and captured step rows, bf16 and FP8 (GRAPH_PROBE=1: the per-feature probe too; GRAPH_GPUS=2: on 2 of the GPUs);
 #   graphhold: the whole-step graph with its first units held vs gathered per replay (GRAPH_CONFIGS, default 4);
-#   fastpath: configs 3 and 2 with defaults only, back to back and synchronised each step (the host time of a call);
+#   peer: PyTorch's FSDP2 tests on the GPUs (PEER_TESTS, PEER_FILES); fastpath: configs 3 and 2 with defaults only, back to back and synchronised each step (the host time of a call);
 #   graphs6: config 6 with graphs; graphsx: configs 3 and 1 captured/graphed over symmetric memory and native
 #   collectives; graphsce: the copy-engine collectives under graphs, configs 1-5 (graphsce6: config 6; ceeager: the
 #   same without graphs); carveout: matmuls leaving SMs to NCCL; titan: torchtitan's Trainer at the 8B shape, see
@@ -240,6 +240,11 @@ ours_graphed,ours_fp8_fused,ours_fp8_captured,ours_fp8_graphed --steps 10 --warm
         run fastpath timeout -k 10 400 torchrun --standalone --nproc-per-node "${GRAPH_GPUS:-$(nvidia-smi -L | wc -l)}" \
             benchmarks/step.py --configs "${SYNC_CONFIGS:-3,2}" --impls fsdp2_fused,fsdp2_captured,ours_fused,\
 ours_captured,ours_graphed --steps 15 --warmup 3 --sync-steps 15 --no-floor --out "$OUT/fastpath" ;;
+    peer)  # PyTorch's own FSDP2 tests on this host's GPUs, FSDP2 and ours (scripts/fsdp2_tests.py): PEER_TESTS names the
+           # folder of test_fully_shard_*.py (PyTorch's, at the installed torch's version), PEER_FILES some of them
+        run peer timeout -k 10 "${PEER_TIMEOUT:-560}" python3 scripts/fsdp2_tests.py --tests "${PEER_TESTS:?set PEER_TESTS}" \
+            ${PEER_FILES:+--files "$PEER_FILES"} --impl both --timeout 270 --logs "$OUT/peer_logs" \
+            --out "$OUT/fsdp2_tests_gpu.md" ;;
     graphs6)  # config 6 (the 8B shape, seq 8192, activation checkpointing) with CUDA graphs, bf16 (GRAPH_GPUS or all)
         run graph_step6 timeout -k 10 300 torchrun --standalone --nproc-per-node "${GRAPH_GPUS:-$(nvidia-smi -L | wc -l)}" \
             benchmarks/step.py --configs 6 --impls fsdp2_fused,fsdp2_captured,ours_fused,ours_captured,ours_graphed \
