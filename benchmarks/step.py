@@ -341,15 +341,19 @@ def free_memory(device: torch.device) -> None:
 
 
 def mem_available() -> float | None:
-    """This host's MemAvailable in bytes (/proc/meminfo), None where there is none."""
+    """This host's available memory in bytes: psutil's (the kernel's MemAvailable on Linux); without psutil the free
+    pages (os.sysconf: less than what is available, so the host guard errs on the safe side); None where neither
+    answers."""
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
+        import psutil
+
+        return float(psutil.virtual_memory().available)
+    except ImportError:
         pass
-    return None
+    try:
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def pinned_bytes() -> float | None:
