@@ -17,8 +17,6 @@ Medians over steps, max over ranks, in milliseconds.
 from __future__ import annotations
 
 import argparse
-import collections
-import functools
 import os
 import statistics
 import time
@@ -26,6 +24,7 @@ import time
 import step as step_bench  # benchmarks/step.py: this script's folder
 import torch
 import torch.distributed as dist
+from host_cost import HookTimer  # benchmarks/host_cost.py
 
 import mfsdp_ext
 import mfsdp_ext.optim
@@ -36,27 +35,7 @@ from mfsdp_ext.testing import gpt
 PARTS = ("key", "agree", "prologue", "launch", "after")
 
 
-class PartTimer:
-    """Wall time per part of the current call, accumulated by wrapped methods."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = collections.defaultdict(float)
-
-    def wrap(self, owner, name: str, part: str) -> None:
-        original = getattr(owner, name)
-
-        @functools.wraps(original)
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.seconds[part] += time.perf_counter() - t0
-
-        setattr(owner, name, timed)
-
-
-def measure(cid: int, table: dict, device: torch.device, mesh, steps: int, timer: PartTimer) -> dict:
+def measure(cid: int, table: dict, device: torch.device, mesh, steps: int, timer: HookTimer) -> dict:
     bc = table[cid]
     model = gpt.build_sharded(bc.model_config(), "ours", device, False, mesh=mesh,
                               mp_policy=mfsdp_ext.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
@@ -102,7 +81,7 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    timer = PartTimer()
+    timer = HookTimer()  # the parts do not nest: each call's time is its own
     timer.wrap(GraphedStep, "_key", "key")
     timer.wrap(GraphedStep, "_same_on_every_rank", "agree")
     timer.wrap(FlatOptimizerMixin, "graph_prologue", "prologue")

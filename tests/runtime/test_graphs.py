@@ -204,6 +204,12 @@ def test_key_sees_what_a_graph_depends_on(cpu_pool):
 
 
 # ----------------------------------------------------------------------------------------------- GPU: graphed steps
+def _assert_same_shards(graphed_model, eager_model) -> None:
+    """The graphed model's fp32 shards equal its eager twin's, bit for bit."""
+    for (name, p), q in zip(graphed_model.named_parameters(), eager_model.parameters()):
+        assert torch.equal(p.to_local(), q.to_local()), name
+
+
 def _case_graphed_whole_step(fp8: bool, microbatches: int, optimizer: str):
     """mfsdp_ext.graphed over the whole step (forward, backward with microbatches, clipping-free AdamW/SGD step with
     a scheduler changing the lr every step, zero_grad): 20 graphed steps equal 20 eager steps of a twin bit for
@@ -256,8 +262,7 @@ def _case_graphed_whole_step(fp8: bool, microbatches: int, optimizer: str):
     assert graphed.captures == 2 and not graphed.hold_first_units, (graphed.captures, graphed.hold_first_units)
     assert evaluated[0] == evaluated[1], evaluated
     assert ours == theirs, (ours, theirs)
-    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
-        assert torch.equal(p.to_local(), q.to_local()), name
+    _assert_same_shards(*models)
     assert opts[0].state_dict()["state"].keys() == opts[1].state_dict()["state"].keys()
     return {"first": ours[:3], "last": ours[-1]}
 
@@ -304,8 +309,7 @@ def _case_graphed_two_optimizers():
     held = [u.name for u in models[0]._mfsdp_unit.context.units if u.held_for_graph]
     assert graphed.captures == 1 and len(held) == 2, (graphed.captures, held)
     assert ours == theirs, (ours, theirs)
-    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
-        assert torch.equal(p.to_local(), q.to_local()), name
+    _assert_same_shards(*models)
     return {"losses": ours[-3:], "held": held}
 
 
@@ -358,8 +362,7 @@ def _case_graphed_hf_llama():
             theirs.append(eager(ids).item())
     assert graphed.captures == 1, graphed.captures
     assert ours == theirs, (ours, theirs)
-    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
-        assert torch.equal(p.to_local(), q.to_local()), name
+    _assert_same_shards(*models)
     return {"losses": ours[-3:]}
 
 
