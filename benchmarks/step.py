@@ -22,7 +22,8 @@ CPU offload variants, only when named in ``--impls`` (eager only: no CUDA graphs
 with ``offload_policy=CPUOffloadPolicy(pin_memory=True)`` (torch's class, for both; pageable on a CPU mesh, where
 FSDP2 cannot pin): fp32 shards, gradients and optimizer state in host memory, the optimizer stepping them on the
 host. ``ours_offload``: mfsdp_ext.fully_shard with ``mfsdp_ext.optim.AdamW`` (its native CPU kernel);
-``ours_offload_torch``: the same with torch's ``AdamW(fused=True)``; ``fsdp2_offload``: FSDP2 with torch's
+``ours_offload_kept``: the same with ``cache_model_weight=True`` (the bf16 shard kept on the GPU, copied once per step
+instead of at each all-gather); ``ours_offload_torch``: the same as ours_offload with torch's ``AdamW(fused=True)``; ``fsdp2_offload``: FSDP2 with torch's
 ``AdamW(fused=True)`` (torch's CPU kernel: the fastest of torch's AdamW on CPU tensors); ``fsdp2_offload_default``:
 FSDP2 with ``torch.optim.AdamW`` as constructed by default (on CPU tensors its per-tensor for-loop: torch defaults
 to foreach on CUDA tensors only). With ``--init meta`` FSDP2 offloaded is materialised as torchtitan does it
@@ -174,9 +175,11 @@ FP8_IMPLS = {"ours_fp8": ("ours", "ours"), "fsdp2_float8": ("fsdp2", "torchao")}
 
 # name -> (impl, fused_optimizer, optimizer): CPU offload (see the module docstring); ours_offload steps with
 # mfsdp_ext.optim.AdamW, the others with torch's AdamW, fused (its CPU kernel) or as constructed by default
-OFFLOAD_IMPLS = {"ours_offload": ("ours", True, ""), "ours_offload_torch": ("ours", False, "torch_fused"),
+OFFLOAD_IMPLS = {"ours_offload": ("ours", True, ""), "ours_offload_kept": ("ours", True, ""),
+                 "ours_offload_torch": ("ours", False, "torch_fused"),
                  "fsdp2_offload": ("fsdp2", False, "torch_fused"),
                  "fsdp2_offload_default": ("fsdp2", False, "torch_default")}
+OFFLOAD_EXTRA = {"ours_offload_kept": {"mp.cache_model_weight": True}}  # the compute-dtype shard kept on the GPU
 
 # Host bytes per parameter an offloaded variant needs on its host, for the guard (--host-guard): fp32 main weight and
 # gradient, pinned (torch's pinned allocator rounds each block up to a power of two: up to 2x), AdamW's two fp32
@@ -252,7 +255,8 @@ def make_variants(args) -> list[Variant]:
     for impl in [s.strip() for s in args.impls.split(",") if s.strip()]:
         if impl in OFFLOAD_IMPLS:
             base, fused, optimizer = OFFLOAD_IMPLS[impl]
-            variants.append(Variant(impl, base, {}, fused_optimizer=fused, offload=True, optimizer=optimizer))
+            variants.append(Variant(impl, base, dict(OFFLOAD_EXTRA.get(impl, {})), fused_optimizer=fused, offload=True,
+                                    optimizer=optimizer))
             continue
         if impl in GRAPH_IMPLS:
             base, graph, fp8 = GRAPH_IMPLS[impl]

@@ -7,8 +7,10 @@ Buffers (laid out by FlatLayout: every parameter split as torch.chunk splits it,
                                 time: microbatches)
   unsharded        param-major  gathered compute-dtype weights; the module's parameters are views into it in compute
   main_grad        shard        the optimizer's gradients (grads.py: the group's ``grads``)
-With ``offload`` (offload.py: FSDP2's CPUOffloadPolicy on a CUDA mesh) main_weight and main_grad are in host memory and
-the device always keeps model_weight; ``device`` is where the module computes and the collectives run.
+With ``offload`` (offload.py: FSDP2's CPUOffloadPolicy on a CUDA mesh) main_weight and main_grad are in host memory;
+the compute-dtype shard is made on the host once per weights version (``host_weight``) and copied into this rank's
+slots at each gather, or into a kept model_weight with cache_model_weight=True; ``device`` is where the module computes
+and the collectives run.
 
 Its parts: ``versions`` (versions.py: when the main weights changed), ``plan`` (gather_plan.py: the collectives' index
 lists and views), ``grads`` (grads.py), ``collectives`` (comm/policy.py gives them at lazy init), and ``cast`` (how the
@@ -110,10 +112,11 @@ class CastState:
 
 
 def _cast_state(needs_cast: bool, cache: Optional[bool], offloaded: bool) -> CastState:
-    """``cache_model_weight``'s rule; an offloaded group always keeps its model weight on the device (its main weight
-    is in host memory: it crosses once per weights version, offload.py)."""
+    """``cache_model_weight``'s rule. An offloaded group's compute-dtype shard is made on the host (offload.py): each
+    gather copies it into this rank's slots (the GPU holds no shard, as FSDP2's offload), or, with
+    cache_model_weight=True, it is kept on the device, copied once per weights version."""
     if offloaded:
-        return CastState(in_slot=False, keep=True, keep_when_regathered=False)
+        return CastState(in_slot=not cache, keep=bool(cache), keep_when_regathered=False)
     return CastState(in_slot=needs_cast and not cache, keep=needs_cast and cache,  # None (auto): see note_gather
                      keep_when_regathered=needs_cast and cache is None)
 
@@ -143,6 +146,7 @@ class ParamGroup:
         self.rank = dist.get_rank(mesh.shard) if mesh.shard is not None else 0
         self.device = device
         self.offload = offload
+        self.host_weight: Optional[FlatBuffer] = None  # offload: the compute-dtype shard in host memory
         self.compute_dtype, self.reduce_dtype = dtypes.compute, dtypes.reduce
         # the gradients' dtype on the wire: reduce_dtype (a reduce-scatter), or narrower (an all-to-all, then a sum in
         # reduce_dtype here: collectives.PlainReduceScatter)
@@ -243,6 +247,7 @@ class ParamGroup:
             self.cast = _cast_state(self.compute_dtype != self.dtype, False, self.offload is not None)
             self.grads.replica_summed = False  # the new parameters have no .grad: the next reduction starts afresh
         self.model_weight = self._make_model_weight(device)
+        self.host_weight = None
         self.versions.forget_gathers()
         self.unsharded = self._make_unsharded(device)
         self.cast.synced_version = None
@@ -293,11 +298,14 @@ class ParamGroup:
         self.plan.bind_source(self.gather_source())  # the all-gather now sends the copy
 
     def sync_model_weight(self, version: tuple) -> None:
-        """Cast main_weight into model_weight (one fused kernel) unless it was cast at this weights_version()."""
-        if self.model_weight is None or self.cast.synced_version == version:
+        """Cast main_weight into model_weight (one fused kernel) unless it was cast at this weights_version().
+        Offloaded: cast on the host into host_weight, then copied into a kept model_weight (on this stream)."""
+        if self.cast.synced_version == version or (self.model_weight is None and self.offload is None):
             return
-        if self.offload is not None:  # host -> device: cast on the host, one copy on this stream (offload.py)
-            self.offload.upload(self.main_weight.data, self.model_weight.data)
+        if self.offload is not None:
+            self.host_weight = self.offload.compute_copy(self.main_weight, self.compute_dtype)
+            if self.model_weight is not None:
+                self.offload.upload(self.host_weight.data, self.model_weight.data)
         else:
             _native.cast(self.main_weight.data, self.model_weight.data)
         self.cast.synced_version = version
@@ -346,14 +354,20 @@ class ParamGroup:
 
     def write_shard(self, out: torch.Tensor) -> None:
         """This rank's compute-dtype shard into ``out``, a flat buffer in the shard layout."""
-        if self.cast.in_slot:
+        if self.cast.in_slot and self.offload is not None:
+            self.offload.upload(self.host_weight.data, out)
+        elif self.cast.in_slot:
             _native.cast(self.main_weight.data, out)
             self.stats.weight_syncs += 1
         else:
             out.copy_(self.gather_source().data)
 
     def cast_into_own_slots(self) -> None:
-        """This rank's compute-dtype chunks straight into its slots of the unsharded buffer (one native cast)."""
+        """This rank's compute-dtype chunks straight into its slots of the unsharded buffer (one native cast;
+        offloaded: one copy per parameter from the host's compute-dtype shard)."""
+        if self.offload is not None:
+            self.offload.upload_slots(self.host_weight, self.plan.gathered, self.plan.own_unsharded_slots)
+            return
         _native.unpack(self.main_weight.data, self.plan.shard_offsets, self.plan.own_unsharded_slots)
         self.stats.weight_syncs += 1
 

@@ -1,17 +1,19 @@
 """HostOffload: FSDP2's ``CPUOffloadPolicy`` for a group on a CUDA mesh: its fp32 main weight, gradient and optimizer
-state in host memory, its compute-dtype weights on the device.
+state in host memory; the device holds its weights only gathered (or a kept compute-dtype shard, when asked).
 
 [Note: CPU offload]
 ``main_weight`` and ``main_grad`` are host tensors (pinned with ``pin_memory=True``), so the parameters, their
 ``.grad`` and the optimizer state (made where the main weight is) are DTensors with CPU local tensors on the group's
 mesh, as FSDP2's are; the optimizer steps them on the host. What the collectives read and write stays on the device:
-  * weights: the compute-dtype shard (``model_weight``) is always kept on the device and made once per weights
-    version (ParamGroup.sync_model_weight, on the all-gather stream): the host casts the main weight into a staging
-    buffer (``_native.cast``), then one H2D copy. Casting on the host sends the compute dtype over PCIe (2 bytes per
-    parameter for bf16) instead of the fp32 shard (4), once per optimizer step; FSDP2 sends the fp32 shard at every
-    all-gather (forward and backward). The staging copy is also what keeps the H2D copy's source apart from the main
-    weight, which the optimizer rewrites on the host while a copy may still be in flight. Every all-gather then
-    reads device memory and is prefetched as without offload.
+  * weights: the compute-dtype shard is made on the host once per weights version (ParamGroup.sync_model_weight, at
+    the first gather after an optimizer step): the host casts the main weight into a new pinned buffer
+    (``compute_copy``, ``_native.cast``). Each all-gather then copies this rank's chunks from it into their slots of
+    the unsharded buffer (one H2D copy per parameter on the all-gather stream, prefetched with the all-gather) and
+    gathers in place, so the GPU holds no shard of an offloaded group, as with FSDP2's offload; what crosses PCIe
+    per gather is the compute dtype (2 bytes per parameter for bf16) where FSDP2 sends the fp32 shard (4).
+    ``cache_model_weight=True`` keeps the compute-dtype shard on the device instead, copied once per weights
+    version: less PCIe traffic for ``param_dtype`` bytes per parameter / world of GPU memory. A new buffer per
+    version (not one rewritten in place) is what keeps a copy in flight apart from the next version.
   * gradients: the reduced shard (device, reduce dtype) goes D2H on the reduce-scatter stream right behind its
     reduction: straight into a fresh ``main_grad`` when nothing is to be added or cast, else into a staging buffer
     that the worker thread adds into ``main_grad`` (the native CPU ``grad_accumulate``) once the copy's event has
@@ -40,13 +42,12 @@ from ..core.layout import FlatLayout
 HOST = torch.device("cpu")
 
 
-def host_offload(policy: Any, device: torch.device, *, fp8: bool,
-                 cache_model_weight: Optional[bool] = None) -> Optional[HostOffload]:
+def host_offload(policy: Any, device: torch.device, *, fp8: bool) -> Optional[HostOffload]:
     """What ``fully_shard(offload_policy=policy)`` (torch's ``CPUOffloadPolicy``, or None for no offload) does for a
     unit on ``device``: a HostOffload, or None where nothing moves (no policy, or a CPU mesh).
 
     Raises:
-        ValueError: offload with FP8 weights, or with ``cache_model_weight=False`` on a GPU.
+        ValueError: offload with FP8 weights.
     """
     if policy is None:
         return None
@@ -56,11 +57,6 @@ def host_offload(policy: Any, device: torch.device, *, fp8: bool,
                          "on the device every step. Pass offload_policy=None, or drop fp8=...")
     if device.type == "cpu":
         return None
-    if cache_model_weight is False:  # the note: the compute-dtype shard is what stays on the device
-        raise ValueError("fully_shard: offload_policy=CPUOffloadPolicy() with MixedPrecisionPolicy("
-                         "cache_model_weight=False): an offloaded group keeps its compute-dtype shard on the GPU, "
-                         "cast on the host and copied once per optimizer step (its fp32 main weight is in host "
-                         "memory). Pass cache_model_weight=None (the default) or True")
     return HostOffload(pin_memory=bool(policy.pin_memory))
 
 
@@ -84,12 +80,23 @@ class HostOffload:
         except RuntimeError as e:
             raise _pinning_failed(numel * dtype.itemsize, e) from e
 
-    def upload(self, main_weight: torch.Tensor, model_weight: torch.Tensor) -> None:
-        """``model_weight`` (device) = ``main_weight`` (host) in model_weight's dtype: cast on the host into staging,
-        then one H2D copy on the current stream."""
-        staging = self._staging(main_weight.numel(), model_weight.dtype)
-        _native.cast(main_weight, staging)
-        model_weight.copy_(staging, non_blocking=self.pin_memory)
+    def compute_copy(self, main_weight: FlatBuffer, dtype: torch.dtype) -> FlatBuffer:
+        """``main_weight`` cast to ``dtype`` on the host, into a new buffer: pinned, a block of torch's caching host
+        allocator, which hands a block out again only once the copies that read it have completed, so a new weights
+        version never overwrites a shard still being copied to the device."""
+        copy = self.buffer(main_weight.layout, dtype, main_weight.rank)
+        _native.cast(main_weight.data, copy.data)
+        return copy
+
+    def upload(self, host: torch.Tensor, device: torch.Tensor) -> None:
+        """``device`` = ``host`` (same dtype and size): one H2D copy on the current stream."""
+        device.copy_(host, non_blocking=self.pin_memory)
+
+    def upload_slots(self, host: FlatBuffer, params: list[int], slots: list[torch.Tensor]) -> None:
+        """Each of ``params``' chunk slot of the shard ``host`` into its place ``slots[k]`` on the device (this rank's
+        slots of the unsharded buffer, where the all-gather reads and writes in place): one H2D copy each."""
+        for i, slot in zip(params, slots):
+            slot.copy_(host.chunk_slot(i), non_blocking=self.pin_memory)
 
     def download_grad(self, main_grad: FlatBuffer, reduced: torch.Tensor, *, scale: float, accumulate: bool,
                       restart: list[int]) -> None:

@@ -32,11 +32,10 @@ def make_groups(modules: list[nn.Module], params, mesh: DeviceMesh, device: torc
     (dp_mesh_dims); ``offload_policy``: FSDP2's CPUOffloadPolicy, or None (params/offload.py).
 
     Raises:
-        ValueError: FP8 weights with offload, or on a dim other than 0; offload with cache_model_weight=False.
+        ValueError: FP8 weights with offload, or on a dim other than 0.
     """
     placed, spmd_of = placed or {}, spmd_of or {}
-    offload = host_offload(offload_policy, device, fp8=mp_policy.fp8 is not None,
-                           cache_model_weight=mp_policy.cache_model_weight)
+    offload = host_offload(offload_policy, device, fp8=mp_policy.fp8 is not None)
     fp8 = choose_fp8_weights(modules, params, mp_policy, strategy)
     off_dim0 = [fqn for fqn, p, _ in params if id(p) in fp8 and placed.get(id(p), (0,))[0]]
     if off_dim0:

@@ -73,8 +73,9 @@ def _shard(model: TinyLM, kind: str, **kwargs) -> TinyLM:
     # offloaded on a GPU mesh and on the host path; on a CPU mesh the groups are plain (no staging, no worker)
     offloaded = kind == "ours_host" or (kind == "ours" and rank_device().type == "cuda")
     assert all((g.offload is not None) == offloaded for g in groups), kind
-    if kind == "ours_host":  # main weight in host memory apart from the kept model weight, which the gathers send
-        assert all(g.model_weight is not None and g.model_weight.data is not g.main_weight.data for g in groups)
+    if kind == "ours_host":  # no compute-dtype shard kept on the device unless asked (the gathers copy the host's)
+        kept = kwargs.get("mp_policy", MixedPrecisionPolicy()).cache_model_weight is True
+        assert all((g.model_weight is not None) == kept and g.cast.in_slot != kept for g in groups), kept
     return model
 
 
@@ -306,7 +307,9 @@ def test_checkpoint(cpu_pool, tmp_path, saved_by, loaded_by):
 # ------------------------------------------------------------------------------------------ the host path
 BF16 = torch.bfloat16
 HOST_PATH_VARIANTS = {
-    "bf16": dict(mp_policy=MixedPrecisionPolicy(param_dtype=BF16)),  # the host casts, the device keeps bf16
+    "bf16": dict(mp_policy=MixedPrecisionPolicy(param_dtype=BF16)),  # the host casts, each gather copies its chunks
+    "bf16_kept": dict(mp_policy=MixedPrecisionPolicy(param_dtype=BF16, cache_model_weight=True)),  # kept on the device
+    "fp32_uncached": dict(mp_policy=MixedPrecisionPolicy(cache_model_weight=False)),
     "bf16_reduce": dict(mp_policy=MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=BF16)),  # staged, cast on add
     "optim_grads": dict(sharding_strategy="optim_grads"),
     "optim": dict(sharding_strategy="optim"),
@@ -376,10 +379,6 @@ def _case_refusals():
         "type": _expect(TypeError, "offload_policy must be", lambda: fully_shard(nn.Linear(4, 4),
                                                                                  offload_policy="cpu")),
     }
-    with _host_path():  # as on a GPU: the compute-dtype shard stays on the device
-        messages["no_cache"] = _expect(ValueError, "cache_model_weight=False", lambda: fully_shard(
-            nn.Linear(16, 16), offload_policy=PAGEABLE,
-            mp_policy=MixedPrecisionPolicy(param_dtype=BF16, cache_model_weight=False)))
     if not torch.cuda.is_available():  # no pinned memory without an accelerator
         with _host_path():
             messages["pinned"] = _expect(RuntimeError, r"CPUOffloadPolicy\(pin_memory=False\)", lambda: fully_shard(
@@ -451,23 +450,29 @@ def _gpu_run(kind: str, pin_memory: bool, *, flat: bool, mesh=None, **kwargs) ->
 
 def _case_gpu_offload(pin_memory: bool, layout: str):
     """Offloaded training on the GPU equals itself not offloaded and FSDP2 offloaded (fp32, 1e-6), with torch's and
-    mfsdp_ext's AdamW; .grad is complete when backward returns; parameters, .grad (pinned when asked) and optimizer
-    state are CPU tensors; the GPU's peak is lower than without offload."""
+    mfsdp_ext's AdamW, with the compute-dtype shard kept on the GPU or not; .grad is complete when backward returns;
+    parameters, .grad (pinned when asked) and optimizer state are CPU tensors; the GPU's peak is lower than without
+    offload, and not above FSDP2's offloaded unless the shard is kept."""
     mesh = None
     if layout == "hsdp":
         mesh = init_device_mesh("cuda", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
     runs = {"plain": _gpu_run("ours_plain", pin_memory, flat=False, mesh=mesh),
             "ours": _gpu_run("ours", pin_memory, flat=False, mesh=mesh),
             "ours_flat": _gpu_run("ours", pin_memory, flat=True, mesh=mesh),
+            "ours_kept": _gpu_run("ours", pin_memory, flat=True, mesh=mesh,
+                                  mp_policy=MixedPrecisionPolicy(cache_model_weight=True)),
             "fsdp2": _gpu_run("fsdp2", pin_memory, flat=False, mesh=mesh)}
     errs = {}
-    for name in ("ours", "ours_flat", "fsdp2"):
+    for name in ("ours", "ours_flat", "ours_kept", "fsdp2"):
         errs[name] = max(_max_err(runs[name]["params"], runs["plain"]["params"]),
                          _max_err(runs[name]["first_grads"], runs["plain"]["first_grads"]))
     errs["ours_vs_fsdp2"] = _max_err(runs["ours"]["params"], runs["fsdp2"]["params"])
     assert max(errs.values()) <= 1e-6, errs
     peaks = {name: run["peak"] for name, run in runs.items()}
     assert peaks["ours"] < peaks["plain"] and peaks["ours_flat"] < peaks["plain"], peaks
+    # by default the GPU holds no shard of an offloaded group (the gathers copy the host's), as FSDP2's offload;
+    # cache_model_weight=True keeps one
+    assert peaks["ours"] <= peaks["fsdp2"] and peaks["ours"] < peaks["ours_kept"], peaks
     return {"errs": errs, "peaks": peaks}
 
 
