@@ -23,9 +23,9 @@ with ``offload_policy=CPUOffloadPolicy(pin_memory=True)`` (torch's class, for bo
 FSDP2 cannot pin): fp32 shards, gradients and optimizer state in host memory, the optimizer stepping them on the
 host. ``ours_offload``: mfsdp_ext.fully_shard with ``mfsdp_ext.optim.AdamW`` (its native CPU kernel);
 ``ours_offload_kept``: the same with ``cache_model_weight=True`` (the bf16 shard kept on the GPU, copied once per step
-instead of at each all-gather); ``ours_offload_torch``: the same as ours_offload with torch's ``AdamW(fused=True)``; ``fsdp2_offload``: FSDP2 with torch's
-``AdamW(fused=True)`` (torch's CPU kernel: the fastest of torch's AdamW on CPU tensors); ``fsdp2_offload_default``:
-FSDP2 with ``torch.optim.AdamW`` as constructed by default (on CPU tensors its per-tensor for-loop: torch defaults
+instead of at each all-gather); ``ours_offload_torch``: the same as ours_offload with torch's ``AdamW(fused=True)``;
+``fsdp2_offload``: FSDP2 with torch's ``AdamW(fused=True)`` (torch's CPU kernel: the fastest of torch's AdamW on CPU
+tensors); ``fsdp2_offload_default``: FSDP2 with ``torch.optim.AdamW`` as constructed by default (on CPU tensors its per-tensor for-loop: torch defaults
 to foreach on CUDA tensors only). With ``--init meta`` FSDP2 offloaded is materialised as torchtitan does it
 (``to_empty(device="cpu")``), each module's ``reset_parameters`` run on device temporaries of this rank's shards
 and copied into the host shards (each rank from its own seed); ours as without offload. The CPU optimizers run on
