@@ -20,20 +20,20 @@ step), skipped with a note when torchao is not importable. Both need ``--dtype b
 
 CPU offload variants, only when named in ``--impls`` (eager only: no CUDA graphs, no FP8, no ``--tp``): fully_shard
 with ``offload_policy=CPUOffloadPolicy(pin_memory=True)`` (torch's class, for both; pageable on a CPU mesh, where
-FSDP2 cannot pin): fp32 shards, gradients and optimizer state in host memory, the optimizer stepping them on the
-host. ``ours_offload``: mfsdp_ext.fully_shard with ``mfsdp_ext.optim.AdamW`` (its native CPU kernel);
-``ours_offload_kept``: the same with ``cache_model_weight=True`` (the bf16 shard kept on the GPU, copied once per step
-instead of at each all-gather); ``ours_offload_torch``: the same as ours_offload with torch's ``AdamW(fused=True)``;
-``fsdp2_offload``: FSDP2 with torch's ``AdamW(fused=True)`` (torch's CPU kernel: the fastest of torch's AdamW on CPU
-tensors); ``fsdp2_offload_default``: FSDP2 with ``torch.optim.AdamW`` as constructed by default (on CPU tensors its per-tensor for-loop: torch defaults
-to foreach on CUDA tensors only). With ``--init meta`` FSDP2 offloaded is materialised as torchtitan does it
-(``to_empty(device="cpu")``), each module's ``reset_parameters`` run on device temporaries of this rank's shards
-and copied into the host shards (each rank from its own seed); ours as without offload. The CPU optimizers run on
-torch's intra-op threads (OMP_NUM_THREADS / torch.get_num_threads(), recorded in the report). An offloaded variant
-whose host memory estimate (``HOST_BYTES_PER_PARAM`` per parameter on this host) exceeds ``--host-guard`` of
-MemAvailable is not run (recorded as an error naming the guard): past that the kernel's OOM killer, not an
-exception, would end it. Reported for every variant: ``host_gib``, this host's MemAvailable drop from before the
-build to after the timed steps (all ranks on the host, whatever they hold: pinned and pageable), and
+FSDP2 cannot pin): fp32 shards, gradients and optimizer state in host memory, the optimizer stepping them on the host.
+``ours_offload``: mfsdp_ext.fully_shard with ``mfsdp_ext.optim.AdamW`` (its native CPU kernel); ``ours_offload_kept``:
+the same with ``cache_model_weight=True`` (the bf16 shard kept on the GPU, copied once per step instead of at each
+all-gather); ``ours_offload_torch``: the same as ours_offload with torch's ``AdamW(fused=True)``; ``fsdp2_offload``:
+FSDP2 with torch's ``AdamW(fused=True)`` (torch's CPU kernel: the fastest of torch's AdamW on CPU tensors);
+``fsdp2_offload_default``: FSDP2 with ``torch.optim.AdamW`` as constructed by default (on CPU tensors its per-tensor
+for-loop: torch defaults to foreach on CUDA tensors only). With ``--init meta`` FSDP2 offloaded is materialised as
+torchtitan does it (``to_empty(device="cpu")``), each module's ``reset_parameters`` run on device temporaries of this
+rank's shards and copied into the host shards (each rank from its own seed); ours as without offload. The CPU
+optimizers run on torch's intra-op threads (OMP_NUM_THREADS / torch.get_num_threads(), recorded in the report). An
+offloaded variant whose host memory estimate (``HOST_BYTES_PER_PARAM`` per parameter on this host) exceeds
+``--host-guard`` of MemAvailable is not run (recorded as an error naming the guard): past that the kernel's OOM
+killer, not an exception, would end it. Reported for every variant: ``host_gib``, this host's MemAvailable drop from
+before the build to after the timed steps (all ranks on the host, whatever they hold: pinned and pageable), and
 ``pinned_gib``, the pinned bytes that torch's caching host allocator owns then (in use and cached, blocks rounded up
 as it allocates them), summed over the ranks; an "Offload" section of the report lists them with the step-time and
 peak ratios between offloaded and other variants.
