@@ -158,7 +158,8 @@ class Variant:
     # gathered at the start of each replay (hold_first_units=False: what holding them across replays saves)
     offload: bool = False  # fully_shard(offload_policy=CPUOffloadPolicy(pin_memory=True)) (see OFFLOAD_IMPLS)
     optimizer: str = ""  # "" as fused_optimizer says | "torch_fused": torch's AdamW(fused=True) wherever the
-    # parameters are (the CPU kernel for offloaded ones) | "torch_default": torch's AdamW with its defaults
+    # parameters are (the CPU kernel for offloaded ones) | "torch_default": torch's AdamW with its defaults |
+    # "step_in_backward": mfsdp_ext.optim.AdamW(step_in_backward=True)
 
 
 FUSED_IMPLS = {"ours_fused": "ours", "ours_fp8_fused": "ours_fp8"}  # name -> the variant it is, with our AdamW
@@ -176,6 +177,7 @@ FP8_IMPLS = {"ours_fp8": ("ours", "ours"), "fsdp2_float8": ("fsdp2", "torchao")}
 # name -> (impl, fused_optimizer, optimizer): CPU offload (see the module docstring); ours_offload steps with
 # mfsdp_ext.optim.AdamW, the others with torch's AdamW, fused (its CPU kernel) or as constructed by default
 OFFLOAD_IMPLS = {"ours_offload": ("ours", True, ""), "ours_offload_kept": ("ours", True, ""),
+                 "ours_offload_ib": ("ours", True, "step_in_backward"),
                  "ours_offload_torch": ("ours", False, "torch_fused"),
                  "fsdp2_offload": ("fsdp2", False, "torch_fused"),
                  "fsdp2_offload_default": ("fsdp2", False, "torch_default")}
@@ -615,7 +617,7 @@ def make_optimizer(v: Variant, model):
     if v.fused_optimizer and v.impl == "ours":
         import mfsdp_ext.optim
 
-        return mfsdp_ext.optim.AdamW(model.parameters(), **hyper)
+        return mfsdp_ext.optim.AdamW(model.parameters(), step_in_backward=v.optimizer == "step_in_backward", **hyper)
     # torch's: foreach on CUDA (its default, as users run it), or fused=True
     return torch.optim.AdamW(model.parameters(), fused=v.fused_optimizer and model.parameters().__next__().is_cuda,
                              **hyper)
@@ -870,6 +872,8 @@ def optimizer_label(v: Variant) -> str:
     if v.optimizer == "torch_default" or not v.fused_optimizer:
         return ("torch AdamW() defaults (per-tensor for-loop on the host)" if v.offload else
                 "torch AdamW() defaults (foreach on CUDA)")
+    if v.optimizer == "step_in_backward":
+        return "mfsdp_ext.optim.AdamW(step_in_backward=True) (native CPU kernel, host, during backward)"
     if v.impl == "ours":
         return "mfsdp_ext.optim.AdamW" + (" (native CPU kernel, host)" if v.offload else " (device)")
     return "torch AdamW(fused=True) on the device"

@@ -76,16 +76,18 @@ for stage in $stages; do
             torchrun --standalone --nproc-per-node 4 benchmarks/step.py --configs 1,4 \
             --impls ours_fused,fsdp2_fused --steps 10 --warmup 3 --no-floor --out "$OUT/hosts2" ;;
     offload)  # CPU offload (CPUOffloadPolicy(pin_memory=True)): the GPU offload tests; config 6 (the 8B shape,
-              # seq 8192) on 2 GPUs, ours_fused, ours_offload, fsdp2_fused and fsdp2_offload in one run: step time
+              # seq 8192) on 2 GPUs, ours_fused, ours_offload (the bf16 shard copied per gather), ours_offload_kept
+              # (kept on the GPU), ours_offload_ib (AdamW stepping in backward) and fsdp2_offload in one run: step time
               # back to back and synchronised, GPU peak, host and pinned memory ($OUT/offload_step6/step_2gpu.md);
               # then on 4 GPUs, where present, the largest model of config 6's width each trains with and without
               # offload ($OUT/offload_capacity/offload_capacity_4gpu.md). Both implementations' host optimizers run
               # on nproc / ranks CPU threads per rank (OMP_NUM_THREADS)
         cpus=$(nproc)
         run offload_tests timeout -k 10 180 python3 -m pytest -m gpu -q -s tests/params/test_offload.py
-        run offload_step6 env OMP_NUM_THREADS=$(( cpus >= 4 ? cpus / 2 : 2 )) timeout -k 10 360 \
+        run offload_step6 env OMP_NUM_THREADS=$(( cpus >= 4 ? cpus / 2 : 2 )) timeout -k 10 500 \
             torchrun --standalone --nproc-per-node 2 benchmarks/step.py --configs 6 \
-            --impls ours_fused,ours_offload,fsdp2_fused,fsdp2_offload --steps 3 --warmup 2 --sync-steps 2 \
+            --impls ours_fused,ours_offload,ours_offload_kept,ours_offload_ib,fsdp2_offload --steps 3 --warmup 2 \
+            --sync-steps 2 \
             --init meta --no-floor --out "$OUT/offload_step6"
         [ "$(nvidia-smi -L | wc -l)" -ge 4 ] &&
             run offload_capacity env OMP_NUM_THREADS=$(( cpus >= 8 ? cpus / 4 : 2 )) \
@@ -242,6 +244,7 @@ ours_graphed,ours_fp8_fused,ours_fp8_captured,ours_fp8_graphed --steps 10 --warm
 ours_captured,ours_graphed --steps 15 --warmup 3 --sync-steps 15 --no-floor --out "$OUT/fastpath" ;;
     peer)  # PyTorch's own FSDP2 tests on this host's GPUs, FSDP2 and ours (scripts/fsdp2_tests.py): PEER_TESTS names the
            # folder of test_fully_shard_*.py (PyTorch's, at the installed torch's version), PEER_FILES some of them
+        python3 -c "import expecttest" 2>/dev/null || echo "peer: torch's test helpers import expecttest: python3 -m pip install expecttest"
         run peer timeout -k 10 "${PEER_TIMEOUT:-560}" python3 scripts/fsdp2_tests.py --tests "${PEER_TESTS:?set PEER_TESTS}" \
             ${PEER_FILES:+--files "$PEER_FILES"} --impl both --timeout 270 --logs "$OUT/peer_logs" \
             --out "$OUT/fsdp2_tests_gpu.md" ;;

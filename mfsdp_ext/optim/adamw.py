@@ -18,6 +18,11 @@ class AdamW(FlatOptimizerMixin, torch.optim.AdamW):
 
     Refused (ValueError): amsgrad, capturable, differentiable, a Tensor lr or betas. ``foreach`` is used for
     the parameters torch steps; ``fused`` is accepted and ignored (the flat kernel is the fused path).
+
+    ``step_in_backward=True`` (CPU-offloaded parameters only): each offloaded group steps on the host as soon as its
+    gradient is reduced, under the rest of the backward; ``step()`` then steps the others. Refused at ``step()``
+    where the result would differ from a step after backward (gradients or hyperparameters changed in between):
+    [Note: optimizer step in backward] in in_backward.py.
     """
 
     STATE_NAMES = ("exp_avg", "exp_avg_sq")
@@ -29,10 +34,10 @@ class AdamW(FlatOptimizerMixin, torch.optim.AdamW):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
-                 fused: bool | None = None):
+                 fused: bool | None = None, step_in_backward: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
                          capturable=capturable, differentiable=differentiable, fused=None)
-        self._setup_flat()
+        self._setup_flat(step_in_backward)
 
     def _init_flat(self, p, flat: FlatState, i: int) -> None:
         state = self.state[p]
@@ -75,9 +80,10 @@ class AdamW(FlatOptimizerMixin, torch.optim.AdamW):
                          -(lr / bias_correction1), -1.0 if group["maximize"] else 1.0])
         return torch.tensor(rows, dtype=torch.float32).reshape(-1, _native.OPTIM_COEFFS)
 
-    def _run_kernel(self, group, flat: FlatState, runs: torch.Tensor, keys: list, device_table=None) -> None:
+    def _run_kernel(self, group, flat: FlatState, runs: torch.Tensor, keys: list, coeffs: torch.Tensor,
+                    device_table=None) -> None:
         _native.adamw_step(group.main_weight.data, group.grads.main_grad.data, flat.buffer("exp_avg"),
-                           flat.buffer("exp_avg_sq"), runs, self._coeffs(keys), device_table)
+                           flat.buffer("exp_avg_sq"), runs, coeffs, device_table)
 
     def _torch_step(self, group: dict, params: list) -> None:
         """torch's AdamW step for ``params`` (its state init and its functional implementation)."""

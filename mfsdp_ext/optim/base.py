@@ -7,8 +7,9 @@ A subclass (also a subclass of the torch optimizer it replaces) defines:
   _init_flat(p, flat, i)          make a new parameter's state (views of its zeroed slots), or none yet
   _flat_key(group_index, p)       what besides the data its update depends on (merged runs share it); may
                                   advance per-parameter counters (AdamW's step)
-  _run_kernel(group, flat, runs, keys, device_table)   one native launch over the group's buffers (device_table:
-                                  in a CUDA graph, runs and coefficients are read from it, see graph_tables.py)
+  _run_kernel(group, flat, runs, keys, coeffs, device_table)   one native launch over the group's buffers with
+                                  the coefficients _coeffs(keys) made (device_table: in a CUDA graph, runs and
+                                  coefficients are read from it, see graph_tables.py)
   _torch_step(group, params)      torch's step for ``params`` (a subset of ``group["params"]``)
   _after_flat(group_index, p, flat, i)  state bookkeeping after the kernel (SGD's momentum buffer)
 """
@@ -27,6 +28,7 @@ from ..params.group import owner_of
 from ..runtime import step_prefetch
 from .flat_state import FlatState, build_runs, flat_owner
 from .graph_tables import GraphTables, ReplayPlan
+from .in_backward import BackwardSteps
 
 
 def _grad_view_owner(p: torch.Tensor):
@@ -54,13 +56,22 @@ class FlatOptimizerMixin(_Optimizer):
         def _init_flat(self, p: torch.Tensor, flat: FlatState, i: int) -> None: ...
         def _flat_key(self, group_index: int, p: torch.Tensor) -> tuple: ...
         def _coeffs(self, keys: list) -> torch.Tensor: ...
-        def _run_kernel(self, group, flat: FlatState, runs: torch.Tensor, keys: list, device_table=None) -> None: ...
+        def _run_kernel(self, group, flat: FlatState, runs: torch.Tensor, keys: list, coeffs: torch.Tensor,
+                        device_table=None) -> None: ...
 
-    def _setup_flat(self) -> None:
+    def _setup_flat(self, step_in_backward: bool = False) -> None:
         self._graph: GraphTables | None = None  # set while mfsdp_ext.graphed captures and replays this optimizer
         self._flat_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ParamGroup -> FlatState
         for group in self.param_groups:
             self._check_group(group)
+        self._backward_steps: BackwardSteps | None = None
+        if step_in_backward:
+            self._backward_steps = BackwardSteps(self)
+            if not self._backward_steps.items:
+                raise ValueError(f"mfsdp_ext.optim.{type(self).__name__}(step_in_backward=True) steps CPU-offloaded "
+                                 "parameters in backward, and none of the parameters given is offloaded (fully_shard("
+                                 "..., offload_policy=CPUOffloadPolicy()) on a GPU mesh). Build it without "
+                                 "step_in_backward")
 
     def _check_group(self, group: dict) -> None:
         name = type(self).__name__
@@ -78,6 +89,8 @@ class FlatOptimizerMixin(_Optimizer):
         super().add_param_group(param_group)
         if hasattr(self, "_flat_states"):
             self._check_group(self.param_groups[-1])
+            if self._backward_steps is not None:
+                self._backward_steps.register()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's zero_grad. With ``set_to_none=False`` (between replays of a captured backward) the gradient
@@ -166,6 +179,7 @@ class FlatOptimizerMixin(_Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        done = self._backward_steps.take_done() if self._backward_steps is not None else set()
         flat_work, torch_work, adopt_after = self._split()
         if capturing and any(torch_work):
             raise RuntimeError(f"mfsdp_ext.optim.{type(self).__name__}: in a CUDA graph it steps fully_shard "
@@ -184,11 +198,13 @@ class FlatOptimizerMixin(_Optimizer):
         prefetch = step_prefetch.plan(stepped) if self.gather_next_forward else None
         first, rest = prefetch.order(stepped) if prefetch else ([], stepped)
         for group in first:
-            self._step_group(group, flat_work[group])
+            if group not in done:  # done: stepped in backward (in_backward.py)
+                self._step_group(group, flat_work[group])
         if prefetch:
             prefetch.issue()
         for group in rest:
-            self._step_group(group, flat_work[group])
+            if group not in done:
+                self._step_group(group, flat_work[group])
         return loss
 
     def _step_group(self, group, items: list) -> None:
@@ -204,7 +220,7 @@ class FlatOptimizerMixin(_Optimizer):
                                    "warm-up steps that step every parameter before capturing")
             self._graph.items[group], self._graph.runs[group] = items, runs
             self._graph.pending[group] = _native.optim_device_table(runs, self._coeffs(keys))
-        self._run_kernel(group, flat, runs, keys, table)
+        self._run_kernel(group, flat, runs, keys, self._coeffs(keys), table)
         for i, p, gi in items:
             self._after_flat(gi, p, flat, i)
 

@@ -49,11 +49,11 @@ class SGD(FlatOptimizerMixin, torch.optim.SGD):
                          -1.0 if group["maximize"] else 1.0, flags, 0.0, 0.0])
         return torch.tensor(rows, dtype=torch.float32).reshape(-1, _native.OPTIM_COEFFS)
 
-    def _run_kernel(self, group, flat: FlatState, runs: torch.Tensor, keys: list, device_table=None) -> None:
+    def _run_kernel(self, group, flat: FlatState, runs: torch.Tensor, keys: list, coeffs: torch.Tensor,
+                    device_table=None) -> None:
         uses_buffer = any(self.param_groups[gi]["momentum"] != 0 for gi, _ in keys)
         _native.sgd_step(group.main_weight.data, group.grads.main_grad.data,
-                         flat.buffer("momentum_buffer") if uses_buffer else None, runs, self._coeffs(keys),
-                         device_table)
+                         flat.buffer("momentum_buffer") if uses_buffer else None, runs, coeffs, device_table)
 
     def _after_flat(self, group_index: int, p, flat: FlatState, i: int) -> None:
         if self.param_groups[group_index]["momentum"] != 0:

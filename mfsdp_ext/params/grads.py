@@ -88,6 +88,8 @@ class GroupGradients:
         self._main_grad_ref: Optional[weakref.ref] = None  # weak: see [Note: main-grad references]
         self.graph_buffers: list = []  # gradient buffers a captured CUDA graph writes: kept here
         self.replica_summed = False  # HSDP: main_grad holds a finished all-reduce over replicas
+        # offload: the optimizer stepping this group in backward, called after each reduction (optim/in_backward.py)
+        self.stepper: Optional[weakref.WeakMethod] = None
 
     @property
     def group(self) -> Any:

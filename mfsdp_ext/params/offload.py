@@ -125,7 +125,8 @@ def _pinning_failed(nbytes: int, error: RuntimeError) -> RuntimeError:
 
 class _Worker:
     """The process's offload thread: runs each job once its CUDA event has completed, one after the other, in the
-    order submitted (the native CPU kernels and ``Event.synchronize`` release the GIL)."""
+    order submitted (the native CPU kernels and ``Event.synchronize`` release the GIL): gradient sums, and the
+    optimizer steps queued behind them (optim/in_backward.py)."""
 
     def __init__(self) -> None:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsdp_ext-offload")
@@ -141,7 +142,8 @@ class _Worker:
         errors = [f.exception() for f in pending]  # waits for each
         first = next((e for e in errors if e is not None), None)
         if first is not None:
-            raise RuntimeError("mfsdp_ext: adding an offloaded gradient into its host shard failed") from first
+            raise RuntimeError("mfsdp_ext: the host work of an offloaded group (a gradient's sum into its host shard, "
+                               "or its optimizer step) failed") from first
 
 
 def _run(event: Optional[torch.cuda.Event], work: Any) -> None:
@@ -156,6 +158,12 @@ def _worker() -> _Worker:
     if worker is None:
         worker = registry.OFFLOAD_WORKER["worker"] = _Worker()
     return worker
+
+
+def run_on_worker(work: Any) -> None:
+    """``work()`` on the offload thread, after everything queued so far (e.g. an optimizer's step of a group whose
+    gradient sum was queued: optim/in_backward.py); ``drain`` waits for it and raises its error."""
+    _worker().submit(None, work)
 
 
 def drain() -> None:

@@ -92,6 +92,9 @@ class GradReduction:
             defer_replicas = (g.replicate_group is not None and (every_microbatch or not all_reduce_now)
                               and g.offload is None)
             g.grads.accumulate_reduced(reduced, defer_replicas, last and all_reduce_now, with_grad)
+        stepper = g.grads.stepper() if g.grads.stepper is not None else None
+        if stepper is not None:  # an optimizer built with step_in_backward=True (optim/in_backward.py)
+            stepper(g, final=last)
         if g.grads.main_grad is not None and g.grads.main_grad is not main_grad_before and g.offload is None:
             # made on the reduce-scatter stream, read by the optimizer on this one; freed whenever the user lets
             # go of the .grads (zero_grad): its memory is reused only after this stream's reads too

@@ -363,6 +363,99 @@ def test_host_path(cpu_pool, variant):
     print(cpu_pool.run(_case_host_path, variant)[0])
 
 
+# ------------------------------------------------------------------------------------------ step in backward
+def _snapshot(model) -> dict[str, torch.Tensor]:
+    return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+
+
+def _backward(model, step: int, microbatches: int, mode: str) -> torch.Tensor:
+    """This rank's slice of global batch ``step``, forward and backward in ``microbatches``; its summed loss."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens, targets = batch(step, GLOBAL_BATCH)
+    tokens, targets = tokens.chunk(world)[rank], targets.chunk(world)[rank]
+    total = torch.zeros(())
+    for i, (t, y) in enumerate(zip(tokens.chunk(microbatches), targets.chunk(microbatches))):
+        with _microbatch(model, mode, i == 0, i == microbatches - 1, False):
+            loss = lm_loss(model, t, y) / microbatches
+            loss.backward()
+        total += loss.detach()
+    return total
+
+
+def _case_step_in_backward(mode: str):
+    """AdamW(step_in_backward=True) on the host path: every offloaded parameter has its new value when backward
+    returns, and the run equals stepping after backward bit for bit (losses, parameters, optimizer state), with the
+    learning rate changed by a scheduler at every step, over microbatches whose earlier reductions are not final
+    (mfsdp_ext.microbatch) or skipped (set_requires_gradient_sync(False))."""
+    microbatches = 1 if mode == "every" else 3
+    runs = {}
+    for in_backward in (False, True):
+        model = _model("ours_host", 2)
+        opt = mfsdp_ext.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, step_in_backward=in_backward)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        losses, stepped_in_backward = [], []
+        for step in range(STEPS):
+            before = _snapshot(model)
+            total = _backward(model, step, microbatches, mode)
+            after = _snapshot(model)
+            stepped_in_backward.append(sum(not torch.equal(after[n], before[n]) for n in before))
+            opt.step()
+            schedule.step()
+            opt.zero_grad()
+            dist.all_reduce(total)
+            losses.append(total.item())
+        runs[in_backward] = losses, _snapshot(model), opt.state_dict(), stepped_in_backward
+    (losses, params, state, moved), (losses_ib, params_ib, state_ib, moved_ib) = runs[False], runs[True]
+    assert losses_ib == losses and _equal(params_ib, params), (losses_ib, losses)
+    assert state_ib["param_groups"] == state["param_groups"]
+    for key, entry in state["state"].items():
+        for name, value in entry.items():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            other = state_ib["state"][key][name]
+            assert torch.equal(local, other.to_local() if isinstance(other, DTensor) else other), (key, name)
+    held = sum(t.numel() > 0 for t in params.values())  # on 4 ranks a small parameter may leave a rank no rows
+    assert moved == [0] * STEPS and moved_ib == [held] * STEPS, (moved, moved_ib, held)
+    return {"losses": losses_ib, "stepped_in_backward": moved_ib}
+
+
+@pytest.mark.parametrize("mode", ["every", "microbatch", "no_sync"])
+def test_step_in_backward(cpu_pool, mode):
+    print(cpu_pool.run(_case_step_in_backward, mode)[0])
+
+
+def _case_step_in_backward_refusals():
+    """Where a step in backward would differ from the step after it, an error says so: gradients changed (clipping)
+    or hyperparameters changed between backward and step(), a second final reduction before step(); and the option
+    on parameters that are not offloaded, or on groups another such optimizer steps."""
+    messages = {}
+
+    def built():
+        model = _model("ours_host", 3)
+        return model, mfsdp_ext.optim.AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
+
+    model, opt = built()
+    _backward(model, 0, 1, "every")
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+    messages["clip"] = _expect(RuntimeError, "changed or released after the backward", opt.step)
+    model, opt = built()
+    _backward(model, 0, 1, "every")
+    opt.param_groups[0]["lr"] = 1e-3
+    messages["lr"] = _expect(RuntimeError, "hyperparameters changed", opt.step)
+    model, opt = built()
+    _backward(model, 0, 1, "every")
+    messages["twice"] = _expect(RuntimeError, "already stepped", lambda: _backward(model, 1, 1, "every"))
+    messages["second_optimizer"] = _expect(ValueError, "already steps in backward", lambda: mfsdp_ext.optim.AdamW(
+        model.parameters(), step_in_backward=True))
+    plain = _model("ours_plain", 3)
+    messages["not_offloaded"] = _expect(ValueError, "none of the parameters given is offloaded",
+                                        lambda: mfsdp_ext.optim.AdamW(plain.parameters(), step_in_backward=True))
+    return messages
+
+
+def test_step_in_backward_refusals(cpu_pool):
+    print(cpu_pool.run(_case_step_in_backward_refusals)[0])
+
+
 # ------------------------------------------------------------------------------------------ refusals
 def _expect(exc_type, fragment: str, fn) -> str:
     with pytest.raises(exc_type, match=fragment) as err:

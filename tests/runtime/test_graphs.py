@@ -321,9 +321,9 @@ def test_graphed_two_optimizers(gpu_pool_from_one):
 def _case_graphed_hf_llama():
     """A HuggingFace LlamaForCausalLM (transformers, from a LlamaConfig) under fully_shard, the whole step through
     mfsdp_ext.graphed: 8 graphed steps equal 8 eager steps of a twin bit for bit (losses and fp32 shards), with one
-    capture. No attention_mask, so transformers takes SDPA's is_causal in both (an all-ones mask would become an
-    explicit causal mask under stream capture only: other kernels, docs/cuda_graphs.md); SDPA's math backend on
-    both sides, whose backward is deterministic."""
+    capture. Both are given the same explicit 4-D causal mask, which transformers hands SDPA as it is: without one it
+    chooses SDPA's is_causal or a mask it builds by what it sees, and under stream capture it may choose otherwise
+    (other kernels, docs/cuda_graphs.md). SDPA's math backend on both sides, whose backward is deterministic."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -344,8 +344,8 @@ def _case_graphed_hf_llama():
     def make_step(model):
         opt = mfsdp_ext.optim.AdamW(model.parameters(), lr=1e-3)
 
-        def train_step(ids):
-            loss = model(input_ids=ids, labels=ids).loss
+        def train_step(ids, mask):
+            loss = model(input_ids=ids, labels=ids, attention_mask=mask).loss
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -354,12 +354,13 @@ def _case_graphed_hf_llama():
 
     graphed, eager = mfsdp_ext.graphed(make_step(models[0]), warmup=2), make_step(models[1])
     ours, theirs = [], []
+    causal = torch.full((32, 32), float("-inf"), device=rank_device()).triu(1)[None, None].expand(2, 1, 32, 32)
     with sdpa_kernel(SDPBackend.MATH):
         for step in range(8):
             ids = torch.randint(0, 128, (2 * world, 32), generator=torch.Generator().manual_seed(100 + step))
             ids = ids.chunk(world)[rank].to(rank_device())
-            ours.append(graphed(ids).item())
-            theirs.append(eager(ids).item())
+            ours.append(graphed(ids, causal).item())
+            theirs.append(eager(ids, causal).item())
     assert graphed.captures == 1, graphed.captures
     assert ours == theirs, (ours, theirs)
     _assert_same_shards(*models)
