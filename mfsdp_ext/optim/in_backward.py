@@ -92,9 +92,12 @@ class BackwardSteps:
         read = self.done[group] = _Read(group.grads.main_grad.data, [(p, p.grad) for _, p, _ in items],
                                         _hyperparameters(opt, {gi for _, _, gi in items}))
 
+        unwritten = group.weights_version()[1:]  # the main weights' writes so far, but for optimizer steps
+
         def step() -> None:
             opt._run_kernel(group, flat, runs, keys, coeffs)
             read.take_sample()  # after the worker's own writes (the gradient's sum)
+            group.prepare_host_weight(unwritten)  # the next forward's compute-dtype shard, cast here
 
         offload.run_on_worker(step)
 
@@ -130,7 +133,8 @@ class _Read:
 
     def __init__(self, buffer: torch.Tensor, grads: list[tuple[torch.Tensor, torch.Tensor]], hyperparameters: dict):
         self.buffer, self.grads, self.hyperparameters = buffer, grads, hyperparameters
-        self.positions = torch.linspace(0, buffer.numel() - 1, min(self.SAMPLES, buffer.numel())).long()
+        count = min(self.SAMPLES, buffer.numel())  # evenly spaced, in integers (a float linspace rounds past the end)
+        self.positions = torch.arange(count, dtype=torch.int64) * (buffer.numel() - 1) // max(count - 1, 1)
         self.sample: torch.Tensor | None = None  # taken by the worker once the step ran
 
     def take_sample(self) -> None:

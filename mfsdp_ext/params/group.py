@@ -147,6 +147,8 @@ class ParamGroup:
         self.device = device
         self.offload = offload
         self.host_weight: Optional[FlatBuffer] = None  # offload: the compute-dtype shard in host memory
+        # offload: a compute-dtype shard cast ahead (prepare_host_weight), with the writes it saw
+        self.prepared_host_weight: Optional[tuple[FlatBuffer, tuple]] = None
         self.compute_dtype, self.reduce_dtype = dtypes.compute, dtypes.reduce
         # the gradients' dtype on the wire: reduce_dtype (a reduce-scatter), or narrower (an all-to-all, then a sum in
         # reduce_dtype here: collectives.PlainReduceScatter)
@@ -247,7 +249,7 @@ class ParamGroup:
             self.cast = _cast_state(self.compute_dtype != self.dtype, False, self.offload is not None)
             self.grads.replica_summed = False  # the new parameters have no .grad: the next reduction starts afresh
         self.model_weight = self._make_model_weight(device)
-        self.host_weight = None
+        self.host_weight = self.prepared_host_weight = None
         self.versions.forget_gathers()
         self.unsharded = self._make_unsharded(device)
         self.cast.synced_version = None
@@ -303,13 +305,24 @@ class ParamGroup:
         if self.cast.synced_version == version or (self.model_weight is None and self.offload is None):
             return
         if self.offload is not None:
-            self.host_weight = self.offload.compute_copy(self.main_weight, self.compute_dtype)
+            prepared, self.prepared_host_weight = self.prepared_host_weight, None
+            if prepared is not None and prepared[1] == version[1:4]:  # nothing but optimizer steps wrote since
+                self.host_weight = prepared[0]
+            else:
+                self.host_weight = self.offload.compute_copy(self.main_weight, self.compute_dtype)
             if self.model_weight is not None:
                 self.offload.upload(self.host_weight.data, self.model_weight.data)
         else:
             _native.cast(self.main_weight.data, self.model_weight.data)
         self.cast.synced_version = version
         self.stats.weight_syncs += 1
+
+    def prepare_host_weight(self, unwritten: tuple) -> None:
+        """Offloaded: cast the compute-dtype shard of the main weights now, for the next sync_model_weight (on the
+        offload worker, right after an optimizer step in backward: optim/in_backward.py). ``unwritten``:
+        weights_version()[1:] when the step was queued; the copy is taken only if the version then differs from it by
+        optimizer steps alone (the step that made it)."""
+        self.prepared_host_weight = (self.offload.compute_copy(self.main_weight, self.compute_dtype), unwritten)
 
     def gather_source(self) -> FlatBuffer:
         """The shard the all-gather sends: the compute-dtype copy, or the main weight when no cast is needed."""
