@@ -92,14 +92,12 @@ class BackwardSteps:
         read = self.done[group] = _Read(group.grads.main_grad.data, [(p, p.grad) for _, p, _ in items],
                                         _hyperparameters(opt, {gi for _, _, gi in items}))
 
-        unwritten = group.weights_version()[1:]  # the main weights' writes so far, but for optimizer steps
-
         def step() -> None:
             opt._run_kernel(group, flat, runs, keys, coeffs)
             read.take_sample()  # after the worker's own writes (the gradient's sum)
-            group.prepare_host_weight(unwritten)  # the next forward's compute-dtype shard, cast here
 
         offload.run_on_worker(step)
+        group.cast_host_weight_ahead()  # queued behind the step: the next forward's compute-dtype shard
 
     def take_done(self) -> set[ParamGroup]:
         """At ``optimizer.step()``: the groups stepped in backward since the last step, once nothing they read has

@@ -19,7 +19,9 @@ compute-dtype shard is made). rows.py converts between full parameters and a ran
 
 from __future__ import annotations
 
+import functools
 import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -37,7 +39,7 @@ from ..core import placements, registry
 from ..core.flat_buffer import FlatBuffer
 from ..core.layout import FlatLayout
 from ..core.mixed_precision import GroupDtypes
-from . import replaced, rows
+from . import offload, replaced, rows
 from .gather_plan import GatherPlan
 from .grads import GroupGradients
 from .offload import HostOffload
@@ -85,6 +87,7 @@ class GroupStats:
     """Counters that tests and benchmarks read."""
 
     weight_syncs: int = 0  # casts of the main weight into the model-weight dtype
+    casts_ahead_taken: int = 0  # offload: of those, the casts made ahead on the offload worker that a gather took
     scale_syncs: int = 0  # FP8 groups: amax + all-reduce + scales (once per weights version)
     all_gathers: int = 0
     all_gather_bytes: int = 0  # bytes the all-gathers received (the gathered chunks of every rank; 0 on one rank)
@@ -147,8 +150,9 @@ class ParamGroup:
         self.device = device
         self.offload = offload
         self.host_weight: Optional[FlatBuffer] = None  # offload: the compute-dtype shard in host memory
-        # offload: a compute-dtype shard cast ahead (prepare_host_weight), with the writes it saw
-        self.prepared_host_weight: Optional[tuple[FlatBuffer, tuple]] = None
+        # offload: a compute-dtype shard being cast ahead on the offload worker (cast_host_weight_ahead), and the
+        # writes to the main weights it saw
+        self.prepared_host_weight: Optional[tuple[Future, tuple]] = None
         self.compute_dtype, self.reduce_dtype = dtypes.compute, dtypes.reduce
         # the gradients' dtype on the wire: reduce_dtype (a reduce-scatter), or narrower (an all-to-all, then a sum in
         # reduce_dtype here: collectives.PlainReduceScatter)
@@ -307,7 +311,8 @@ class ParamGroup:
         if self.offload is not None:
             prepared, self.prepared_host_weight = self.prepared_host_weight, None
             if prepared is not None and prepared[1] == version[1:4]:  # nothing but optimizer steps wrote since
-                self.host_weight = prepared[0]
+                self.host_weight = prepared[0].result()
+                self.stats.casts_ahead_taken += 1
             else:
                 self.host_weight = self.offload.compute_copy(self.main_weight, self.compute_dtype)
             if self.model_weight is not None:
@@ -317,12 +322,15 @@ class ParamGroup:
         self.cast.synced_version = version
         self.stats.weight_syncs += 1
 
-    def prepare_host_weight(self, unwritten: tuple) -> None:
-        """Offloaded: cast the compute-dtype shard of the main weights now, for the next sync_model_weight (on the
-        offload worker, right after an optimizer step in backward: optim/in_backward.py). ``unwritten``:
-        weights_version()[1:] when the step was queued; the copy is taken only if the version then differs from it by
-        optimizer steps alone (the step that made it)."""
-        self.prepared_host_weight = (self.offload.compute_copy(self.main_weight, self.compute_dtype), unwritten)
+    def cast_host_weight_ahead(self) -> None:
+        """Offloaded: right after an optimizer step of this group, cast the compute-dtype shard of its new main
+        weights on the offload worker (behind what is queued there: optim/in_backward.py's step), under the GPU's
+        work, instead of at the next gather on the main thread. sync_model_weight takes it when the weights' version
+        then differs from now by optimizer steps alone (the step that made them), else casts afresh."""
+        unwritten = self.weights_version()[1:]
+        self.prepared_host_weight = (
+            offload.run_on_worker(functools.partial(self.offload.compute_copy, self.main_weight, self.compute_dtype)),
+            unwritten)
 
     def gather_source(self) -> FlatBuffer:
         """The shard the all-gather sends: the compute-dtype copy, or the main weight when no cast is needed."""

@@ -132,9 +132,11 @@ class _Worker:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsdp_ext-offload")
         self.pending: list[Future] = []
 
-    def submit(self, event: Optional[torch.cuda.Event], work: Any) -> None:
+    def submit(self, event: Optional[torch.cuda.Event], work: Any) -> Future:
         """``work()`` once ``event`` (None: nothing to wait for) has completed, after the jobs submitted before."""
-        self.pending.append(self.executor.submit(_run, event, work))
+        future = self.executor.submit(_run, event, work)
+        self.pending.append(future)
+        return future
 
     def drain(self) -> None:
         """Wait for every job submitted so far; raise the first one's error, if any."""
@@ -146,11 +148,10 @@ class _Worker:
                                "or its optimizer step) failed") from first
 
 
-def _run(event: Optional[torch.cuda.Event], work: Any) -> None:
+def _run(event: Optional[torch.cuda.Event], work: Any) -> Any:
     if event is not None:
         event.synchronize()
-    if work is not None:
-        work()
+    return work() if work is not None else None
 
 
 def _worker() -> _Worker:
@@ -160,10 +161,10 @@ def _worker() -> _Worker:
     return worker
 
 
-def run_on_worker(work: Any) -> None:
+def run_on_worker(work: Any) -> Future:
     """``work()`` on the offload thread, after everything queued so far (e.g. an optimizer's step of a group whose
-    gradient sum was queued: optim/in_backward.py); ``drain`` waits for it and raises its error."""
-    _worker().submit(None, work)
+    gradient sum was queued: optim/in_backward.py); its future, which ``drain`` also waits for."""
+    return _worker().submit(None, work)
 
 
 def drain() -> None:

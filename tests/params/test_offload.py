@@ -396,16 +396,16 @@ def _case_step_in_backward(mode: str):
         groups = [g for m in model.modules() if isinstance(m, mfsdp_ext.FsdpModule) for g in m._mfsdp_unit.groups]
         opt = mfsdp_ext.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, step_in_backward=in_backward)
         schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-        losses, stepped_in_backward, prepared = [], [], {}
+        losses, stepped_in_backward = [], []
         for step in range(STEPS):
             before = _snapshot(model)
             total = _backward(model, step, microbatches, mode)
             after = _snapshot(model)
             stepped_in_backward.append(sum(not torch.equal(after[n], before[n]) for n in before))
-            # the compute-dtype shards the worker cast after its steps are what this step's forward gathered
-            assert all(g.host_weight is copy for g, copy in prepared.items()), step
-            prepared = {g: g.prepared_host_weight[0] for g in groups if g.prepared_host_weight is not None}
-            assert len(prepared) == (len(groups) if in_backward else 0), (len(prepared), len(groups))
+            # every weights version after the first was gathered from the compute-dtype shard the offload worker
+            # cast right after the step that made it
+            assert all(g.stats.casts_ahead_taken == g.stats.weight_syncs - 1 == step for g in groups), \
+                (step, [(g.stats.casts_ahead_taken, g.stats.weight_syncs) for g in groups])
             opt.step()
             schedule.step()
             opt.zero_grad()
