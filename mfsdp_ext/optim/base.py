@@ -223,8 +223,6 @@ class FlatOptimizerMixin(_Optimizer):
         self._run_kernel(group, flat, runs, keys, self._coeffs(keys), table)
         for i, p, gi in items:
             self._after_flat(gi, p, flat, i)
-        if group.offload is not None:  # the next forward's compute-dtype shard, cast on the offload worker
-            group.cast_host_weight_ahead()
 
     # ------------------------------------------------------------------ CUDA graphs (mfsdp_ext.graphed)
     def graph_begin(self) -> None:

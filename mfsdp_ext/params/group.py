@@ -323,10 +323,12 @@ class ParamGroup:
         self.stats.weight_syncs += 1
 
     def cast_host_weight_ahead(self) -> None:
-        """Offloaded: right after an optimizer step of this group, cast the compute-dtype shard of its new main
-        weights on the offload worker (behind what is queued there: optim/in_backward.py's step), under the GPU's
-        work, instead of at the next gather on the main thread. sync_model_weight takes it when the weights' version
-        then differs from now by optimizer steps alone (the step that made them), else casts afresh."""
+        """Offloaded: right after an optimizer step of this group queued on the offload worker (a step in backward:
+        optim/in_backward.py), cast the compute-dtype shard of its new main weights there too, under the backward,
+        instead of at the next gather on the main thread. (Beside an optimizer step on the main thread it would only
+        compete with it for the host's threads and memory bandwidth: slower in a run at the 8B shape.) sync_model_weight takes it
+        when the weights' version then differs from now by optimizer steps alone (the step that made them), else
+        casts afresh."""
         unwritten = self.weights_version()[1:]
         self.prepared_host_weight = (
             offload.run_on_worker(functools.partial(self.offload.compute_copy, self.main_weight, self.compute_dtype)),

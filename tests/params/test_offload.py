@@ -402,9 +402,10 @@ def _case_step_in_backward(mode: str):
             total = _backward(model, step, microbatches, mode)
             after = _snapshot(model)
             stepped_in_backward.append(sum(not torch.equal(after[n], before[n]) for n in before))
-            # every weights version after the first was gathered from the compute-dtype shard the offload worker
-            # cast right after the step that made it
-            assert all(g.stats.casts_ahead_taken == g.stats.weight_syncs - 1 == step for g in groups), \
+            # stepping in backward: every weights version after the first was gathered from the compute-dtype shard
+            # the offload worker cast right behind the step that made it (else cast at the gather)
+            ahead = step if in_backward else 0
+            assert all(g.stats.casts_ahead_taken == ahead and g.stats.weight_syncs == step + 1 for g in groups), \
                 (step, [(g.stats.casts_ahead_taken, g.stats.weight_syncs) for g in groups])
             opt.step()
             schedule.step()
