@@ -326,9 +326,9 @@ class ParamGroup:
         """Offloaded: right after an optimizer step of this group queued on the offload worker (a step in backward:
         optim/in_backward.py), cast the compute-dtype shard of its new main weights there too, under the backward,
         instead of at the next gather on the main thread. (Beside an optimizer step on the main thread it would only
-        compete with it for the host's threads and memory bandwidth: slower in a run at the 8B shape.) sync_model_weight takes it
-        when the weights' version then differs from now by optimizer steps alone (the step that made them), else
-        casts afresh."""
+        compete with it for the host's threads and memory bandwidth: slower in a run at the 8B shape.)
+        sync_model_weight takes it when the weights' version then differs from now by optimizer steps alone (the
+        step that made them), else casts afresh."""
         unwritten = self.weights_version()[1:]
         self.prepared_host_weight = (
             offload.run_on_worker(functools.partial(self.offload.compute_copy, self.main_weight, self.compute_dtype)),
