@@ -29,6 +29,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # test (file::Class::test) -> why it cannot pass on mfsdp_ext
 _MANAGED = ("FSDP2's private _get_managed_modules / _get_managed_states, which recognise a nested unit by FSDP2's own "
             "private state class only")
+_POST_BACKWARD = ("counts the calls of FSDP2's private autograd function RegisterPostBackwardFunction; ours runs each "
+                  "unit's post-backward from its own hooks (the losses and sharded parity the test checks first pass)")
 KNOWN_DIFFERENCES: dict[str, str] = {
     "test_fully_shard_init.py::TestFullyShardManagedModulesAndStates::test_managed_modules_nested": _MANAGED,
     "test_fully_shard_init.py::TestFullyShardManagedModulesAndStates::"
@@ -38,6 +40,8 @@ KNOWN_DIFFERENCES: dict[str, str] = {
         "a parameter no forward used gets a zero .grad (as FSDP2 with set_reduce_scatter_unused_params(True)); "
         "set_reduce_scatter_unused_params(False) leaves it None, at one small all-reduce per reduction "
         "(docs/limits.md)"),
+    "test_fully_shard_frozen.py::TestFullyShardFrozen::test_train_mixed_requires_grad_per_group": _POST_BACKWARD,
+    "test_fully_shard_frozen.py::TestFullyShardFrozen::test_train_mixed_requires_grad_across_groups": _POST_BACKWARD,
     "test_fully_shard_training.py::TestFullyShardGradientAccumulation::test_gradient_accumulation": (
         "counts the c10d op of FSDP2's flat all-gather (_allgather_base_); ours gathers a group's parameters with "
         "one grouped call (allgather_into_tensor_coalesced_), so it counts 0"),

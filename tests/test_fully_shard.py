@@ -762,6 +762,20 @@ def test_tensor_tree_fast_paths_match_pytree():
         assert all(x is y for x, y in zip(tree_flatten(rebuilt)[0], tree_flatten(expected)[0])), tree
 
 
+def test_default_mesh_device_as_fsdp2(monkeypatch):
+    """fully_shard without a mesh puts it on the accelerator when there is one, whatever the process group's backend
+    (FSDP2's _init_default_fully_shard_mesh does so: gloo, a threaded group or "cuda:nccl,cpu:gloo" on a GPU host
+    still trains on the GPU), else on the CPU."""
+    from mfsdp_ext.sharding import mesh as sharding_mesh
+
+    assert sharding_mesh.default_device_type() == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *args, **kwargs: torch.device("cuda"))
+    assert sharding_mesh.default_device_type() == "cuda"
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    assert sharding_mesh.default_device_type() == "cpu"
+
+
 # ----------------------------------------------------------------------------------------------- GPU: parity cases
 @pytest.mark.gpu
 def test_fp32_parity(gpu_pool):

@@ -33,8 +33,15 @@ def resolve_mesh(mesh: Optional[DeviceMesh], strategy: Strategy
     return mesh, _mesh_device(mesh), mesh.get_group(0), None
 
 
+def default_device_type() -> str:
+    """The device of fully_shard's default mesh, as FSDP2 chooses it: the accelerator when there is one, whatever the
+    process group's backend (gloo, a threaded group, "cuda:nccl,cpu:gloo"), else the CPU."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return accelerator.type if accelerator is not None else "cpu"
+
+
 def _default_mesh() -> DeviceMesh:
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device_type = default_device_type()
     return registry.per_default_group(registry.DEFAULT_MESHES, device_type,
                                       lambda: init_device_mesh(device_type, (dist.get_world_size(),)))
 

@@ -390,6 +390,9 @@ def _case_step_in_backward(mode: str):
     (mfsdp_ext.microbatch) or skipped (set_requires_gradient_sync(False))."""
     microbatches = 3 if mode in ("microbatch", "no_sync") else 1
     kwargs = dict(mp_policy=MixedPrecisionPolicy(param_dtype=BF16)) if mode == "bf16" else {}
+    if mode == "hsdp":  # the replicas' sum on the device at each reduction, then the step
+        kwargs = dict(mesh=init_device_mesh("cpu", (2, dist.get_world_size() // 2),
+                                            mesh_dim_names=("replicate", "shard")))
     runs = {}
     for in_backward in (False, True):
         model = _model("ours_host", 2, **kwargs)
@@ -426,7 +429,7 @@ def _case_step_in_backward(mode: str):
     return {"losses": losses_ib, "stepped_in_backward": moved_ib}
 
 
-@pytest.mark.parametrize("mode", ["every", "bf16", "microbatch", "no_sync"])
+@pytest.mark.parametrize("mode", ["every", "bf16", "hsdp", "microbatch", "no_sync"])
 def test_step_in_backward(cpu_pool, mode):
     print(cpu_pool.run(_case_step_in_backward, mode)[0])
 
