@@ -73,6 +73,7 @@ class BackwardSteps:
         if opt is None:
             return
         if group in self.done:
+            group.versions.mark_changed()  # the last step in backward changed the weights, uncounted by any step()
             raise RuntimeError(f"{type(opt).__name__}(step_in_backward=True): this backward reduced gradients that "
                                "were already stepped in an earlier backward, and optimizer.step() was not called "
                                "in between. Call optimizer.step() after each backward, or make the microbatches "
@@ -108,16 +109,21 @@ class BackwardSteps:
         done, self.done = self.done, {}
         opt = self.optimizer()
         name = f"{type(opt).__name__}(step_in_backward=True)"
+        problem = None
         for group, read in done.items():
             if not read.unchanged(group):
-                raise RuntimeError(f"{name}: gradients of offloaded parameters were changed or released after the "
-                                   "backward that stepped them (e.g. clip_grad_norm_, a GradScaler's unscale_, "
-                                   "zero_grad); the step used them as reduced. Build the optimizer without "
-                                   "step_in_backward to change gradients before the step")
-            if _hyperparameters(opt, set(read.hyperparameters)) != read.hyperparameters:
-                raise RuntimeError(f"{name}: hyperparameters changed between backward and optimizer.step() (the "
-                                   "offloaded parameters were stepped in backward with the values before); change "
-                                   "them before backward, e.g. step the LR scheduler after optimizer.step()")
+                problem = ("gradients of offloaded parameters were changed or released after the backward that "
+                           "stepped them (e.g. clip_grad_norm_, a GradScaler's unscale_, zero_grad); the step used "
+                           "them as reduced. Build the optimizer without step_in_backward to change gradients before "
+                           "the step")
+            elif _hyperparameters(opt, set(read.hyperparameters)) != read.hyperparameters:
+                problem = ("hyperparameters changed between backward and optimizer.step() (the offloaded parameters "
+                           "were stepped in backward with the values before); change them before backward, e.g. step "
+                           "the LR scheduler after optimizer.step()")
+            if problem is not None:
+                for stepped in done:  # changed in backward, and this step() is not counted: cast afresh
+                    stepped.versions.mark_changed()
+                raise RuntimeError(f"{name}: {problem}")
         return set(done)
 
 

@@ -436,8 +436,9 @@ def test_step_in_backward(cpu_pool, mode):
 
 def _case_step_in_backward_refusals():
     """Where a step in backward would differ from the step after it, an error says so: gradients changed (clipping)
-    or hyperparameters changed between backward and step(), a second final reduction before step(); and the option
-    on parameters that are not offloaded, or on groups another such optimizer steps."""
+    or hyperparameters changed between backward and step(), a second final reduction before step(); after such an
+    error the next forward gathers the weights as the step in backward left them. And the option is refused on
+    parameters that are not offloaded, or on groups another such optimizer steps."""
     messages = {}
 
     def built():
@@ -452,6 +453,12 @@ def _case_step_in_backward_refusals():
     _backward(model, 0, 1, "every")
     opt.param_groups[0]["lr"] = 1e-3
     messages["lr"] = _expect(RuntimeError, "hyperparameters changed", opt.step)
+    # the weights changed in backward and no step was counted: the next forward casts them afresh
+    groups = [g for m in model.modules() if isinstance(m, mfsdp_ext.FsdpModule) for g in m._mfsdp_unit.groups]
+    syncs = [g.stats.weight_syncs for g in groups]
+    _backward(model, 1, 1, "every")
+    assert [g.stats.weight_syncs for g in groups] == [n + 1 for n in syncs], syncs
+    assert all(g.stats.casts_ahead_taken == 0 for g in groups)
     model, opt = built()
     _backward(model, 0, 1, "every")
     messages["twice"] = _expect(RuntimeError, "already stepped", lambda: _backward(model, 1, 1, "every"))
