@@ -45,7 +45,8 @@ REDUCE_SCATTER_GROUPS: dict[tuple, Any] = {}
 NATIVE_TRANSPORTS: dict[Any, Any] = {}
 # params/grads.py: groups holding gradient buffers a captured CUDA graph writes
 GRAPH_GRAD_GROUPS: weakref.WeakSet[Any] = weakref.WeakSet()
-# params/offload.py: "worker" -> the process's offload worker (one thread: offloaded gradients into their host shards)
+# params/offload.py: "worker" -> the process's offload worker (one thread: offloaded gradients into their host
+# shards, and the optimizer steps and casts queued behind them)
 OFFLOAD_WORKER: dict[str, Any] = {}
 # runtime/context.py: the contexts of the live roots, and their serial numbers (oldest first)
 LIVE_CONTEXTS: weakref.WeakSet[Any] = weakref.WeakSet()

@@ -13,7 +13,9 @@ mesh, as FSDP2's are; the optimizer steps them on the host. What the collectives
     per gather is the compute dtype (2 bytes per parameter for bf16) where FSDP2 sends the fp32 shard (4).
     ``cache_model_weight=True`` keeps the compute-dtype shard on the device instead, copied once per weights
     version: less PCIe traffic for ``param_dtype`` bytes per parameter / world of GPU memory. A new buffer per
-    version (not one rewritten in place) is what keeps a copy in flight apart from the next version.
+    version (not one rewritten in place) is what keeps a copy in flight apart from the next version. An optimizer
+    stepping in backward has the worker cast the next version right behind its step (ParamGroup.
+    cast_host_weight_ahead), off the forward's critical path.
   * gradients: the reduced shard (device, reduce dtype) goes D2H on the reduce-scatter stream right behind its
     reduction: straight into a fresh ``main_grad`` when nothing is to be added or cast, else into a staging buffer
     that the worker thread adds into ``main_grad`` (the native CPU ``grad_accumulate``) once the copy's event has
@@ -168,8 +170,8 @@ def run_on_worker(work: Any) -> Future:
 
 
 def drain() -> None:
-    """Wait until every offloaded gradient copied so far is in its host shard (nothing to do where none was: no
-    offload, or a CPU mesh)."""
+    """Wait until every offloaded gradient copied so far is in its host shard, and every job queued behind them
+    (steps in backward, casts ahead) is done (nothing to do where none was: no offload, or a CPU mesh)."""
     worker = registry.OFFLOAD_WORKER.get("worker")
     if worker is not None and worker.pending:
         worker.drain()
