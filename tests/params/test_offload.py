@@ -385,7 +385,7 @@ def _backward(model, step: int, microbatches: int, mode: str) -> torch.Tensor:
 def _case_step_in_backward(mode: str):
     """AdamW(step_in_backward=True) on the host path: every offloaded parameter has its new value when backward
     returns, the next forward gathers the compute-dtype shards the worker cast after those steps, and the run equals
-    stepping after backward bit for bit (losses, parameters, optimizer state; fp32 and bf16 compute), with the
+    stepping after backward bit for bit (losses, parameters, optimizer state; fp32 and bf16 compute, HSDP), with the
     learning rate changed by a scheduler at every step, over microbatches whose earlier reductions are not final
     (mfsdp_ext.microbatch) or skipped (set_requires_gradient_sync(False))."""
     microbatches = 3 if mode in ("microbatch", "no_sync") else 1
