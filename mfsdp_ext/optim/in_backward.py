@@ -23,7 +23,7 @@ differ from the step after backward:
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,13 +32,12 @@ from .flat_state import build_runs, flat_owner
 
 if TYPE_CHECKING:
     from ..params.group import ParamGroup
-    from .base import FlatOptimizerMixin
 
 
 class BackwardSteps:
     """The offloaded groups an optimizer steps in backward (see the note), and what each step read."""
 
-    def __init__(self, optimizer: FlatOptimizerMixin):
+    def __init__(self, optimizer: Any):  # a FlatOptimizerMixin (base.py, which imports this module)
         self.optimizer = weakref.ref(optimizer)
         # ParamGroup -> [(index in the group, parameter, optimizer group index)] of the optimizer's parameters
         self.items: dict[ParamGroup, list[tuple[int, torch.Tensor, int]]] = {}
@@ -98,7 +97,8 @@ class BackwardSteps:
             read.take_sample()  # after the worker's own writes (the gradient's sum)
 
         offload.run_on_worker(step)
-        group.cast_host_weight_ahead()  # queued behind the step: the next forward's compute-dtype shard
+        # queued behind the step: the next forward's compute-dtype shard
+        group.offload.cast_ahead(group.main_weight, group.compute_dtype, group.weights_version()[1:])
 
     def take_done(self) -> set[ParamGroup]:
         """At ``optimizer.step()``: the groups stepped in backward since the last step, once nothing they read has

@@ -8,9 +8,9 @@ Buffers (laid out by FlatLayout: every parameter split as torch.chunk splits it,
   unsharded        param-major  gathered compute-dtype weights; the module's parameters are views into it in compute
   main_grad        shard        the optimizer's gradients (grads.py: the group's ``grads``)
 With ``offload`` (offload.py: FSDP2's CPUOffloadPolicy on a CUDA mesh) main_weight and main_grad are in host memory;
-the compute-dtype shard is made on the host once per weights version (``host_weight``) and copied into this rank's
-slots at each gather, or into a kept model_weight with cache_model_weight=True; ``device`` is where the module computes
-and the collectives run.
+the compute-dtype shard is made on the host once per weights version (the group's own HostOffload holds it) and copied
+into this rank's slots at each gather, or into a kept model_weight with cache_model_weight=True; ``device`` is where
+the module computes and the collectives run.
 
 Its parts: ``versions`` (versions.py: when the main weights changed), ``plan`` (gather_plan.py: the collectives' index
 lists and views), ``grads`` (grads.py), ``collectives`` (comm/policy.py gives them at lazy init), and ``cast`` (how the
@@ -19,9 +19,7 @@ compute-dtype shard is made). rows.py converts between full parameters and a ran
 
 from __future__ import annotations
 
-import functools
 import weakref
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -39,7 +37,7 @@ from ..core import placements, registry
 from ..core.flat_buffer import FlatBuffer
 from ..core.layout import FlatLayout
 from ..core.mixed_precision import GroupDtypes
-from . import offload, replaced, rows
+from . import replaced, rows
 from .gather_plan import GatherPlan
 from .grads import GroupGradients
 from .offload import HostOffload
@@ -148,11 +146,7 @@ class ParamGroup:
         self.world = dist.get_world_size(mesh.shard) if mesh.shard is not None else 1
         self.rank = dist.get_rank(mesh.shard) if mesh.shard is not None else 0
         self.device = device
-        self.offload = offload
-        self.host_weight: Optional[FlatBuffer] = None  # offload: the compute-dtype shard in host memory
-        # offload: a compute-dtype shard being cast ahead on the offload worker (cast_host_weight_ahead), and the
-        # writes to the main weights it saw
-        self.prepared_host_weight: Optional[tuple[Future, tuple]] = None
+        self.offload = offload  # this group's own: it also holds the compute-dtype shard in host memory
         self.compute_dtype, self.reduce_dtype = dtypes.compute, dtypes.reduce
         # the gradients' dtype on the wire: reduce_dtype (a reduce-scatter), or narrower (an all-to-all, then a sum in
         # reduce_dtype here: collectives.PlainReduceScatter)
@@ -253,7 +247,8 @@ class ParamGroup:
             self.cast = _cast_state(self.compute_dtype != self.dtype, False, self.offload is not None)
             self.grads.replica_summed = False  # the new parameters have no .grad: the next reduction starts afresh
         self.model_weight = self._make_model_weight(device)
-        self.host_weight = self.prepared_host_weight = None
+        if self.offload is not None:
+            self.offload.forget_weight()
         self.versions.forget_gathers()
         self.unsharded = self._make_unsharded(device)
         self.cast.synced_version = None
@@ -305,34 +300,18 @@ class ParamGroup:
 
     def sync_model_weight(self, version: tuple) -> None:
         """Cast main_weight into model_weight (one fused kernel) unless it was cast at this weights_version().
-        Offloaded: cast on the host into host_weight, then copied into a kept model_weight (on this stream)."""
+        Offloaded: cast on the host (HostOffload.sync_weight), then copied into a kept model_weight (on this
+        stream)."""
         if self.cast.synced_version == version or (self.model_weight is None and self.offload is None):
             return
         if self.offload is not None:
-            prepared, self.prepared_host_weight = self.prepared_host_weight, None
-            if prepared is not None and prepared[1] == version[1:4]:  # nothing but optimizer steps wrote since
-                self.host_weight = prepared[0].result()
-                self.stats.casts_ahead_taken += 1
-            else:
-                self.host_weight = self.offload.compute_copy(self.main_weight, self.compute_dtype)
+            self.stats.casts_ahead_taken += self.offload.sync_weight(self.main_weight, self.compute_dtype, version)
             if self.model_weight is not None:
-                self.offload.upload(self.host_weight.data, self.model_weight.data)
+                self.offload.upload(self.offload.weight.data, self.model_weight.data)
         else:
             _native.cast(self.main_weight.data, self.model_weight.data)
         self.cast.synced_version = version
         self.stats.weight_syncs += 1
-
-    def cast_host_weight_ahead(self) -> None:
-        """Offloaded: right after an optimizer step of this group queued on the offload worker (a step in backward:
-        optim/in_backward.py), cast the compute-dtype shard of its new main weights there too, under the backward,
-        instead of at the next gather on the main thread. (Beside an optimizer step on the main thread it would only
-        compete with it for the host's threads and memory bandwidth: slower in a run at the 8B shape.)
-        sync_model_weight takes it when the weights' version then differs from now by optimizer steps alone (the
-        step that made them), else casts afresh."""
-        unwritten = self.weights_version()[1:]
-        self.prepared_host_weight = (
-            offload.run_on_worker(functools.partial(self.offload.compute_copy, self.main_weight, self.compute_dtype)),
-            unwritten)
 
     def gather_source(self) -> FlatBuffer:
         """The shard the all-gather sends: the compute-dtype copy, or the main weight when no cast is needed."""
@@ -378,7 +357,7 @@ class ParamGroup:
     def write_shard(self, out: torch.Tensor) -> None:
         """This rank's compute-dtype shard into ``out``, a flat buffer in the shard layout."""
         if self.cast.in_slot and self.offload is not None:
-            self.offload.upload(self.host_weight.data, out)
+            self.offload.upload(self.offload.weight.data, out)
         elif self.cast.in_slot:
             _native.cast(self.main_weight.data, out)
             self.stats.weight_syncs += 1
@@ -389,7 +368,7 @@ class ParamGroup:
         """This rank's compute-dtype chunks straight into its slots of the unsharded buffer (one native cast;
         offloaded: one copy per parameter from the host's compute-dtype shard)."""
         if self.offload is not None:
-            self.offload.upload_slots(self.host_weight, self.plan.gathered, self.plan.own_unsharded_slots)
+            self.offload.upload_slots(self.plan.gathered, self.plan.own_unsharded_slots)
             return
         _native.unpack(self.main_weight.data, self.plan.shard_offsets, self.plan.own_unsharded_slots)
         self.stats.weight_syncs += 1

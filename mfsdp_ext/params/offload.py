@@ -14,8 +14,8 @@ mesh, as FSDP2's are; the optimizer steps them on the host. What the collectives
     ``cache_model_weight=True`` keeps the compute-dtype shard on the device instead, copied once per weights
     version: less PCIe traffic for ``param_dtype`` bytes per parameter / world of GPU memory. A new buffer per
     version (not one rewritten in place) is what keeps a copy in flight apart from the next version. An optimizer
-    stepping in backward has the worker cast the next version right behind its step (ParamGroup.
-    cast_host_weight_ahead), off the forward's critical path.
+    stepping in backward has the worker cast the next version right behind its step (``cast_ahead``), off the
+    forward's critical path. Each group has its own HostOffload (``for_group``), which holds that shard.
   * gradients: the reduced shard (device, reduce dtype) goes D2H on the reduce-scatter stream right behind its
     reduction: straight into a fresh ``main_grad`` when nothing is to be added or cast, else into a staging buffer
     that the worker thread adds into ``main_grad`` (the native CPU ``grad_accumulate``) once the copy's event has
@@ -63,11 +63,18 @@ def host_offload(policy: Any, device: torch.device, *, fp8: bool) -> Optional[Ho
 
 
 class HostOffload:
-    """Where an offloaded group's main buffers live, and the copies of its weights and gradients to and from the
-    device (see the note)."""
+    """Where an offloaded group's main buffers live, its compute-dtype shard in host memory, and the copies of its
+    weights and gradients to and from the device (see the note)."""
 
     def __init__(self, *, pin_memory: bool):
         self.pin_memory = pin_memory
+        self.weight: Optional[FlatBuffer] = None  # the compute-dtype shard of the weights version last synced
+        # a compute-dtype shard being cast on the worker (cast_ahead), and the writes to the main weight it saw
+        self.ahead: Optional[tuple[Future, tuple]] = None
+
+    def for_group(self) -> HostOffload:
+        """A group's own HostOffload under this policy (it holds that group's compute-dtype shard)."""
+        return HostOffload(pin_memory=self.pin_memory)
 
     def buffer(self, layout: FlatLayout, dtype: torch.dtype, rank: int) -> FlatBuffer:
         """A shard-layout buffer in host memory (the main weight, a gradient shard)."""
@@ -82,6 +89,29 @@ class HostOffload:
         except RuntimeError as e:
             raise _pinning_failed(numel * dtype.itemsize, e) from e
 
+    def sync_weight(self, main_weight: FlatBuffer, dtype: torch.dtype, version: tuple) -> bool:
+        """``weight`` = ``main_weight`` in ``dtype`` at weights version ``version`` (ParamGroup.sync_model_weight's):
+        the shard cast ahead when only optimizer steps wrote the main weight since (True), else cast now."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead[1] == version[1:4]:
+            self.weight = ahead[0].result()
+            return True
+        self.weight = self.compute_copy(main_weight, dtype)
+        return False
+
+    def cast_ahead(self, main_weight: FlatBuffer, dtype: torch.dtype, unwritten: tuple) -> None:
+        """Right after an optimizer step of the group queued on the worker (a step in backward:
+        optim/in_backward.py), cast the compute-dtype shard of its new main weight there too, under the backward,
+        instead of at the next gather on the main thread. (Beside an optimizer step on the main thread it would only
+        compete with it for the host's threads and memory bandwidth: slower in a run at the 8B shape.)
+        ``unwritten``: the group's weights_version()[1:] now; sync_weight takes the copy if the version then differs
+        by optimizer steps alone (the step that made it)."""
+        self.ahead = (run_on_worker(functools.partial(self.compute_copy, main_weight, dtype)), unwritten)
+
+    def forget_weight(self) -> None:
+        """New main-weight storage: no compute-dtype shard made from the old one is used again."""
+        self.weight = self.ahead = None
+
     def compute_copy(self, main_weight: FlatBuffer, dtype: torch.dtype) -> FlatBuffer:
         """``main_weight`` cast to ``dtype`` on the host, into a new buffer: pinned, a block of torch's caching host
         allocator, which hands a block out again only once the copies that read it have completed, so a new weights
@@ -94,11 +124,11 @@ class HostOffload:
         """``device`` = ``host`` (same dtype and size): one H2D copy on the current stream."""
         device.copy_(host, non_blocking=self.pin_memory)
 
-    def upload_slots(self, host: FlatBuffer, params: list[int], slots: list[torch.Tensor]) -> None:
-        """Each of ``params``' chunk slot of the shard ``host`` into its place ``slots[k]`` on the device (this rank's
-        slots of the unsharded buffer, where the all-gather reads and writes in place): one H2D copy each."""
+    def upload_slots(self, params: list[int], slots: list[torch.Tensor]) -> None:
+        """Each of ``params``' chunk slot of ``weight`` into its place ``slots[k]`` on the device (this rank's slots
+        of the unsharded buffer, where the all-gather reads and writes in place): one H2D copy each."""
         for i, slot in zip(params, slots):
-            slot.copy_(host.chunk_slot(i), non_blocking=self.pin_memory)
+            slot.copy_(self.weight.chunk_slot(i), non_blocking=self.pin_memory)
 
     def download_grad(self, main_grad: FlatBuffer, reduced: torch.Tensor, *, scale: float, accumulate: bool,
                       restart: list[int]) -> None:

@@ -93,7 +93,8 @@ def _groups_on_mesh(modules, params, mesh: DeviceMesh, device: torch.device, mp_
         if is_fp8:
             groups.append(Fp8ParamGroup(members, fp8_compute=mp_policy.fp8.compute, keep_fp8_shard=cache, **kwargs))
         else:
-            groups.append(ParamGroup(members, **kwargs, cache_model_weight=cache, offload=offload))
+            groups.append(ParamGroup(members, **kwargs, cache_model_weight=cache,
+                                     offload=offload.for_group() if offload is not None else None))
     return groups
 
 
