@@ -231,7 +231,7 @@ class Search:
 
 
 def environment(args) -> dict:
-    env = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
+    env = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
                python=platform.python_version(), torch=torch.__version__, nproc=args.nproc, tiny=args.tiny,
                steps=args.steps, warmup=args.warmup, budget_s=args.budget_s, trial_timeout_s=args.trial_timeout_s,
                host_guard=args.host_guard, omp_num_threads=os.environ.get("OMP_NUM_THREADS"), cpus=os.cpu_count(),

@@ -830,7 +830,7 @@ def profile_step(step, device: torch.device, path: str) -> None:
 
 
 def environment(device: torch.device, world: int, args) -> dict:
-    env = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), host=platform.node(),
+    env = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
                python=platform.python_version(), torch=torch.__version__, world=world, device=device.type,
                steps=args.steps, warmup=args.warmup, dtype=args.dtype, tiny=args.tiny, init=args.init, tp=args.tp,
                sm_carveout=args.sm_carveout, sync_steps=args.sync_steps, cpu_threads=torch.get_num_threads(),
@@ -849,7 +849,7 @@ def environment(device: torch.device, world: int, args) -> dict:
         env["mfsdp_ext"] = getattr(mfsdp_ext, "__version__", "?")
         from mfsdp_ext import _native
 
-        env["mfsdp_ext_native"] = _native.build_info()
+        env["mfsdp_ext_native"] = {k: v for k, v in _native.build_info().items() if k != "path"}  # not a result
     except Exception as e:  # noqa: BLE001 - informational only
         env["mfsdp_ext"] = f"not importable: {e}"
     return env
