@@ -207,11 +207,16 @@ class FlatOptimizerMixin(_Optimizer):
                 self._step_group(group, flat_work[group])
         return loss
 
+    def _runs(self, group, items: list) -> tuple[torch.Tensor, list, list[int]]:
+        """build_runs over ``items`` ((index, parameter, optimizer group index) of ``group``), each keyed by
+        _flat_key, which advances what a step advances (AdamW's step)."""
+        return build_runs(group, [(i, self._flat_key(gi, p)) for i, p, gi in items])
+
     def _step_group(self, group, items: list) -> None:
         """One kernel launch over the group's flat buffers (in a CUDA graph: reading its device table)."""
         flat = self._flat(group)
-        keyed = [(i, self._flat_key(gi, p)) for i, p, gi in items]
-        runs, keys, _ = build_runs(group, keyed)
+        runs, keys, _ = self._runs(group, items)
+        coeffs = self._coeffs(keys)
         table = None
         if self._graph is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             table = self._graph.tables.get(group)
@@ -219,8 +224,8 @@ class FlatOptimizerMixin(_Optimizer):
                 raise RuntimeError("mfsdp_ext.graphed: a parameter group was first stepped inside the capture; run "
                                    "warm-up steps that step every parameter before capturing")
             self._graph.items[group], self._graph.runs[group] = items, runs
-            self._graph.pending[group] = _native.optim_device_table(runs, self._coeffs(keys))
-        self._run_kernel(group, flat, runs, keys, self._coeffs(keys), table)
+            self._graph.pending[group] = _native.optim_device_table(runs, coeffs)
+        self._run_kernel(group, flat, runs, keys, coeffs, table)
         for i, p, gi in items:
             self._after_flat(gi, p, flat, i)
 
@@ -256,7 +261,7 @@ class FlatOptimizerMixin(_Optimizer):
         graph = self._graph
         done = {}
         for group, items in graph.items.items():
-            runs, keys, firsts = build_runs(group, [(i, self._flat_key(gi, p)) for i, p, gi in items])
+            runs, keys, firsts = self._runs(group, items)
             if not torch.equal(runs, graph.runs[group]):
                 raise RuntimeError("mfsdp_ext.graphed: the optimizer's runs changed (parameters stepped apart); "
                                    "capture again")

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..params import offload
-from .flat_state import build_runs, flat_owner
+from .flat_state import flat_owner
 
 if TYPE_CHECKING:
     from ..params.group import ParamGroup
@@ -85,7 +85,7 @@ class BackwardSteps:
         for i, p, _ in items:
             opt._state_for(p, group, i)
         flat = opt._flat(group)
-        runs, keys, _ = build_runs(group, [(i, opt._flat_key(gi, p)) for i, p, gi in items])
+        runs, keys, _ = opt._runs(group, items)
         coeffs = opt._coeffs(keys)
         for i, p, gi in items:
             opt._after_flat(gi, p, flat, i)
