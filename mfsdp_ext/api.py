@@ -41,8 +41,8 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
                 mp_policy=_DEFAULT_MP_POLICY, offload_policy=None, ignored_params: Optional[set] = None,
                 dp_mesh_dims=None, sharding_strategy: Union[str, Strategy] = Strategy.OPTIM_GRADS_PARAMS,
                 use_symm_mem: Union[bool, str] = False, native_collectives: bool = False, verbose: bool = False,
-                check_finite_grads: bool = False, copy_engine_all_gather: bool = False,
-                copy_engine_reduce_scatter: bool = False) -> Union[nn.Module, list]:
+                check_finite_grads: bool = False, copy_engine_all_gather: Union[bool, str] = "auto",
+                copy_engine_reduce_scatter: Union[bool, str] = "auto") -> Union[nn.Module, list]:
     """Shard ``module``'s parameters (those no inner ``fully_shard`` unit owns) over ``mesh``, in place.
 
     Apply bottom-up (blocks first, then the root). Afterwards ``module.parameters()`` are fp32 DTensor shards
@@ -75,8 +75,10 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
         check_finite_grads: on the root: after each backward, raise ``NonFiniteGradError`` on every rank naming
             the first parameter whose reduced gradient holds NaN or inf.
         copy_engine_all_gather: move the weights with the copy engines through peer-mapped memory (GPUs of one
-            host) instead of NCCL's kernels, leaving every SM to the compute beside them.
-        copy_engine_reduce_scatter: the same for the bf16 gradients' exchange.
+            host) instead of NCCL's kernels, leaving every SM to the compute beside them. "auto" (default): wherever
+            they can run (CUDA, NCCL, the shard group on one host, torch's symmetric memory) and ``use_symm_mem``
+            and ``native_collectives`` are off; True: refused where they cannot; False: NCCL's all-gather.
+        copy_engine_reduce_scatter: the same for the bf16 gradients' exchange (the default wire on one host).
 
     Returns:
         ``module`` (the list, for the list form).

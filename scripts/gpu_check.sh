@@ -15,7 +15,7 @@
 #   peer: PyTorch's FSDP2 tests on the GPUs (PEER_TESTS, PEER_FILES); fastpath: configs 3 and 2 with defaults only, back to back and synchronised each step (the host time of a call);
 #   graphs6: config 6 with graphs; graphsx: configs 3 and 1 captured/graphed over symmetric memory and native
 #   collectives; graphsce: the copy-engine collectives under graphs, configs 1-5 (graphsce6: config 6; ceeager: the
-#   same without graphs); carveout: matmuls leaving SMs to NCCL; titan: torchtitan's Trainer at the 8B shape, see
+#   same without graphs; cedefault: the default copy engines against NCCL's collectives, CE_CONFIGS); carveout: matmuls leaving SMs to NCCL; titan: torchtitan's Trainer at the 8B shape, see
 #   scripts/gpu_titan.sh; nd: N-D layouts on 4 GPUs: Shard(1) GPU tests, dp2 x tp2 step rows at configs 1 and 6;
 #   hosts2: 4 GPUs simulated as 2 hosts of 2 (MFSDP_EXT_SIMULATE_HOSTS=2, NCCL without P2P and shared memory),
 #   configs 1 and 4 ours vs FSDP2; offload: CPU offload: its GPU tests, config 6 offloaded and not, ours and FSDP2, in one run (2 GPUs), and the
@@ -242,6 +242,14 @@ ours_graphed,ours_fp8_fused,ours_fp8_captured,ours_fp8_graphed --steps 10 --warm
         run fastpath timeout -k 10 400 torchrun --standalone --nproc-per-node "${GRAPH_GPUS:-$(nvidia-smi -L | wc -l)}" \
             benchmarks/step.py --configs "${SYNC_CONFIGS:-3,2}" --impls fsdp2_fused,fsdp2_captured,ours_fused,\
 ours_captured,ours_graphed --steps 15 --warmup 3 --sync-steps 15 --no-floor --out "$OUT/fastpath" ;;
+    cedefault)  # the default ("auto": the copy engines on one host) against NCCL's collectives (both copy-engine flags
+                # False), same run: eager, captured and whole-step graphed, back to back and synchronised after every
+                # step, step time and peak; FSDP2 captured as the reference (CE_CONFIGS, default 3,2; GRAPH_GPUS or all)
+        off=copy_engine_all_gather=False,copy_engine_reduce_scatter=False
+        run cedefault timeout -k 10 "${CE_TIMEOUT:-400}" torchrun --standalone \
+            --nproc-per-node "${GRAPH_GPUS:-$(nvidia-smi -L | wc -l)}" benchmarks/step.py --configs "${CE_CONFIGS:-3,2}" \
+            --impls fsdp2_captured,ours_fused,ours_captured,ours_graphed --extra-fused "$off" --extra-captured "$off" \
+            --extra-graphed "$off" --steps 15 --warmup 3 --sync-steps 15 --no-floor --out "$OUT/cedefault" ;;
     peer)  # PyTorch's own FSDP2 tests on this host's GPUs, FSDP2 and ours (scripts/fsdp2_tests.py): PEER_TESTS names the
            # folder of test_fully_shard_*.py (PyTorch's, at the installed torch's version), PEER_FILES some of them
         python3 -c "import expecttest" 2>/dev/null || echo "peer: torch's test helpers import expecttest: python3 -m pip install expecttest"

@@ -571,17 +571,24 @@ def _case_errors():
                                            lambda: fully_shard(nn.Linear(4, 4), copy_engine_all_gather=True))
         msgs["copy_engine_rs_gloo"] = _expect(RuntimeError, "copy_engine_reduce_scatter=True): it needs CUDA GPUs",
                                               lambda: fully_shard(nn.Linear(4, 4), copy_engine_reduce_scatter=True))
+        # the default, "auto": on gloo the plain collectives, without a word
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            default = fully_shard(nn.Linear(4, 4))
+            default(torch.ones(2, 4)).sum().backward()
+        _, gather, reduce = default._mfsdp_unit.groups[0].collectives
+        assert (gather.name, reduce.name, caught) == ("plain", "plain", []), (gather, reduce, caught)
     msgs["native_not_bool"] = _expect(ValueError, "native_collectives must be True or False",
                                       lambda: fully_shard(nn.Linear(4, 4), native_collectives="auto"))
     msgs["native_no_shard"] = _expect(RuntimeError, "no_shard has no all-gather",
                                       lambda: fully_shard(nn.Linear(4, 4), sharding_strategy="no_shard",
                                                           native_collectives=True))
-    msgs["copy_engine_not_bool"] = _expect(ValueError, "copy_engine_all_gather must be True or False",
+    msgs["copy_engine_not_bool"] = _expect(ValueError, "copy_engine_all_gather must be False, True or 'auto'",
                                            lambda: fully_shard(nn.Linear(4, 4), copy_engine_all_gather="yes"))
     msgs["copy_engine_and_symm"] = _expect(ValueError, "two all-gathers; pass one",
                                            lambda: fully_shard(nn.Linear(4, 4), copy_engine_all_gather=True,
                                                                use_symm_mem="auto"))
-    msgs["copy_engine_rs_not_bool"] = _expect(ValueError, "copy_engine_reduce_scatter must be True or False",
+    msgs["copy_engine_rs_not_bool"] = _expect(ValueError, "copy_engine_reduce_scatter must be False, True or 'auto'",
                                               lambda: fully_shard(nn.Linear(4, 4), copy_engine_reduce_scatter="on"))
     msgs["copy_engine_rs_and_symm"] = _expect(ValueError, "two reduce-scatters; pass one",
                                               lambda: fully_shard(nn.Linear(4, 4), copy_engine_reduce_scatter=True,

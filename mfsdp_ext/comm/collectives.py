@@ -48,6 +48,7 @@ class ParamGroup(Protocol):
     grads: Any  # its GroupGradients: pack(out, scale)
     collectives: GroupCollectives
     stats: Any  # its GroupStats: the counters tests and benchmarks read
+    offload: Any  # its HostOffload, or None: the shard lives on the GPU
 
     @property
     def sums_on_arrival(self) -> bool: ...
@@ -58,7 +59,9 @@ class ParamGroup(Protocol):
 
     def gather_end(self) -> None: ...
 
-    def write_shard(self, out: torch.Tensor) -> None: ...
+    def write_shard(self, out: torch.Tensor, start: int = 0) -> None: ...
+
+    def trainable(self) -> list: ...
 
 
 class GroupCollectives(NamedTuple):

@@ -26,14 +26,20 @@ collectives after a replay do not know which buffer it ended on. So the first co
 eager one once the stage has been captured, waits at a barrier first (``BufferTurns``).
 
 What it needs: CUDA GPUs whose ranks of the shard group all reach each other's memory (one host, NVLink or PCIe
-peer access), torch's symmetric memory. Per direction two buffers, each the largest group's shard (all-gather) or
-its whole packed gradients (reduce-scatter), held while the model lives. FP8 groups and groups split along dim > 0
-keep the plain all-gather.
+peer access), torch's symmetric memory. Per direction two buffers, held while the model lives, each the largest
+group's shard (all-gather) or packed gradients (reduce-scatter) or, where that is more, a 400th of the model's
+resident training state on this rank (``buffer_bytes``): the four stay under 1% of it. A group larger than its
+buffer goes through in windows of its shard, each one round of write, barrier and copies. FP8 groups and groups
+split along dim > 0 keep the plain all-gather.
+
+``fully_shard``'s default for both is "auto": on wherever they can run (``unavailable_reason`` is None) and the
+unit asks for no other transport (use_symm_mem, native_collectives).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Optional
 
 import torch
@@ -74,6 +80,51 @@ def reduces_by_copy_engine(g: ParamGroup) -> bool:
     return g.sums_on_arrival
 
 
+# Each buffer holds at most this share of the resident training state (``resident_bytes``), and never less than
+# MIN_BUFFER_BYTES: below a few MB a round's fixed costs (a barrier, one copy per peer) outweigh its transfer.
+BUFFER_SHARE = 1 / 400
+MIN_BUFFER_BYTES = 4 << 20
+BUFFER_ENV = "MFSDP_EXT_COPY_ENGINE_BUFFER_MB"  # overrides the cap (tuning; the same on every rank)
+
+
+def resident_bytes(g: ParamGroup) -> int:
+    """A lower bound of what a group keeps on the GPU through a training step: its fp32 main shard and gradient and
+    AdamW's two moments for a trainable group on the GPU (16 bytes per shard element), its main shard for a frozen
+    one, nothing for an offloaded one (kept on the host)."""
+    if g.offload is not None:
+        return 0
+    per_element = 16 if g.trainable() else g.main_weight.data.dtype.itemsize
+    return g.layout.shard_numel * per_element
+
+
+def buffer_bytes(need: int, resident: int) -> int:
+    """The size of each of a direction's two buffers: what its largest group ``need``s, capped at BUFFER_SHARE of
+    the resident state (``BUFFER_ENV`` MB if set); a multiple of 256 bytes, so every dtype's view is aligned."""
+    override = os.environ.get(BUFFER_ENV)
+    cap = int(float(override) * 2**20) if override else max(MIN_BUFFER_BYTES, int(resident * BUFFER_SHARE))
+    return -(-min(need, cap) // 256) * 256
+
+
+def windows(length: int, capacity: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` windows covering ``range(length)``, each at most ``capacity`` long (one for an empty
+    length, so every rank still runs one round)."""
+    return [(a, min(a + capacity, length)) for a in range(0, length, capacity)] or [(0, 0)]
+
+
+def window_pieces(pieces: list[tuple[int, int, int, int]], shard: int, world: int, start: int, stop: int
+                  ) -> torch.Tensor:
+    """The gradient exchange's pack table (pack_pieces' rows: param, first element, count, offset) for one window:
+    the parts of ``pieces`` (rank-major offsets) inside ``[start, stop)`` of each rank's shard, laid out rank-major
+    in a buffer of ``world`` windows."""
+    width, rows = stop - start, []
+    for param, first, count, offset in pieces:
+        rank, at = divmod(offset, shard)
+        lo, hi = max(at, start), min(at + count, stop)
+        if lo < hi:
+            rows.append((param, first + lo - at, hi - lo, rank * width + lo - start))
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+
+
 def peer_order(rank: int, world: int) -> list[int]:
     """The ranks whose buffers ``rank`` copies from, in the order it copies: itself first (a local copy), then the
     next rank up, and so on around. At every position the ranks of the group read from distinct ranks."""
@@ -111,8 +162,8 @@ class CopyEngineStage:
         try:
             self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
         except Exception as e:  # e.g. a peer on another host: no peer access
-            raise RuntimeError(f"fully_shard({flag}=True): the shard group's GPUs cannot map each other's memory "
-                               f"({e}). Pass {flag}=False.") from e
+            raise RuntimeError(f"mfsdp_ext: the copy engines ({flag}) need the shard group's GPUs to map each "
+                               f"other's memory, which failed ({e}). Pass fully_shard(..., {flag}=False).") from e
         self.peers = [self.buffer if r == self.rank else self.handle.get_buffer(r, (2 * nbytes,), torch.uint8)
                       for r in range(self.world)]
         self.turns = BufferTurns()
@@ -141,73 +192,98 @@ STAGE_PIECES_BELOW_BYTES = 2 << 20
 
 
 class CopyEngineAllGather(SeparateCalls):
-    """One group's gather: its shard into this rank's next buffer, a barrier, then every piece of every rank's shard
-    copied from that rank's buffer into the parameters, or, where the pieces are small, each rank's whole shard into
-    a rank-major staging buffer whose pieces one kernel puts in place. The views and the copy plan are made once:
-    the group's pieces and the buffers keep their storage for the model's life."""
+    """One group's gather, in windows of its shard as large as a buffer holds (one for most groups). Per window:
+    that part of its shard into this rank's next buffer, a barrier, then every piece of every rank's window copied
+    from that rank's buffer into the parameters, or, where the pieces are small, each rank's window into a rank-major
+    staging buffer whose pieces one kernel puts in place at the end. The views and the copy plan are made once: the
+    group's pieces and the buffers keep their storage for the model's life."""
 
     name = "copy_engine"
 
     def __init__(self, stage: CopyEngineStage, g: ParamGroup):
         shard, dtype, world = g.layout.shard_numel, g.compute_dtype, stage.world
         self.stage, self.shard, self.dtype = stage, shard, dtype
-        self.own = [stage.view(stage.rank, b, shard, dtype) for b in (0, 1)]
-        self.sources = [[stage.view(r, b, shard, dtype) for r in range(world)] for b in (0, 1)]
+        self.windows = windows(shard, stage.nbytes // dtype.itemsize)
+        # per buffer, per window: this rank's part, and every rank's
+        self.own = [[stage.view(stage.rank, b, stop - start, dtype) for start, stop in self.windows] for b in (0, 1)]
+        self.sources = [[[stage.view(r, b, stop - start, dtype) for r in range(world)] for start, stop in self.windows]
+                        for b in (0, 1)]
         self.offsets, self.pieces = list(g.plan.rank_major_offsets), list(g.plan.unsharded_pieces)
         piece_bytes = sum(p.numel() for p in self.pieces) * dtype.itemsize / max(len(self.pieces), 1)
         self.staged = len(self.pieces) > world and piece_bytes < STAGE_PIECES_BELOW_BYTES
-        # per buffer, in peer order: (source rank, piece of the unsharded parameters, where it lies in that rank's
-        # buffer)
+        # per buffer, per window, in peer order: (piece part of the unsharded parameters, where it lies in its
+        # rank's buffer)
         turn = {r: i for i, r in enumerate(peer_order(stage.rank, world))}
         by_turn = sorted(zip(self.offsets, self.pieces), key=lambda op: turn[op[0] // shard])
-        self.in_place = [[(offset // shard, piece, self.sources[b][offset // shard][offset % shard :][: piece.numel()])
-                          for offset, piece in by_turn] for b in (0, 1)]
+        self.in_place = [[self._window_copies(by_turn, sources, start, stop)
+                          for (start, stop), sources in zip(self.windows, self.sources[b])] for b in (0, 1)]
+
+    def _window_copies(self, by_turn, sources, start: int, stop: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        copies = []
+        for offset, piece in by_turn:
+            rank, at = divmod(offset, self.shard)
+            lo, hi = max(at, start), min(at + piece.numel(), stop)
+            if lo < hi:
+                copies.append((piece.view(-1)[lo - at : hi - at], sources[rank][lo - start : hi - start]))
+        return copies
 
     def __call__(self, g: ParamGroup) -> None:
-        buffer = self.stage.next_buffer()
-        g.write_shard(self.own[buffer])
-        self.stage.barrier()
-        if not self.staged:
-            for _, piece, source in self.in_place[buffer]:
-                piece.copy_(source)
-            return
-        staged = torch.empty(self.stage.world * self.shard, dtype=self.dtype, device=self.own[0].device)
-        for r in peer_order(self.stage.rank, self.stage.world):
-            staged[r * self.shard : (r + 1) * self.shard].copy_(self.sources[buffer][r])
-        _native.unpack(staged, self.offsets, self.pieces)
+        staged = None
+        if self.staged:
+            staged = torch.empty(self.stage.world * self.shard, dtype=self.dtype, device=self.own[0][0].device)
+        for k, (start, stop) in enumerate(self.windows):
+            buffer = self.stage.next_buffer()
+            g.write_shard(self.own[buffer][k], start)
+            self.stage.barrier()
+            if staged is None:
+                for piece, source in self.in_place[buffer][k]:
+                    piece.copy_(source)
+                continue
+            for r in peer_order(self.stage.rank, self.stage.world):
+                staged[r * self.shard + start : r * self.shard + stop].copy_(self.sources[buffer][k][r])
+        if staged is not None:
+            _native.unpack(staged, self.offsets, self.pieces)
 
 
 class CopyEngineReduceScatter(SeparateCalls):
     """One group's gradient exchange (reduces_by_copy_engine): what PlainReduceScatter's all-to-all delivers, through
-    the copy engines. Its grads packed rank-major in their own dtype into this rank's next buffer, a barrier, then
-    this rank's chunk copied out of every rank's buffer: the shards that arrived, summed where they go
-    (ArrivedShards), with the same bits as NCCL's all-to-all."""
+    the copy engines, in windows of the shard as wide as a buffer holds for every rank (one for most groups). Per
+    window: its grads packed rank-major in their own dtype into this rank's next buffer, a barrier, then this rank's
+    part copied out of every rank's buffer: the shards that arrived, summed where they go (ArrivedShards), with the
+    same bits as NCCL's all-to-all."""
 
     name = "copy_engine"
 
     def __init__(self, stage: CopyEngineStage, g: ParamGroup):
         shard, dtype, world, rank = g.layout.shard_numel, g.reduce_comm_dtype, stage.world, stage.rank
         self.stage, self.shard, self.dtype = stage, shard, dtype
-        self.packed = [stage.view(rank, b, world * shard, dtype) for b in (0, 1)]
-        self.chunks = [[stage.view(r, b, world * shard, dtype)[rank * shard : (rank + 1) * shard]
-                        for r in range(world)] for b in (0, 1)]
+        self.windows = windows(shard, stage.nbytes // dtype.itemsize // world)
+        self.tables = [window_pieces(g.plan.pieces, shard, world, start, stop) for start, stop in self.windows]
+        # per buffer, per window: this rank's packed buffer, and its part of every rank's
+        self.packed = [[stage.view(rank, b, world * (stop - start), dtype) for start, stop in self.windows]
+                       for b in (0, 1)]
+        self.chunks = [[[stage.view(r, b, world * (stop - start), dtype)[rank * (stop - start) :][: stop - start]
+                         for r in range(world)] for start, stop in self.windows] for b in (0, 1)]
 
     def __call__(self, g: ParamGroup, scale: float) -> ArrivedShards:
-        buffer = self.stage.next_buffer()
-        g.grads.pack(self.packed[buffer], 1.0)
-        self.stage.barrier()
-        arrived = torch.empty(self.stage.world, self.shard, dtype=self.dtype, device=self.packed[0].device)
-        for r in peer_order(self.stage.rank, self.stage.world):
-            arrived[r].copy_(self.chunks[buffer][r])
+        arrived = torch.empty(self.stage.world, self.shard, dtype=self.dtype, device=self.packed[0][0].device)
+        grads = g.grads.local_grads()
+        for k, (start, stop) in enumerate(self.windows):
+            buffer = self.stage.next_buffer()
+            _native.pack_pieces(grads, self.tables[k], self.packed[buffer][k], 1.0)
+            self.stage.barrier()
+            for r in peer_order(self.stage.rank, self.stage.world):
+                arrived[r, start:stop].copy_(self.chunks[buffer][k][r])
         return ArrivedShards(arrived, scale)
 
 
-def copy_engine_collectives(gathers: list[ParamGroup], reduces: list[ParamGroup], device: DeviceHandle
-                            ) -> tuple[list[CopyEngineStage], dict]:
+def copy_engine_collectives(gathers: list[ParamGroup], reduces: list[ParamGroup], device: DeviceHandle,
+                            resident: int) -> tuple[list[CopyEngineStage], dict]:
     """The copy-engine all-gather of the groups in ``gathers`` and gradient exchange of those in ``reduces`` (each
     eligible: gathers_by_copy_engine, reduces_by_copy_engine): returns the stages they share (one per direction in
-    use) and id(group) -> (all-gather or None, reduce-scatter or None). Collective over the shard group: every rank
-    calls it alike."""
+    use) and id(group) -> (all-gather or None, reduce-scatter or None). ``resident``: the resident training state
+    of every group under the root (resident_bytes), which caps the buffers. Collective over the shard group: every
+    rank calls it alike."""
     stages: list[CopyEngineStage] = []
     ops: dict = {}
     for slot, (flag, groups, op, nbytes_of) in enumerate((
@@ -220,8 +296,8 @@ def copy_engine_collectives(gathers: list[ParamGroup], reduces: list[ParamGroup]
         shard_group = groups[0].shard_group
         if any(g.shard_group is not shard_group for g in groups):
             raise ValueError(f"{flag}: all units under one root must shard over the same group")
-        stage = CopyEngineStage(shard_group, max(map(nbytes_of, groups)), device=device, channel=len(stages),
-                                flag=flag)
+        stage = CopyEngineStage(shard_group, buffer_bytes(max(map(nbytes_of, groups)), resident), device=device,
+                                channel=len(stages), flag=flag)
         for g in groups:
             pair = list(ops.get(id(g), (None, None)))
             pair[slot] = op(stage, g)

@@ -10,8 +10,9 @@ against the shard group with errors that say what to do.
 For each direction the first that applies wins:
 
   1. FSDP2's custom hook (``set_custom_all_gather`` / ``set_custom_reduce_scatter``), for the groups it can carry;
-  2. the copy engines, where the unit asks for them and the group can take them (not FP8 groups or dim > 0 splits
-     for the gather; only a gradient exchange that sums on arrival, the narrow wire, for the reduction);
+  2. the copy engines, where the unit asks for them (True, or "auto", the default: wherever they can run and the
+     unit asks for no other transport) and the group can take them (not FP8 groups or dim > 0 splits for the
+     gather; only a gradient exchange that sums on arrival, the narrow wire, for the reduction);
   3. NCCL symmetric memory, where the unit asks for it (True, or "auto" where it timed faster for that size);
   4. the plain collectives over the unit's transport (the reduce-scatter on a process group of its own with FSDP2's
      ``set_separate_reduce_scatter_group``).
@@ -38,6 +39,8 @@ from .symmetric.collectives import SymmetricAllGather, SymmetricReduceScatter, S
 from .symmetric.comm import is_available as symmetric_available
 
 SymmMem = Union[bool, str]  # False, True or "auto"
+CopyEngines = Union[bool, str]  # False, True or "auto" (the default)
+COPY_ENGINE_FLAGS = ("copy_engine_all_gather", "copy_engine_reduce_scatter")
 
 
 @dataclass(frozen=True)
@@ -47,15 +50,15 @@ class CommPolicy:
 
     native: bool = False  # the plain collectives on mfsdp_ext's own NCCL communicator (comm/native.py)
     symm_mem: SymmMem = False  # NCCL symmetric memory: True, or "auto" (kept per size where it times faster)
-    copy_engine_all_gather: bool = False  # weights moved by the copy engines (comm/copy_engine.py)
-    copy_engine_reduce_scatter: bool = False  # bf16 gradients exchanged by the copy engines
+    copy_engine_all_gather: CopyEngines = "auto"  # weights moved by the copy engines (comm/copy_engine.py)
+    copy_engine_reduce_scatter: CopyEngines = "auto"  # bf16 gradients exchanged by the copy engines
     custom_all_gather: Any = None  # FSDP2's AllGather hook (comm/custom.py)
     custom_reduce_scatter: Any = None  # FSDP2's ReduceScatter hook
     reduce_scatter_group: Any = None  # set_separate_reduce_scatter_group: the plain reduce-scatters' own group
 
     @classmethod
     def checked(cls, shard_group: Optional[dist.ProcessGroup], *, native: bool = False, symm_mem: SymmMem = False,
-                copy_engine_all_gather: bool = False, copy_engine_reduce_scatter: bool = False,
+                copy_engine_all_gather: CopyEngines = "auto", copy_engine_reduce_scatter: CopyEngines = "auto",
                 several_meshes: bool = False) -> CommPolicy:
         """The policy for a unit sharded over ``shard_group`` (None: no_shard), checked.
 
@@ -64,21 +67,22 @@ class CommPolicy:
             native: ``fully_shard(native_collectives=...)``.
             symm_mem: ``fully_shard(use_symm_mem=...)``; "auto" falls back to the plain collectives, with one
                 warning, where symmetric memory is unavailable.
-            copy_engine_all_gather: ``fully_shard(copy_engine_all_gather=...)``.
-            copy_engine_reduce_scatter: ``fully_shard(copy_engine_reduce_scatter=...)``.
+            copy_engine_all_gather: ``fully_shard(copy_engine_all_gather=...)``: True, False or "auto" (decided per
+                group at lazy init: ``uses_copy_engines``).
+            copy_engine_reduce_scatter: ``fully_shard(copy_engine_reduce_scatter=...)``, the same.
             several_meshes: shard_placement_fn put parameters on meshes of their own (symmetric memory takes one).
 
         Raises:
             ValueError: a value of the wrong kind, or two settings that move the same bytes two ways.
             RuntimeError: a setting asked for (True) that this build, backend or machine cannot give.
         """
-        for name, value in (("native_collectives", native), ("copy_engine_all_gather", copy_engine_all_gather),
+        if native not in (False, True):
+            raise ValueError(f"native_collectives must be True or False, got {native!r}")
+        for name, value in (("use_symm_mem", symm_mem), ("copy_engine_all_gather", copy_engine_all_gather),
                             ("copy_engine_reduce_scatter", copy_engine_reduce_scatter)):
-            if value not in (False, True):
-                raise ValueError(f"{name} must be True or False, got {value!r}")
-        if symm_mem not in (False, True, "auto"):
-            raise ValueError(f"use_symm_mem must be False, True or 'auto', got {symm_mem!r}")
-        policy = cls(bool(native), symm_mem, bool(copy_engine_all_gather), bool(copy_engine_reduce_scatter))
+            if not any(value is choice for choice in (False, True)) and value != "auto":
+                raise ValueError(f"{name} must be False, True or 'auto', got {value!r}")
+        policy = cls(bool(native), symm_mem, copy_engine_all_gather, copy_engine_reduce_scatter)
         policy._check_copy_engines(shard_group)
         if native:
             _refuse(native_reason(shard_group), "native_collectives=True", "native_collectives=False (the default: "
@@ -92,9 +96,8 @@ class CommPolicy:
             ValueError: the unit moves its bytes with the copy engines.
             RuntimeError: NCCL symmetric memory is unavailable here.
         """
-        for name, on in (("copy_engine_all_gather", self.copy_engine_all_gather),
-                         ("copy_engine_reduce_scatter", self.copy_engine_reduce_scatter)):
-            if on:
+        for name in COPY_ENGINE_FLAGS:
+            if getattr(self, name) is True:
                 raise ValueError(f"set_symm_mem_for_comm: this unit has {name}=True; symmetric memory and the copy "
                                  "engines are two ways to move the same bytes: pass one")
         ok, why = symmetric_available(shard_group)
@@ -102,10 +105,21 @@ class CommPolicy:
             raise RuntimeError(f"set_symm_mem_for_comm: NCCL symmetric memory is unavailable here: {why}")
         return dataclasses.replace(self, symm_mem=True)
 
+    def uses_copy_engines(self, flag: str, g: ParamGroup) -> bool:
+        """Whether group ``g`` of this unit asks for the copy engines in the direction ``flag`` names (one of
+        COPY_ENGINE_FLAGS): True as asked (checked at fully_shard), "auto" where they can run over its shard group
+        and the unit asks for no other transport. The same answer on every rank (collective over the shard group
+        the first time: comm/dist_ops.on_one_host)."""
+        value = getattr(self, flag)
+        if value != "auto":
+            return bool(value)
+        if self.native or self.symm_mem or g.world == 1:
+            return False
+        return copy_engine.unavailable_reason(g.shard_group) is None
+
     def _check_copy_engines(self, shard_group: Optional[dist.ProcessGroup]) -> None:
-        for name, on in (("copy_engine_all_gather", self.copy_engine_all_gather),
-                         ("copy_engine_reduce_scatter", self.copy_engine_reduce_scatter)):
-            if not on:
+        for name in COPY_ENGINE_FLAGS:
+            if getattr(self, name) is not True:
                 continue
             if self.symm_mem:
                 what = name.removeprefix("copy_engine_").replace("_", "-")
@@ -117,8 +131,12 @@ class CommPolicy:
         """What differs from the defaults, e.g. "native, symm_mem=auto" ("" for the defaults): the same-model check
         and the unit summary name it."""
         fields = [f.name if value is True else f"{f.name}={value if isinstance(value, (bool, str)) else 'set'}"
-                  for f in dataclasses.fields(self) if (value := getattr(self, f.name)) is not f.default]
+                  for f in dataclasses.fields(self) if not _is_default(value := getattr(self, f.name), f.default)]
         return ", ".join(fields)
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    return value is default or (isinstance(value, str) and value == default)
 
 
 def native_reason(group: Optional[dist.ProcessGroup]) -> Optional[str]:
@@ -176,10 +194,10 @@ def assign_collectives(units: list[tuple[CommPolicy, list]], device: DeviceHandl
     transports = {id(g): _transport(policy, g) for policy, g in pairs}
     wanted = [(g, policy.symm_mem) for policy, g in pairs if policy.symm_mem]
     stages, by_symmetric = symmetric_choice.choose_symmetric(wanted, transports)
-    ce_gather = [g for policy, g in pairs if policy.copy_engine_all_gather and copy_engine.gathers_by_copy_engine(g)]
-    ce_reduce = [g for policy, g in pairs
-                 if policy.copy_engine_reduce_scatter and copy_engine.reduces_by_copy_engine(g)]
-    ce_stages, by_copy_engine = copy_engine.copy_engine_collectives(ce_gather, ce_reduce, device)
+    ce_gather = _copy_engine_groups(pairs, "copy_engine_all_gather", copy_engine.gathers_by_copy_engine)
+    ce_reduce = _copy_engine_groups(pairs, "copy_engine_reduce_scatter", copy_engine.reduces_by_copy_engine)
+    resident = sum(copy_engine.resident_bytes(g) for _, g in pairs)
+    ce_stages, by_copy_engine = copy_engine.copy_engine_collectives(ce_gather, ce_reduce, device, resident)
     for policy, g in pairs:
         transport = transports[id(g)]
         ag, rs = by_copy_engine.get(id(g), (None, None))
@@ -191,6 +209,18 @@ def assign_collectives(units: list[tuple[CommPolicy, list]], device: DeviceHandl
                                            rs or sym_rs or plain_rs))
     use_custom(pairs)
     return CommResources(stages, ce_stages)
+
+
+def _copy_engine_groups(pairs: list[tuple[CommPolicy, Any]], flag: str, eligible) -> list:
+    """The groups whose ``flag`` direction goes through the copy engines: those asking for them that can take them.
+    One stage serves one shard group: groups there by "auto" on another shard group than the first asked for
+    keep NCCL's collectives (e.g. experts sharded over their own mesh); ones there by True raise in
+    copy_engine_collectives."""
+    groups = [(getattr(policy, flag), g) for policy, g in pairs if eligible(g) and policy.uses_copy_engines(flag, g)]
+    if not groups:
+        return []
+    first = next((g for value, g in groups if value is True), groups[0][1]).shard_group
+    return [g for value, g in groups if value is True or g.shard_group is first]
 
 
 def use_custom(pairs: list[tuple[CommPolicy, Any]]) -> None:

@@ -189,7 +189,7 @@ class Fp8ParamGroup(ParamGroup):
             for info in self.infos:
                 _fp8_layer(info)._use_fp8_weight(None)
 
-    def write_shard(self, out: torch.Tensor) -> None:
+    def write_shard(self, out: torch.Tensor, start: int = 0) -> None:
         raise RuntimeError("mfsdp_ext: FP8 groups gather with their own plain all-gather (no symmetric staging)")
 
     def cast_into_own_slots(self) -> None:

@@ -354,15 +354,17 @@ class ParamGroup:
         if not self.replicated:
             self.stats.all_gather_bytes += self.plan.gathered_bytes(self.compute_dtype)
 
-    def write_shard(self, out: torch.Tensor) -> None:
-        """This rank's compute-dtype shard into ``out``, a flat buffer in the shard layout."""
+    def write_shard(self, out: torch.Tensor, start: int = 0) -> None:
+        """This rank's compute-dtype shard into ``out``, a flat buffer in the shard layout: from shard element
+        ``start`` on, as many as ``out`` holds (the copy engines move a large shard in pieces)."""
+        window = slice(start, start + out.numel())
         if self.cast.in_slot and self.offload is not None:
-            self.offload.upload(self.offload.weight.data, out)
+            self.offload.upload(self.offload.weight.data[window], out)
         elif self.cast.in_slot:
-            _native.cast(self.main_weight.data, out)
-            self.stats.weight_syncs += 1
+            _native.cast(self.main_weight.data[window], out)
+            self.stats.weight_syncs += start == 0
         else:
-            out.copy_(self.gather_source().data)
+            out.copy_(self.gather_source().data[window])
 
     def cast_into_own_slots(self) -> None:
         """This rank's compute-dtype chunks straight into its slots of the unsharded buffer (one native cast;

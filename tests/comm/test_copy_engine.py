@@ -23,9 +23,12 @@ from mfsdp_ext.comm.copy_engine import (
     CopyEngineAllGather,
     CopyEngineReduceScatter,
     CopyEngineStage,
+    buffer_bytes,
     gathers_by_copy_engine,
     peer_order,
     reduces_by_copy_engine,
+    window_pieces,
+    windows,
 )
 from mfsdp_ext.core.device import DeviceHandle
 from mfsdp_ext.testing.models import TinyLM, batch, lm_loss, rank_device, shard_tiny_lm
@@ -49,6 +52,12 @@ class _ExchangedStage:
         self.barriers += 1
 
 
+def _rank_of(stage: _ExchangedStage, view: torch.Tensor) -> int:
+    """Whose buffer ``view`` lies in."""
+    storage = view.untyped_storage().data_ptr()
+    return next(r for r, peer in enumerate(stage.peers) if peer.untyped_storage().data_ptr() == storage)
+
+
 def _case_pieces_match_plain_gather():
     torch.manual_seed(5)
     # odd sizes: parameters split unevenly, some ranks' chunks empty or padded
@@ -65,20 +74,26 @@ def _case_pieces_match_plain_gather():
         g.all_gather()
         plain = [g.unsharded.param_view(i).clone() for i in slots]
         assert any(p.abs().sum() > 0 for p in plain)  # the weights are not all zero: the copies must write them
-        stage = _ExchangedStage(g.layout.shard_numel * g.compute_dtype.itemsize)
-        op = CopyEngineAllGather(stage, g)
-        assert op.staged == (len(op.pieces) > stage.world)  # the tiny model's pieces are all small
-        op.staged = len(paths) % 2 == 1 and op.staged  # every other group copied in place: both ways checked
-        sources = [source for source, _, _ in op.in_place[0]]
-        turns = [peer_order(stage.rank, stage.world).index(source) for source in sources]
-        assert turns == sorted(turns) and len(set(sources)) == stage.world, sources  # in peer order, from all
-        for gather in range(3):  # buffer 0, 1, 0: one barrier each (eager)
-            g.unsharded.data.zero_()
-            g.all_gather(op)
-            assert stage.barriers == gather + 1 and stage.turns.buffer == gather % 2
-            for i in slots:
-                assert torch.equal(g.unsharded.param_view(i), plain[i]), (g.unit().name, i, gather)
-        paths.append("staged" if op.staged else "in place")
+        shard_bytes = g.layout.shard_numel * g.compute_dtype.itemsize
+        third = -(-g.layout.shard_numel // 3) * g.compute_dtype.itemsize
+        for nbytes in (shard_bytes, third):  # one window, then three
+            stage = _ExchangedStage(nbytes)
+            op = CopyEngineAllGather(stage, g)
+            assert len(op.windows) == (1 if nbytes == shard_bytes else 3), op.windows
+            assert op.staged == (len(op.pieces) > stage.world)  # the tiny model's pieces are all small
+            op.staged = len(paths) % 2 == 1 and op.staged  # every other gather copied in place: both ways checked
+            if nbytes == shard_bytes:
+                sources = [_rank_of(stage, source) for _, source in op.in_place[0][0]]
+                turns = [peer_order(stage.rank, stage.world).index(source) for source in sources]
+                assert turns == sorted(turns) and len(set(sources)) == stage.world, sources  # peer order, from all
+            for gather in range(3):  # buffer 0, 1, 0, ...: one barrier per window (eager)
+                g.unsharded.data.zero_()
+                g.all_gather(op)
+                rounds = (gather + 1) * len(op.windows)
+                assert stage.barriers == rounds and stage.turns.buffer == (rounds - 1) % 2
+                for i in slots:
+                    assert torch.equal(g.unsharded.param_view(i), plain[i]), (g.unit().name, i, gather, nbytes)
+            paths.append("staged" if op.staged else "in place")
         g.stats = stats
         g.free_unsharded()
     return {"groups": len(groups), "paths": sorted(set(paths))}
@@ -99,12 +114,15 @@ def _case_arrived_match_plain_all_to_all():
         for info in g.infos:
             info.unsharded.grad = torch.randn_like(info.unsharded, dtype=g.compute_dtype)
         plain = TORCH_TRANSPORT.reduce_scatter_op(g, 0.5)
-        stage = _ExchangedStage(g.layout.rank_major_numel * g.reduce_comm_dtype.itemsize)
-        op = CopyEngineReduceScatter(stage, g)
-        for exchange in range(3):
-            arrived = op(g, 0.5)
-            assert stage.barriers == exchange + 1 and arrived.scale == plain.scale
-            assert torch.equal(arrived.parts, plain.parts), (g.unit().name, exchange)
+        packed_bytes = g.layout.rank_major_numel * g.reduce_comm_dtype.itemsize
+        for nbytes in (packed_bytes, packed_bytes // 4 // 2 * 2):  # one window, then about four
+            stage = _ExchangedStage(nbytes)
+            op = CopyEngineReduceScatter(stage, g)
+            assert (len(op.windows) == 1) == (nbytes == packed_bytes), op.windows
+            for exchange in range(3):
+                arrived = op(g, 0.5)
+                assert stage.barriers == (exchange + 1) * len(op.windows) and arrived.scale == plain.scale
+                assert torch.equal(arrived.parts, plain.parts), (g.unit().name, exchange, nbytes)
         assert plain.parts.abs().sum() > 0
         g.grads.drop_unsharded()
     return {"groups": len(groups)}
@@ -118,6 +136,30 @@ def test_pieces_match_plain_gather(cpu_pool):
     results = cpu_pool.run(_case_pieces_match_plain_gather)
     print(results[0])
     assert results[0]["paths"] == ["in place", "staged"], results[0]  # both ways of copying were checked
+
+
+def test_windows_and_buffer_sizes():
+    """A group larger than its buffer goes in windows that cover its shard once; the pack table of each window puts
+    every gradient element where that window's buffer holds it; the buffers are capped by the resident state."""
+    assert windows(10, 4) == [(0, 4), (4, 8), (8, 10)] and windows(8, 8) == [(0, 8)] and windows(0, 4) == [(0, 0)]
+    shard, world = 10, 3
+    # three parameters of 7, 12 and 11 elements, split over 3 ranks' shards of 10 (the layout's rank-major pieces)
+    pieces = [(0, 0, 7, 0), (1, 0, 3, 7), (1, 3, 7, 10), (1, 10, 2, 20), (2, 0, 3, 17), (2, 3, 8, 22)]
+    grads = [torch.arange(7.0) + 100, torch.arange(12.0) + 200, torch.arange(11.0) + 300]
+    full = torch.zeros(world * shard)
+    for param, first, count, offset in pieces:
+        full[offset : offset + count] = grads[param][first : first + count]
+    for start, stop in windows(shard, 4):
+        width = stop - start
+        out = torch.zeros(world * width)
+        for param, first, count, offset in window_pieces(pieces, shard, world, start, stop).tolist():
+            assert out[offset : offset + count].eq(0).all()  # no element written twice
+            out[offset : offset + count] = grads[param][first : first + count]
+        expect = torch.cat([full[r * shard + start : r * shard + stop] for r in range(world)])
+        assert torch.equal(out, expect), (start, stop)
+    assert buffer_bytes(1000, 10**9) == 1024  # what the largest group needs, 256-byte aligned
+    assert buffer_bytes(10**9, 16 * 10**9) == 40 * 10**6  # a 400th of the resident state
+    assert buffer_bytes(10**9, 10**6) == 4 << 20  # never under 4 MiB
 
 
 def test_peer_order():
@@ -150,16 +192,22 @@ def _case_copy_engines():
     and its bf16 gradients exchanged by the copy engines through the peers' symmetric buffers. 3 eager steps, then 8
     steps of its whole step graphed (mfsdp_ext.graphed: the held units gathered inside the optimizer step, all of it
     replayed) with an eager evaluation forward before the last two, equal an eager twin on NCCL's collectives bit
-    for bit (losses and fp32 shards); the FP8 groups of an FP8 model keep the plain all-gather."""
+    for bit (losses and fp32 shards); so does the default ("auto") with buffers too small for the larger groups,
+    which go through in windows; the FP8 groups of an FP8 model keep the plain all-gather."""
+    import os
+
     import mfsdp_ext
+    from mfsdp_ext.comm.copy_engine import BUFFER_ENV
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     torch.manual_seed(23)
     base = TinyLM(vocab=64, dim=64, ffn=128, n_layers=3, tie=False).to(rank_device())
     ours = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=policy, copy_engine_all_gather=True,
                          copy_engine_reduce_scatter=True)
-    twin = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=policy)
-    opts = [mfsdp_ext.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, twin)]
+    twin = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=policy, copy_engine_all_gather=False,
+                         copy_engine_reduce_scatter=False)
+    auto = shard_tiny_lm(copy.deepcopy(base), fully_shard, mp_policy=policy)  # the default: "auto"
+    opts = [mfsdp_ext.optim.AdamW(m.parameters(), lr=1e-3) for m in (ours, twin, auto)]
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
 
     def make_step(model, opt):
@@ -171,24 +219,35 @@ def _case_copy_engines():
             return loss.detach()
         return train_step
 
-    eager_ours, eager_twin = make_step(ours, opts[0]), make_step(twin, opts[1])
+    eager_ours, eager_twin, eager_auto = (make_step(m, o) for m, o in zip((ours, twin, auto), opts))
     graphed = mfsdp_ext.graphed(eager_ours, warmup=2)
-    losses, twin_losses = [], []
-    for step in range(11):
-        tokens, targets = (t.chunk(world)[rank] for t in batch(step, 32 * world, seq=16, vocab=64))
-        if step == 9:  # an eager forward between replays: its gathers wait at a barrier first (copy_engine.py)
-            with torch.no_grad():
-                losses.append(lm_loss(ours, tokens, targets).item())
-                twin_losses.append(lm_loss(twin, tokens, targets).item())
-        losses.append((eager_ours if step < 3 else graphed)(tokens, targets).item())
-        twin_losses.append(eager_twin(tokens, targets).item())
-    ops = {op.name for u in ours._mfsdp_unit.context.units for g in u.groups
-           for op in (g.collectives.all_gather, g.collectives.reduce_scatter)}
-    assert ops == ({"copy_engine"} if world > 1 else {"plain"}), ops
+    losses, twin_losses, auto_losses = [], [], []
+    os.environ[BUFFER_ENV] = "0.001"  # ~1 KB buffers for "auto": the embedding's 4 KB shard takes 4 windows
+    try:
+        for step in range(11):
+            tokens, targets = (t.chunk(world)[rank] for t in batch(step, 32 * world, seq=16, vocab=64))
+            if step == 9:  # an eager forward between replays: its gathers wait at a barrier first (copy_engine.py)
+                with torch.no_grad():
+                    losses.append(lm_loss(ours, tokens, targets).item())
+                    twin_losses.append(lm_loss(twin, tokens, targets).item())
+                    auto_losses.append(lm_loss(auto, tokens, targets).item())
+            losses.append((eager_ours if step < 3 else graphed)(tokens, targets).item())
+            twin_losses.append(eager_twin(tokens, targets).item())
+            auto_losses.append(eager_auto(tokens, targets).item())
+    finally:
+        del os.environ[BUFFER_ENV]
+    expected = {"copy_engine"} if world > 1 else {"plain"}
+    for model in (ours, auto):
+        ops = {op.name for u in model._mfsdp_unit.context.units for g in u.groups
+               for op in (g.collectives.all_gather, g.collectives.reduce_scatter)}
+        assert ops == expected, ops
+    windowed = [len(g.collectives.all_gather.windows) for u in auto._mfsdp_unit.context.units for g in u.groups
+                if world > 1]
+    assert world == 1 or max(windowed) > 1, windowed
     assert graphed.captures == 1, graphed.captures
-    assert losses == twin_losses, (losses, twin_losses)
-    for (name, p), q in zip(ours.named_parameters(), twin.parameters()):
-        assert torch.equal(p.to_local(), q.to_local()), name
+    assert losses == twin_losses and auto_losses == twin_losses, (losses, twin_losses, auto_losses)
+    for (name, p), q, r in zip(ours.named_parameters(), twin.parameters(), auto.parameters()):
+        assert torch.equal(p.to_local(), q.to_local()) and torch.equal(r.to_local(), q.to_local()), name
     fp8 = shard_tiny_lm(copy.deepcopy(base), fully_shard, copy_engine_all_gather=True,
                         mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, fp8=mfsdp_ext.Fp8Policy()))
     lm_loss(fp8, tokens, targets).backward()
