@@ -211,20 +211,21 @@ class CopyEngineAllGather(SeparateCalls):
         self.offsets, self.pieces = list(g.plan.rank_major_offsets), list(g.plan.unsharded_pieces)
         piece_bytes = sum(p.numel() for p in self.pieces) * dtype.itemsize / max(len(self.pieces), 1)
         self.staged = len(self.pieces) > world and piece_bytes < STAGE_PIECES_BELOW_BYTES
-        # per buffer, per window, in peer order: (piece part of the unsharded parameters, where it lies in its
-        # rank's buffer)
+        # per buffer, per window, in peer order: (piece of the unsharded parameters, the part of it this window
+        # holds or None for all of it, where that lies in its rank's buffer)
         turn = {r: i for i, r in enumerate(peer_order(stage.rank, world))}
         by_turn = sorted(zip(self.offsets, self.pieces), key=lambda op: turn[op[0] // shard])
         self.in_place = [[self._window_copies(by_turn, sources, start, stop)
                           for (start, stop), sources in zip(self.windows, self.sources[b])] for b in (0, 1)]
 
-    def _window_copies(self, by_turn, sources, start: int, stop: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _window_copies(self, by_turn, sources, start: int, stop: int) -> list[tuple]:
         copies = []
         for offset, piece in by_turn:
             rank, at = divmod(offset, self.shard)
             lo, hi = max(at, start), min(at + piece.numel(), stop)
-            if lo < hi:
-                copies.append((piece.view(-1)[lo - at : hi - at], sources[rank][lo - start : hi - start]))
+            if lo < hi:  # a part is sliced at the copy: the pieces have no storage between gathers
+                part = None if hi - lo == piece.numel() else slice(lo - at, hi - at)
+                copies.append((piece, part, sources[rank][lo - start : hi - start]))
         return copies
 
     def __call__(self, g: ParamGroup) -> None:
@@ -236,8 +237,8 @@ class CopyEngineAllGather(SeparateCalls):
             g.write_shard(self.own[buffer][k], start)
             self.stage.barrier()
             if staged is None:
-                for piece, source in self.in_place[buffer][k]:
-                    piece.copy_(source)
+                for piece, part, source in self.in_place[buffer][k]:
+                    (piece if part is None else piece.view(-1)[part]).copy_(source)
                 continue
             for r in peer_order(self.stage.rank, self.stage.world):
                 staged[r * self.shard + start : r * self.shard + stop].copy_(self.sources[buffer][k][r])

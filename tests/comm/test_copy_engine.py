@@ -78,16 +78,18 @@ def _case_pieces_match_plain_gather():
         third = -(-g.layout.shard_numel // 3) * g.compute_dtype.itemsize
         for nbytes in (shard_bytes, third):  # one window, then three
             stage = _ExchangedStage(nbytes)
+            g.free_unsharded()  # as at lazy init: the pieces have no storage when the copies are planned
             op = CopyEngineAllGather(stage, g)
             assert len(op.windows) == (1 if nbytes == shard_bytes else 3), op.windows
             assert op.staged == (len(op.pieces) > stage.world)  # the tiny model's pieces are all small
             op.staged = len(paths) % 2 == 1 and op.staged  # every other gather copied in place: both ways checked
             if nbytes == shard_bytes:
-                sources = [_rank_of(stage, source) for _, source in op.in_place[0][0]]
+                sources = [_rank_of(stage, source) for _, _, source in op.in_place[0][0]]
                 turns = [peer_order(stage.rank, stage.world).index(source) for source in sources]
                 assert turns == sorted(turns) and len(set(sources)) == stage.world, sources  # peer order, from all
             for gather in range(3):  # buffer 0, 1, 0, ...: one barrier per window (eager)
-                g.unsharded.data.zero_()
+                g.unsharded.alloc()
+                g.unsharded.data.zero_()  # so the copies must write every element
                 g.all_gather(op)
                 rounds = (gather + 1) * len(op.windows)
                 assert stage.barriers == rounds and stage.turns.buffer == (rounds - 1) % 2
