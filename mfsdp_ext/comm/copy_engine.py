@@ -26,14 +26,16 @@ collectives after a replay do not know which buffer it ended on. So the first co
 eager one once the stage has been captured, waits at a barrier first (``BufferTurns``).
 
 What it needs: CUDA GPUs whose ranks of the shard group all reach each other's memory (one host, NVLink or PCIe
-peer access), torch's symmetric memory. Per direction two buffers, held while the model lives, each the largest
-group's shard (all-gather) or packed gradients (reduce-scatter) or, where that is more, a 400th of the model's
-resident training state on this rank (``buffer_bytes``): the four stay under 1% of it. A group larger than its
-buffer goes through in windows of its shard, each one round of write, barrier and copies. FP8 groups and groups
-split along dim > 0 keep the plain all-gather.
+peer access), torch's symmetric memory. Per direction two buffers, held while the model lives. FP8 groups and
+groups split along dim > 0 keep the plain all-gather. A group larger than its buffer goes through in windows of its
+shard, each one round of write, barrier and copies; each round costs a barrier (every rank waits for the slowest)
+and host work, so a model whose groups mostly need several rounds is slower than on NCCL (measured:
+benchmarks/results/step_copy_engine_default_2xh200.md).
 
-``fully_shard``'s default for both is "auto": on wherever they can run (``unavailable_reason`` is None) and the
-unit asks for no other transport (use_symm_mem, native_collectives).
+``fully_shard``'s default for both is "auto" (``plan``): on wherever they can run (``unavailable_reason`` is None),
+the unit asks for no other transport (use_symm_mem, native_collectives), and the buffers that keep the extra memory
+under 1% of the resident training state hold most groups whole; the rest of the groups (a transformer's embedding
+and output) go in windows. With True the buffers hold the largest group whole.
 """
 
 from __future__ import annotations
@@ -80,11 +82,11 @@ def reduces_by_copy_engine(g: ParamGroup) -> bool:
     return g.sums_on_arrival
 
 
-# Each buffer holds at most this share of the resident training state (``resident_bytes``), and never less than
-# MIN_BUFFER_BYTES: below a few MB a round's fixed costs (a barrier, one copy per peer) outweigh its transfer.
-BUFFER_SHARE = 1 / 400
-MIN_BUFFER_BYTES = 4 << 20
-BUFFER_ENV = "MFSDP_EXT_COPY_ENGINE_BUFFER_MB"  # overrides the cap (tuning; the same on every rank)
+# "auto": the copy engines' extra memory stays under this share of the resident training state (resident_bytes), and
+# they are used only where the groups that need several rounds carry at most OUTLIER_SHARE of the bytes.
+BUDGET_SHARE = 1 / 100
+OUTLIER_SHARE = 1 / 4
+BUFFER_ENV = "MFSDP_EXT_COPY_ENGINE_BUFFER_MB"  # each buffer's size for True and "auto" alike (tuning and tests)
 
 
 def resident_bytes(g: ParamGroup) -> int:
@@ -97,12 +99,50 @@ def resident_bytes(g: ParamGroup) -> int:
     return g.layout.shard_numel * per_element
 
 
-def buffer_bytes(need: int, resident: int) -> int:
-    """The size of each of a direction's two buffers: what its largest group ``need``s, capped at BUFFER_SHARE of
-    the resident state (``BUFFER_ENV`` MB if set); a multiple of 256 bytes, so every dtype's view is aligned."""
+def gather_need(g: ParamGroup) -> int:
+    """Bytes of a group's shard in the compute dtype: what one all-gather round writes."""
+    return g.layout.shard_numel * g.compute_dtype.itemsize
+
+
+def reduce_need(g: ParamGroup) -> int:
+    """Bytes of a group's gradients packed rank-major in the wire's dtype: what one exchange round writes."""
+    return g.layout.rank_major_numel * g.reduce_comm_dtype.itemsize
+
+
+def auto_buffer_bytes(resident: int, world: int) -> tuple[int, int]:
+    """(all-gather, gradient exchange) buffer sizes for "auto": two of each, within BUDGET_SHARE of ``resident``.
+    The first exchange buffer is not counted: NCCL's path allocates a pack buffer of that size at every reduction,
+    which the copy engines do not. So 2 G + R, with R = world G (a group's packed gradients are world shards)."""
+    gather = int(resident * BUDGET_SHARE / (2 + world))
+    return gather, world * gather
+
+
+def plan(asked: list[tuple[object, ParamGroup]], need, auto_bytes: int) -> tuple[list[ParamGroup], int]:
+    """Which groups of one direction go through the copy engines, and the size of each of its two buffers.
+
+    Args:
+        asked: (the unit's value, True or "auto"; the group) of each group that asks and can take them.
+        need: gather_need or reduce_need.
+        auto_bytes: the buffer size "auto" allows (auto_buffer_bytes).
+
+    With a True the buffers hold the largest group whole. With "auto" alone, the groups too large for auto_bytes
+    must carry at most OUTLIER_SHARE of the bytes, else the plain collectives are faster (too many rounds): none.
+    ``BUFFER_ENV`` sets the size for both."""
+    groups = [g for _, g in asked]
+    if not groups:
+        return [], 0
+    largest = max(map(need, groups))
     override = os.environ.get(BUFFER_ENV)
-    cap = int(float(override) * 2**20) if override else max(MIN_BUFFER_BYTES, int(resident * BUFFER_SHARE))
-    return -(-min(need, cap) // 256) * 256
+    if override:
+        size = int(float(override) * 2**20)
+    elif any(value is True for value, _ in asked):
+        size = largest
+    else:
+        over = sum(need(g) for g in groups if need(g) > auto_bytes)
+        if over > OUTLIER_SHARE * sum(map(need, groups)):
+            return [], 0
+        size = min(largest, auto_bytes)
+    return groups, -(-size // 256) * 256  # a multiple of 256 bytes: every dtype's view is aligned
 
 
 def windows(length: int, capacity: int) -> list[tuple[int, int]]:
@@ -278,27 +318,22 @@ class CopyEngineReduceScatter(SeparateCalls):
         return ArrivedShards(arrived, scale)
 
 
-def copy_engine_collectives(gathers: list[ParamGroup], reduces: list[ParamGroup], device: DeviceHandle,
-                            resident: int) -> tuple[list[CopyEngineStage], dict]:
+def copy_engine_collectives(gathers: tuple[list[ParamGroup], int], reduces: tuple[list[ParamGroup], int],
+                            device: DeviceHandle) -> tuple[list[CopyEngineStage], dict]:
     """The copy-engine all-gather of the groups in ``gathers`` and gradient exchange of those in ``reduces`` (each
-    eligible: gathers_by_copy_engine, reduces_by_copy_engine): returns the stages they share (one per direction in
-    use) and id(group) -> (all-gather or None, reduce-scatter or None). ``resident``: the resident training state
-    of every group under the root (resident_bytes), which caps the buffers. Collective over the shard group: every
-    rank calls it alike."""
+    (groups, buffer bytes) from ``plan``): returns the stages they share (one per direction in use) and id(group)
+    -> (all-gather or None, reduce-scatter or None). Collective over the shard group: every rank calls it alike."""
     stages: list[CopyEngineStage] = []
     ops: dict = {}
-    for slot, (flag, groups, op, nbytes_of) in enumerate((
-            ("copy_engine_all_gather", gathers, CopyEngineAllGather,
-             lambda g: g.layout.shard_numel * g.compute_dtype.itemsize),
-            ("copy_engine_reduce_scatter", reduces, CopyEngineReduceScatter,
-             lambda g: g.layout.rank_major_numel * g.reduce_comm_dtype.itemsize))):
+    for slot, (flag, (groups, nbytes), op) in enumerate((
+            ("copy_engine_all_gather", gathers, CopyEngineAllGather),
+            ("copy_engine_reduce_scatter", reduces, CopyEngineReduceScatter))):
         if not groups:
             continue
         shard_group = groups[0].shard_group
         if any(g.shard_group is not shard_group for g in groups):
             raise ValueError(f"{flag}: all units under one root must shard over the same group")
-        stage = CopyEngineStage(shard_group, buffer_bytes(max(map(nbytes_of, groups)), resident), device=device,
-                                channel=len(stages), flag=flag)
+        stage = CopyEngineStage(shard_group, nbytes, device=device, channel=len(stages), flag=flag)
         for g in groups:
             pair = list(ops.get(id(g), (None, None)))
             pair[slot] = op(stage, g)

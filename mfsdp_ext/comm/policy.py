@@ -194,10 +194,8 @@ def assign_collectives(units: list[tuple[CommPolicy, list]], device: DeviceHandl
     transports = {id(g): _transport(policy, g) for policy, g in pairs}
     wanted = [(g, policy.symm_mem) for policy, g in pairs if policy.symm_mem]
     stages, by_symmetric = symmetric_choice.choose_symmetric(wanted, transports)
-    ce_gather = _copy_engine_groups(pairs, "copy_engine_all_gather", copy_engine.gathers_by_copy_engine)
-    ce_reduce = _copy_engine_groups(pairs, "copy_engine_reduce_scatter", copy_engine.reduces_by_copy_engine)
-    resident = sum(copy_engine.resident_bytes(g) for _, g in pairs)
-    ce_stages, by_copy_engine = copy_engine.copy_engine_collectives(ce_gather, ce_reduce, device, resident)
+    ce_gather, ce_reduce = _copy_engine_plans(pairs)
+    ce_stages, by_copy_engine = copy_engine.copy_engine_collectives(ce_gather, ce_reduce, device)
     for policy, g in pairs:
         transport = transports[id(g)]
         ag, rs = by_copy_engine.get(id(g), (None, None))
@@ -211,16 +209,28 @@ def assign_collectives(units: list[tuple[CommPolicy, list]], device: DeviceHandl
     return CommResources(stages, ce_stages)
 
 
-def _copy_engine_groups(pairs: list[tuple[CommPolicy, Any]], flag: str, eligible) -> list:
-    """The groups whose ``flag`` direction goes through the copy engines: those asking for them that can take them.
-    One stage serves one shard group: groups there by "auto" on another shard group than the first asked for
-    keep NCCL's collectives (e.g. experts sharded over their own mesh); ones there by True raise in
+def _copy_engine_plans(pairs: list[tuple[CommPolicy, Any]]) -> tuple[tuple[list, int], tuple[list, int]]:
+    """(groups, buffer bytes) of the copy-engine all-gather and gradient exchange (copy_engine.plan)."""
+    resident = sum(copy_engine.resident_bytes(g) for _, g in pairs)
+    plans = []
+    for flag, eligible, need, slot in (
+            ("copy_engine_all_gather", copy_engine.gathers_by_copy_engine, copy_engine.gather_need, 0),
+            ("copy_engine_reduce_scatter", copy_engine.reduces_by_copy_engine, copy_engine.reduce_need, 1)):
+        asked = _one_shard_group([(getattr(policy, flag), g) for policy, g in pairs
+                                  if eligible(g) and policy.uses_copy_engines(flag, g)])
+        world = asked[0][1].world if asked else 1
+        plans.append(copy_engine.plan(asked, need, copy_engine.auto_buffer_bytes(resident, world)[slot]))
+    return plans[0], plans[1]
+
+
+def _one_shard_group(asked: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """One stage serves one shard group: groups asking by "auto" on another shard group than the first asked for
+    keep NCCL's collectives (e.g. experts sharded over their own mesh); ones asking by True raise in
     copy_engine_collectives."""
-    groups = [(getattr(policy, flag), g) for policy, g in pairs if eligible(g) and policy.uses_copy_engines(flag, g)]
-    if not groups:
+    if not asked:
         return []
-    first = next((g for value, g in groups if value is True), groups[0][1]).shard_group
-    return [g for value, g in groups if value is True or g.shard_group is first]
+    first = next((g for value, g in asked if value is True), asked[0][1]).shard_group
+    return [(value, g) for value, g in asked if value is True or g.shard_group is first]
 
 
 def use_custom(pairs: list[tuple[CommPolicy, Any]]) -> None:

@@ -19,13 +19,15 @@ import torch.distributed as dist
 from mfsdp_ext import MixedPrecisionPolicy, fully_shard
 from mfsdp_ext.comm.collectives import TORCH_TRANSPORT
 from mfsdp_ext.comm.copy_engine import (
+    BUFFER_ENV,
     BufferTurns,
     CopyEngineAllGather,
     CopyEngineReduceScatter,
     CopyEngineStage,
-    buffer_bytes,
+    auto_buffer_bytes,
     gathers_by_copy_engine,
     peer_order,
+    plan,
     reduces_by_copy_engine,
     window_pieces,
     windows,
@@ -159,9 +161,26 @@ def test_windows_and_buffer_sizes():
             out[offset : offset + count] = grads[param][first : first + count]
         expect = torch.cat([full[r * shard + start : r * shard + stop] for r in range(world)])
         assert torch.equal(out, expect), (start, stop)
-    assert buffer_bytes(1000, 10**9) == 1024  # what the largest group needs, 256-byte aligned
-    assert buffer_bytes(10**9, 16 * 10**9) == 40 * 10**6  # a 400th of the resident state
-    assert buffer_bytes(10**9, 10**6) == 4 << 20  # never under 4 MiB
+
+
+
+def test_plan(monkeypatch):
+    """"auto": the buffers within 1% of the resident state (2 gather buffers + 1 exchange buffer: the other stands in
+    for NCCL's pack buffer), used only where the groups too large for them carry at most a quarter of the bytes;
+    True: the largest group whole."""
+    monkeypatch.delenv(BUFFER_ENV, raising=False)
+    assert auto_buffer_bytes(16 * 10**9, 2) == (40 * 10**6, 80 * 10**6)  # 2 x 40 + 80 = 160 MB = 1%
+    assert auto_buffer_bytes(16 * 10**9, 4) == (26_666_666, 106_666_664)
+    need = int  # a "group" here is its need in bytes
+    blocks = [("auto", 1 << 20)] * 8
+    assert plan(blocks + [("auto", 2 << 20)], need, 1 << 20) == ([1 << 20] * 8 + [2 << 20], 1 << 20)  # 20%: windows
+    assert plan(blocks + [("auto", 3 << 20)], need, 1 << 20) == ([], 0)  # 27% in several rounds: the plain path
+    assert plan(blocks, need, 4 << 20) == ([1 << 20] * 8, 1 << 20)  # no larger than the largest group
+    assert plan([("auto", 1000)], need, 4096) == ([1000], 1024)  # 256-byte aligned
+    assert plan([(True, 3 << 20)] + blocks, need, 1 << 20) == ([3 << 20] + [1 << 20] * 8, 3 << 20)  # True: whole
+    assert plan([], need, 1 << 20) == ([], 0)
+    monkeypatch.setenv(BUFFER_ENV, "0.5")
+    assert plan(blocks + [("auto", 3 << 20)], need, 1 << 20)[1] == 1 << 19
 
 
 def test_peer_order():
