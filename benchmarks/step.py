@@ -333,6 +333,18 @@ def time_fn(fn: Callable[[], None], steps: int, warmup: int, device: torch.devic
     return clock.intervals_ms()
 
 
+def comm_buffer_bytes(model) -> float:
+    """Bytes of ours' communication buffers outside the caching allocator (NCCL's symmetric pool, the copy engines'
+    buffers) on this rank; 0 for FSDP2. Attribute access without defaults: a renamed field fails here, not in
+    silence."""
+    unit = getattr(model, "_mfsdp_unit", None)
+    if unit is None:
+        return 0.0
+    comm = unit.context.comm
+    pool = comm.symmetric.comm.native.capacity if comm.symmetric is not None else 0
+    return float(pool + sum(stage.buffer.numel() for stage in comm.copy_engines))
+
+
 def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -743,11 +755,7 @@ def run_variant(v: Variant, bc: BenchConfig, mesh, dtype: torch.dtype, device: t
         mem = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0, 0.0], dtype=torch.float64)
     # NCCL's symmetric pool (use_symm_mem) comes from ncclMemAlloc and the copy engines' buffers from torch's
     # symmetric memory: the caching allocator sees neither
-    context = getattr(getattr(model, "_mfsdp_unit", None), "context", None)
-    if getattr(context, "symmetric", None) is not None:
-        mem += float(context.comm.symmetric.comm.native.capacity)
-    for stage in getattr(context, "copy_engines", []):
-        mem += float(stage.buffer.numel())
+    mem += comm_buffer_bytes(model)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)
     loss_first, loss_last = float(losses[0]), float(losses[-1])
     del step  # its CUDA graph first: NCCL keeps the symmetric windows a live graph captured

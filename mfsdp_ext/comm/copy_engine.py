@@ -33,9 +33,10 @@ and host work, so a model whose groups mostly need several rounds is slower than
 benchmarks/results/step_copy_engine_default_2xh200.md).
 
 ``fully_shard``'s default for both is "auto" (``plan``): on wherever they can run (``unavailable_reason`` is None),
-the unit asks for no other transport (use_symm_mem, native_collectives), and the buffers that keep the extra memory
-under 1% of the resident training state hold most groups whole; the rest of the groups (a transformer's embedding
-and output) go in windows. With True the buffers hold the largest group whole.
+the unit asks for no other transport (use_symm_mem, native_collectives), and buffers that keep the extra memory
+under 1% of the resident training state take most groups in at most MAX_ROUNDS rounds, in both directions (one
+alone gains little); the rest of the groups (a transformer's embedding and output) take more. With True the buffers
+hold the largest group whole.
 """
 
 from __future__ import annotations
@@ -82,9 +83,12 @@ def reduces_by_copy_engine(g: ParamGroup) -> bool:
     return g.sums_on_arrival
 
 
-# "auto": the copy engines' extra memory stays under this share of the resident training state (resident_bytes), and
-# they are used only where the groups that need several rounds carry at most OUTLIER_SHARE of the bytes.
+# "auto": the copy engines' four buffers stay under this share of the resident training state (resident_bytes), and
+# they are used only where the groups that need more than MAX_ROUNDS rounds carry at most OUTLIER_SHARE of the bytes
+# (measured, 2 x H200: config 3's blocks in 1 and 2 rounds are faster than NCCL's collectives, config 2's in 3 and 6
+# and config 4's in 13 and 25 are slower: benchmarks/results/step_copy_engine_default_2xh200.md).
 BUDGET_SHARE = 1 / 100
+MAX_ROUNDS = 2
 OUTLIER_SHARE = 1 / 4
 BUFFER_ENV = "MFSDP_EXT_COPY_ENGINE_BUFFER_MB"  # each buffer's size for True and "auto" alike (tuning and tests)
 
@@ -109,12 +113,10 @@ def reduce_need(g: ParamGroup) -> int:
     return g.layout.rank_major_numel * g.reduce_comm_dtype.itemsize
 
 
-def auto_buffer_bytes(resident: int, world: int) -> tuple[int, int]:
-    """(all-gather, gradient exchange) buffer sizes for "auto": two of each, within BUDGET_SHARE of ``resident``.
-    The first exchange buffer is not counted: NCCL's path allocates a pack buffer of that size at every reduction,
-    which the copy engines do not. So 2 G + R, with R = world G (a group's packed gradients are world shards)."""
-    gather = int(resident * BUDGET_SHARE / (2 + world))
-    return gather, world * gather
+def auto_buffer_bytes(resident: int) -> int:
+    """The size of each of the four buffers (two per direction) "auto" allows: together BUDGET_SHARE of
+    ``resident``."""
+    return int(resident * BUDGET_SHARE / 4)
 
 
 def plan(asked: list[tuple[object, ParamGroup]], need, auto_bytes: int) -> tuple[list[ParamGroup], int]:
@@ -125,9 +127,9 @@ def plan(asked: list[tuple[object, ParamGroup]], need, auto_bytes: int) -> tuple
         need: gather_need or reduce_need.
         auto_bytes: the buffer size "auto" allows (auto_buffer_bytes).
 
-    With a True the buffers hold the largest group whole. With "auto" alone, the groups too large for auto_bytes
-    must carry at most OUTLIER_SHARE of the bytes, else the plain collectives are faster (too many rounds): none.
-    ``BUFFER_ENV`` sets the size for both."""
+    With a True the buffers hold the largest group whole. With "auto" alone, the groups that need more than
+    MAX_ROUNDS rounds of auto_bytes must carry at most OUTLIER_SHARE of the bytes, else NCCL's collectives are
+    faster: none. ``BUFFER_ENV`` sets the size for both."""
     groups = [g for _, g in asked]
     if not groups:
         return [], 0
@@ -138,11 +140,23 @@ def plan(asked: list[tuple[object, ParamGroup]], need, auto_bytes: int) -> tuple
     elif any(value is True for value, _ in asked):
         size = largest
     else:
-        over = sum(need(g) for g in groups if need(g) > auto_bytes)
+        over = sum(need(g) for g in groups if need(g) > MAX_ROUNDS * auto_bytes)
         if over > OUTLIER_SHARE * sum(map(need, groups)):
             return [], 0
         size = min(largest, auto_bytes)
     return groups, -(-size // 256) * 256  # a multiple of 256 bytes: every dtype's view is aligned
+
+
+def plan_both(gathers: list[tuple[object, ParamGroup]], reduces: list[tuple[object, ParamGroup]], auto_bytes: int
+              ) -> tuple[tuple[list[ParamGroup], int], tuple[list[ParamGroup], int]]:
+    """``plan`` of the all-gather (``gathers``) and of the gradient exchange (``reduces``). "auto" takes both
+    directions or neither: the copy engines gain where no transfer of either direction runs on SMs beside the
+    matmuls, and little with one direction alone (benchmarks/results/step_copy_engine_2xh200.md)."""
+    gather, reduce = plan(gathers, gather_need, auto_bytes), plan(reduces, reduce_need, auto_bytes)
+    forced = any(value is True for value, _ in gathers + reduces)
+    if not forced and not (gather[0] and reduce[0]):
+        return ([], 0), ([], 0)
+    return gather, reduce
 
 
 def windows(length: int, capacity: int) -> list[tuple[int, int]]:

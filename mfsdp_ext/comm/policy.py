@@ -210,17 +210,13 @@ def assign_collectives(units: list[tuple[CommPolicy, list]], device: DeviceHandl
 
 
 def _copy_engine_plans(pairs: list[tuple[CommPolicy, Any]]) -> tuple[tuple[list, int], tuple[list, int]]:
-    """(groups, buffer bytes) of the copy-engine all-gather and gradient exchange (copy_engine.plan)."""
+    """(groups, buffer bytes) of the copy-engine all-gather and gradient exchange (copy_engine.plan_both)."""
+    asked = [_one_shard_group([(getattr(policy, flag), g) for policy, g in pairs
+                               if eligible(g) and policy.uses_copy_engines(flag, g)])
+             for flag, eligible in (("copy_engine_all_gather", copy_engine.gathers_by_copy_engine),
+                                    ("copy_engine_reduce_scatter", copy_engine.reduces_by_copy_engine))]
     resident = sum(copy_engine.resident_bytes(g) for _, g in pairs)
-    plans = []
-    for flag, eligible, need, slot in (
-            ("copy_engine_all_gather", copy_engine.gathers_by_copy_engine, copy_engine.gather_need, 0),
-            ("copy_engine_reduce_scatter", copy_engine.reduces_by_copy_engine, copy_engine.reduce_need, 1)):
-        asked = _one_shard_group([(getattr(policy, flag), g) for policy, g in pairs
-                                  if eligible(g) and policy.uses_copy_engines(flag, g)])
-        world = asked[0][1].world if asked else 1
-        plans.append(copy_engine.plan(asked, need, copy_engine.auto_buffer_bytes(resident, world)[slot]))
-    return plans[0], plans[1]
+    return copy_engine.plan_both(asked[0], asked[1], copy_engine.auto_buffer_bytes(resident))
 
 
 def _one_shard_group(asked: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:

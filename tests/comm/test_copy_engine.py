@@ -11,6 +11,7 @@ across ranks; the gradients that arrive, against the plain all-to-all's.
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from mfsdp_ext.comm.copy_engine import (
     gathers_by_copy_engine,
     peer_order,
     plan,
+    plan_both,
     reduces_by_copy_engine,
     window_pieces,
     windows,
@@ -165,20 +167,27 @@ def test_windows_and_buffer_sizes():
 
 
 def test_plan(monkeypatch):
-    """"auto": the buffers within 1% of the resident state (2 gather buffers + 1 exchange buffer: the other stands in
-    for NCCL's pack buffer), used only where the groups too large for them carry at most a quarter of the bytes;
-    True: the largest group whole."""
+    """"auto": four buffers within 1% of the resident state, used only where the groups that need more than two
+    rounds carry at most a quarter of the bytes; True: the largest group whole."""
     monkeypatch.delenv(BUFFER_ENV, raising=False)
-    assert auto_buffer_bytes(16 * 10**9, 2) == (40 * 10**6, 80 * 10**6)  # 2 x 40 + 80 = 160 MB = 1%
-    assert auto_buffer_bytes(16 * 10**9, 4) == (26_666_666, 106_666_664)
+    assert auto_buffer_bytes(16 * 10**9) == 40 * 10**6  # 4 x 40 MB = 1%
     need = int  # a "group" here is its need in bytes
     blocks = [("auto", 1 << 20)] * 8
-    assert plan(blocks + [("auto", 2 << 20)], need, 1 << 20) == ([1 << 20] * 8 + [2 << 20], 1 << 20)  # 20%: windows
-    assert plan(blocks + [("auto", 3 << 20)], need, 1 << 20) == ([], 0)  # 27% in several rounds: the plain path
+    assert plan(blocks + [("auto", 2 << 20)], need, 1 << 19) == ([1 << 20] * 8 + [2 << 20], 1 << 19)  # 2 rounds
+    assert plan(blocks + [("auto", 3 << 20)], need, 1 << 20) == ([], 0)  # 27% of the bytes in 3 rounds: NCCL's
+    assert plan(blocks, need, 1 << 18) == ([], 0)  # every block in 4 rounds: NCCL's
     assert plan(blocks, need, 4 << 20) == ([1 << 20] * 8, 1 << 20)  # no larger than the largest group
     assert plan([("auto", 1000)], need, 4096) == ([1000], 1024)  # 256-byte aligned
     assert plan([(True, 3 << 20)] + blocks, need, 1 << 20) == ([3 << 20] + [1 << 20] * 8, 3 << 20)  # True: whole
     assert plan([], need, 1 << 20) == ([], 0)
+    # "auto" takes both directions or neither; groups of 2 ranks: a 1 MiB bf16 shard, 2 MiB of packed gradients
+    group = SimpleNamespace(layout=SimpleNamespace(shard_numel=1 << 19, rank_major_numel=1 << 20),
+                            compute_dtype=torch.bfloat16, reduce_comm_dtype=torch.bfloat16)
+    asked = [("auto", group)] * 8
+    assert plan_both(asked, asked, 1 << 20) == (([group] * 8, 1 << 20), ([group] * 8, 1 << 20))  # 1 and 2 rounds
+    assert plan_both(asked, asked, 1 << 19) == (([], 0), ([], 0))  # the exchange in 4 rounds: neither
+    assert plan_both(asked, [], 1 << 20) == (([], 0), ([], 0))  # no exchange to take: neither
+    assert plan_both([(True, group)], [], 1 << 19) == (([group], 1 << 20), ([], 0))  # True: as asked
     monkeypatch.setenv(BUFFER_ENV, "0.5")
     assert plan(blocks + [("auto", 3 << 20)], need, 1 << 20)[1] == 1 << 19
 
