@@ -192,6 +192,33 @@ def test_plan(monkeypatch):
     assert plan(blocks + [("auto", 3 << 20)], need, 1 << 20)[1] == 1 << 19
 
 
+def _case_auto_choice():
+    """What "auto" chooses for two of benchmarks/step.py's shapes (docs/api.md says so): on 2 ranks config 3 (48
+    blocks of d1024) takes the copy engines in both directions with 13.0 MiB buffers, a block in 1 gather round and 2
+    exchange rounds; config 2 (16 blocks of d2048: 3 and 6 rounds) keeps NCCL's collectives; on 4 ranks both do."""
+    from mfsdp_ext.comm import copy_engine
+    from mfsdp_ext.testing import gpt
+
+    chosen = {}
+    for name, (layers, dim, ffn) in {"config 3": (48, 1024, 2816), "config 2": (16, 2048, 5632)}.items():
+        with torch.device("meta"):
+            model = gpt.GPT(gpt.GPTConfig(n_layers=layers, dim=dim, n_heads=dim // 128, ffn_dim=ffn, vocab_size=32000))
+        gpt.shard_model(model, fully_shard, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        groups = [g for layer in model.layers for g in layer._mfsdp_unit.groups] + model._mfsdp_unit.groups
+        auto_bytes = copy_engine.auto_buffer_bytes(sum(copy_engine.resident_bytes(g) for g in groups))
+        asked = [("auto", g) for g in groups]
+        (gathers, gather_bytes), (reduces, reduce_bytes) = copy_engine.plan_both(asked, asked, auto_bytes)
+        chosen[name] = (len(gathers), len(reduces), round(gather_bytes / 2**20, 1), round(reduce_bytes / 2**20, 1))
+    expected = {2: {"config 3": (49, 49, 13.0, 13.0), "config 2": (0, 0, 0.0, 0.0)},
+                4: {"config 3": (0, 0, 0.0, 0.0), "config 2": (0, 0, 0.0, 0.0)}}  # 4 ranks: 4 exchange rounds
+    assert chosen == expected[dist.get_world_size()], chosen
+    return chosen
+
+
+def test_auto_choice(cpu_pool):
+    print(cpu_pool.run(_case_auto_choice)[0])
+
+
 def test_peer_order():
     """Each rank copies from itself first, then from every peer once; at each turn no two ranks read the same rank
     (a copy from one GPU's memory does not share its links with another's)."""
