@@ -75,9 +75,11 @@ def fully_shard(module: Union[nn.Module, list], *, mesh: Optional[DeviceMesh] = 
         check_finite_grads: on the root: after each backward, raise ``NonFiniteGradError`` on every rank naming
             the first parameter whose reduced gradient holds NaN or inf.
         copy_engine_all_gather: move the weights with the copy engines through peer-mapped memory (GPUs of one
-            host) instead of NCCL's kernels, leaving every SM to the compute beside them. "auto" (default): wherever
-            they can run (CUDA, NCCL, the shard group on one host, torch's symmetric memory) and ``use_symm_mem``
-            and ``native_collectives`` are off; True: refused where they cannot; False: NCCL's all-gather.
+            host) instead of NCCL's kernels, leaving every SM to the compute beside them. "auto" (default): both
+            directions where they can run (CUDA, NCCL, the shard group on one host, torch's symmetric memory),
+            ``use_symm_mem`` and ``native_collectives`` are off, and buffers within 1% of the resident training
+            state take most groups in at most two rounds (docs/api.md), else NCCL's; True: refused where they
+            cannot run, buffers the size of the largest group; False: NCCL's all-gather.
         copy_engine_reduce_scatter: the same for the bf16 gradients' exchange (the default wire on one host).
 
     Returns:

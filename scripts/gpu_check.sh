@@ -242,7 +242,7 @@ ours_graphed,ours_fp8_fused,ours_fp8_captured,ours_fp8_graphed --steps 10 --warm
         run fastpath timeout -k 10 400 torchrun --standalone --nproc-per-node "${GRAPH_GPUS:-$(nvidia-smi -L | wc -l)}" \
             benchmarks/step.py --configs "${SYNC_CONFIGS:-3,2}" --impls fsdp2_fused,fsdp2_captured,ours_fused,\
 ours_captured,ours_graphed --steps 15 --warmup 3 --sync-steps 15 --no-floor --out "$OUT/fastpath" ;;
-    cedefault)  # the default ("auto": the copy engines on one host) against NCCL's collectives (both copy-engine flags
+    cedefault)  # the default ("auto": the copy engines where they fit 1% of memory) against NCCL's collectives (both flags
                 # False), same run: eager, captured and whole-step graphed, back to back and synchronised after every
                 # step, step time and peak; FSDP2 captured as the reference (CE_CONFIGS, default 3,2; GRAPH_GPUS or all)
         off=copy_engine_all_gather=False,copy_engine_reduce_scatter=False

@@ -32,7 +32,7 @@ shard, each one round of write, barrier and copies; each round costs a barrier (
 and host work, so a model whose groups mostly need several rounds is slower than on NCCL (measured:
 benchmarks/results/step_copy_engine_default_2xh200.md).
 
-``fully_shard``'s default for both is "auto" (``plan``): on wherever they can run (``unavailable_reason`` is None),
+``fully_shard``'s default for both is "auto" (``plan_both``): on wherever they can run (``unavailable_reason`` is None),
 the unit asks for no other transport (use_symm_mem, native_collectives), and buffers that keep the extra memory
 under 1% of the resident training state take most groups in at most MAX_ROUNDS rounds, in both directions (one
 alone gains little); the rest of the groups (a transformer's embedding and output) take more. With True the buffers
@@ -86,7 +86,7 @@ def reduces_by_copy_engine(g: ParamGroup) -> bool:
 # "auto": the copy engines' four buffers stay under this share of the resident training state (resident_bytes), and
 # they are used only where the groups that need more than MAX_ROUNDS rounds carry at most OUTLIER_SHARE of the bytes
 # (measured, 2 x H200: config 3's blocks in 1 and 2 rounds are faster than NCCL's collectives, config 2's in 3 and 6
-# and config 4's in 13 and 25 are slower: benchmarks/results/step_copy_engine_default_2xh200.md).
+# and config 4's in 6 and 11 are slower: benchmarks/results/step_copy_engine_default_2xh200.md).
 BUDGET_SHARE = 1 / 100
 MAX_ROUNDS = 2
 OUTLIER_SHARE = 1 / 4
