@@ -219,6 +219,30 @@ def test_auto_choice(cpu_pool):
     print(cpu_pool.run(_case_auto_choice)[0])
 
 
+def _case_benchmark_counts_buffers():
+    """benchmarks/step.py's peak column adds the copy engines' buffers (outside the caching allocator) to
+    max_memory_allocated: read from where the library keeps them, so a moved attribute fails here."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    from step import comm_buffer_bytes
+
+    model = shard_tiny_lm(TinyLM(vocab=37, dim=12, ffn=20, n_layers=2, tie=False), fully_shard)
+    tokens, targets = batch(0, 8, seq=4, vocab=37)
+    lm_loss(model, tokens, targets).backward()  # lazy init: the root's communication resources exist
+    assert comm_buffer_bytes(model) == 0.0  # gloo: neither symmetric memory nor copy engines
+    model._mfsdp_unit.context.comm.copy_engines.append(SimpleNamespace(buffer=torch.empty(1000, dtype=torch.uint8)))
+    counted = comm_buffer_bytes(model)
+    model._mfsdp_unit.context.comm.copy_engines.clear()
+    assert counted == 1000.0, counted
+    return counted
+
+
+def test_benchmark_counts_buffers(cpu_pool):
+    cpu_pool.run(_case_benchmark_counts_buffers)
+
+
 def test_peer_order():
     """Each rank copies from itself first, then from every peer once; at each turn no two ranks read the same rank
     (a copy from one GPU's memory does not share its links with another's)."""
