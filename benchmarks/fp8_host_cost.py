@@ -121,7 +121,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("benchmarks/fp8_host_cost.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    info = {k: v for k, v in N.build_info().items() if k != "path"}  # the library's place: not a result
+    info = N.build_summary()
     name = torch.cuda.get_device_name()
     meta = {"gpu": name, "date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
             "cuda": torch.version.cuda, "build": info, "size": args.size, "reps": args.reps}

@@ -236,7 +236,7 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("benchmarks/fp8_linear.py needs a CUDA GPU (--device cpu smoke-tests the script)", file=sys.stderr)
         return 2
-    info = {k: v for k, v in N.build_info().items() if k != "path"}  # the library's place: not a result
+    info = N.build_summary()
     if args.device == "cuda" and not info.get("cuda"):
         print(f"mfsdp_ext._C was built without CUDA kernels: {info}", file=sys.stderr)
         return 2

@@ -857,7 +857,7 @@ def environment(device: torch.device, world: int, args) -> dict:
         env["mfsdp_ext"] = getattr(mfsdp_ext, "__version__", "?")
         from mfsdp_ext import _native
 
-        env["mfsdp_ext_native"] = {k: v for k, v in _native.build_info().items() if k != "path"}  # not a result
+        env["mfsdp_ext_native"] = _native.build_summary()
     except Exception as e:  # noqa: BLE001 - informational only
         env["mfsdp_ext"] = f"not importable: {e}"
     return env

@@ -211,6 +211,12 @@ def build_info() -> dict:
     return dict(_BUILD_INFO)
 
 
+def build_summary() -> dict:
+    """``build_info()`` without "path": what a benchmark records of the build (where the library sits on one
+    machine is not part of a result)."""
+    return {k: v for k, v in build_info().items() if k != "path"}
+
+
 # ----------------------------------------------------------------------------------------------
 # CUDA segment tables: validated once per (tensor, version), not on every call
 # ----------------------------------------------------------------------------------------------

@@ -322,10 +322,9 @@ class CopyEngineReduceScatter(SeparateCalls):
 
     def __call__(self, g: ParamGroup, scale: float) -> ArrivedShards:
         arrived = torch.empty(self.stage.world, self.shard, dtype=self.dtype, device=self.packed[0][0].device)
-        grads = g.grads.local_grads()
         for k, (start, stop) in enumerate(self.windows):
             buffer = self.stage.next_buffer()
-            _native.pack_pieces(grads, self.tables[k], self.packed[buffer][k], 1.0)
+            g.grads.pack(self.packed[buffer][k], 1.0, self.tables[k])
             self.stage.barrier()
             for r in peer_order(self.stage.rank, self.stage.world):
                 arrived[r, start:stop].copy_(self.chunks[buffer][k][r])

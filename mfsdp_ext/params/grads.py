@@ -99,11 +99,12 @@ class GroupGradients:
     def has_unsharded(self) -> bool:
         return any(info.unsharded.grad is not None for info in self.group.infos)
 
-    def pack(self, out: torch.Tensor, scale: float) -> None:
+    def pack(self, out: torch.Tensor, scale: float, pieces: Optional[torch.Tensor] = None) -> None:
         """Pack the unsharded grads into ``out``, rank-major (W shards back to back; missing grads and padding as
         zeros), cast to out's dtype and scaled: one native launch. A flat reduce-scatter of ``out`` then yields
-        this rank's shard of every gradient."""
-        _native.pack_pieces(self.local_grads(), self.group.plan.grad_pieces, out, scale)
+        this rank's shard of every gradient. ``pieces``: another pack table than the group's (a window of each
+        shard: comm/copy_engine.py)."""
+        _native.pack_pieces(self.local_grads(), self.group.plan.grad_pieces if pieces is None else pieces, out, scale)
 
     def local_grads(self) -> list[Optional[torch.Tensor]]:
         """Per parameter, what its unsharded gradient contributes on this rank (None: no gradient)."""
