@@ -138,6 +138,9 @@ MODELS = {  # --config -> (title, what the model is)
                       "128256) with {layers} of its 32 layers; seq 8192, local batch 1"),
     "qwen3_moe_gpu": ("Qwen3 30B-A3B MoE shape", "torchtitan `qwen3_30b_a3b` (dim 2048, 128 experts of FFN 768, top 8, "
                       "vocab 151936) with {layers} of its 48 layers; seq 4096, local batch 1"),
+    "llama3_8b_pp_gpu": ("Llama 3 8B shape, pipeline parallel 2 x FSDP 2",
+                         "torchtitan `llama3_8b` with {layers} of its 32 layers split over 2 pipeline stages; "
+                         "seq 8192, local batch 4 in microbatches of 1"),
 }
 
 

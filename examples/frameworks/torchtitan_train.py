@@ -34,7 +34,9 @@ Only on a CPU-only machine (2 gloo ranks; FSDP2 needs them as much as ours), mar
      used). Rank 0 prints the policy each implementation was given ("offload_policy: ...").
 And for a torch older than torchtitan 0.3.0 expects (any device): torch.distributed.set_timeout is skipped when this
 torch lacks it (2.13 does), and torch < 2.12 gets a placeholder for torch.distributed.fsdp.DataParallelMeshDims, a
-name torchtitan imports but uses only with its spmd_types / full_dtensor backends (full_dtensor needs torch >= 2.12).
+name torchtitan imports but uses only with its spmd_types / full_dtensor backends (full_dtensor needs torch >= 2.12),
+and its pipeline stages are built without the mesh callback that torch's stages take from 2.12 on (used only for
+DTensor activations between stages: tensor parallel with pipeline parallel needs torch >= 2.12).
 Expert parallel > 1 where torch lacks FSDP2's per-parameter meshes (ShardPlacementResult, torch >= 2.12), or with
 TITAN_EXPERTS_UNIT=1: "experts as their own unit" below shards each block's experts as a fully_shard unit of its own
 on the expert-data-parallel mesh and the block on the dp mesh (FSDP2 and ours alike; rank 0 prints how many).
@@ -117,12 +119,25 @@ if not hasattr(torch.distributed, "set_timeout"):  # torch.distributed.set_timeo
 if not hasattr(torch.compiler, "_is_non_strict_tracing"):  # torch < 2.12: asked by the MoE token dispatcher (EP > 1);
     torch.compiler._is_non_strict_tracing = lambda: False   # there is no non-strict tracing in this torch to detect
 
+import inspect  # noqa: E402
+
+from torch.distributed.pipelining import PipelineStage as _PipelineStage  # noqa: E402
+
+if "get_mesh" not in inspect.signature(_PipelineStage.__init__).parameters:
+    # torch < 2.12: torchtitan 0.3.0 hands each pipeline stage a mesh callback, which only DTensor activations
+    # between stages use (tensor parallel with pipeline parallel); this torch's stages pass plain tensors only
+    import torchtitan.distributed.pipeline_parallel as _tt_pp
+
+    class _StageWithoutMeshCallback(_PipelineStage):
+        def __init__(self, *args, get_mesh=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    _tt_pp.PipelineStage = _StageWithoutMeshCallback
+
 import torch.distributed.pipelining.schedules as _pp_schedules  # noqa: E402
 
 
 def _takes_microbatch_lists(step) -> bool:
-    import inspect
-
     return "arg_mbs" in inspect.signature(step).parameters
 
 
@@ -130,10 +145,11 @@ if not _takes_microbatch_lists(_pp_schedules.PipelineScheduleSingle.step):
     # torchtitan 0.3.0 hands a pipeline schedule its microbatches as lists (step(arg_mbs=..., kwarg_mbs=...,
     # target_mbs=...)), a step() newer than this torch, whose step() takes the whole batch and splits it into
     # n_microbatches equal chunks along dim 0. The microbatches are concatenated back into that batch: the schedule
-    # splits it into the same microbatches (FSDP2 and ours alike).
+    # splits it into the same microbatches (FSDP2 and ours alike). Its loss_kwargs (the global count of valid tokens
+    # the loss is divided by), which this torch's step() does not take, are bound into the loss function for the step.
     def _whole_batch(step):
-        def step_with_lists(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, **kwargs):
-            if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+        def step_with_lists(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, loss_kwargs=None, **kwargs):
+            if arg_mbs is None and kwarg_mbs is None and target_mbs is None and loss_kwargs is None:
                 return step(self, *args, **kwargs)
             if arg_mbs:
                 args = tuple(torch.cat(parts) for parts in zip(*arg_mbs, strict=True))
@@ -141,7 +157,15 @@ if not _takes_microbatch_lists(_pp_schedules.PipelineScheduleSingle.step):
                 values = [mb[key] for mb in kwarg_mbs]
                 kwargs[key] = torch.cat(values) if isinstance(values[0], torch.Tensor) else values[0]
             target = torch.cat(target_mbs) if target_mbs is not None else None
-            return step(self, *args, target=target, **kwargs)
+            if "return_outputs" not in inspect.signature(step).parameters:
+                kwargs.pop("return_outputs", None)  # an older step() returns the outputs anyway
+            loss_fn = self._loss_fn
+            if loss_kwargs and loss_fn is not None:
+                self._loss_fn = functools.partial(loss_fn, **loss_kwargs)
+            try:
+                return step(self, *args, target=target, **kwargs)
+            finally:
+                self._loss_fn = loss_fn
 
         return step_with_lists
 
@@ -199,7 +223,6 @@ import torch.distributed.fsdp._fully_shard._fsdp_init as _fsdp_init  # noqa: E40
 EXPERTS_UNIT = os.environ.get("TITAN_EXPERTS_UNIT") == "1" or not hasattr(_fsdp_common, "ShardPlacementResult")
 if EXPERTS_UNIT:
     import dataclasses
-    import inspect
 
     from torch.distributed.tensor import Shard
 
