@@ -28,6 +28,10 @@
 #                                       converter, TITAN_FLOAT8), fp8 (our FP8 weights, ours_fp8 only, without
 #                                       compile: fully_shard refuses FP8 compute in a compiled module; compare it with
 #                                       FSDP2's rows of the other modes of the same invocation); TITAN_LAYERS default 8
+#   bash scripts/gpu_titan.sh hosts2    the same, then HSDP 2 (replicas) x 2 (shards) at the 8B shape (TITAN_LAYERS, default
+#                                       4) on 4 GPUs answering as 2 hosts of 2 (MFSDP_EXT_SIMULATE_HOSTS=2: ours takes the
+#                                       paths of a run across hosts), NCCL without P2P and shared memory for both
+#                                       implementations (its network transport, as between hosts): losses, tok/s, peak
 #   bash scripts/gpu_titan.sh resume    the same, then torchtitan's checkpoint resume on 4 GPUs (about 8 minutes):
 #                                       its debug models in bf16, tensor parallel 2 and expert parallel 2, FSDP2 and
 #                                       ours resumed from their own and each other's checkpoints
@@ -102,6 +106,17 @@ if [ "${1:-}" = "pp" ]; then  # pipeline parallel 2 x FSDP 2 on 4 GPUs, 1F1B and
             --deadline 290 --run-timeout 140 -- --parallelism.pipeline_parallel_schedule "$schedule" || rc=1
     done
     exit $rc
+fi
+if [ "${1:-}" = "hosts2" ]; then  # HSDP 2 x 2 with the 4 GPUs answering as 2 hosts of 2, NCCL off NVLink for both
+    [ "$(nvidia-smi -L | wc -l)" -ge 4 ] || { echo "gpu_titan.sh hosts2 needs 4 GPUs"; exit 2; }
+    WORK=$(mktemp -d -t gpu_titan_hosts2.XXXX)
+    trap 'cp "$WORK"/titan_step_*.md "$WORK"/titan_step_*.json "$OUT"/ 2>/dev/null;
+          tar czf "$OUT/titan_hosts2_logs.tgz" -C "$WORK" --exclude "dump_*" --exclude titan_assets . ' EXIT
+    MFSDP_EXT_SIMULATE_HOSTS=2 NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 timeout -k 10 400 python3 benchmarks/titan_step.py \
+        --out "$WORK" --nproc 4 --tag hsdp2x2_hosts2 --layers "${TITAN_LAYERS:-4}" --steps "${TITAN_STEPS:-6}" --warmup 2 \
+        --impls fsdp2,ours --deadline 390 --run-timeout 190 -- --parallelism.data_parallel_replicate_degree 2 \
+        --parallelism.data_parallel_shard_degree 2
+    exit $?
 fi
 if [ "${1:-}" = "fast" ]; then  # torchtitan's fast paths, FSDP2 vs ours, one table per mode (TITAN_FAST_MODES)
     N=${TITAN_GPUS:-$(nvidia-smi -L | wc -l)}

@@ -251,22 +251,24 @@ def test_torchtitan_pipeline(tmp_path, titan_assets, schedule):
 _2D = {"tensor_parallel": ("llama3_debug_cpu", "--parallelism.tensor_parallel_degree", "partial_dtensor"),
        "expert_parallel": ("qwen3_moe_debug_cpu", "--parallelism.expert_parallel_degree", "partial_dtensor"),
        "tensor_parallel_full_dtensor": ("llama3_debug_cpu", "--parallelism.tensor_parallel_degree", "full_dtensor"),
-       "expert_parallel_full_dtensor": ("qwen3_moe_debug_cpu", "--parallelism.expert_parallel_degree", "full_dtensor")}
+       "expert_parallel_full_dtensor": ("qwen3_moe_debug_cpu", "--parallelism.expert_parallel_degree", "full_dtensor"),
+       "hsdp": ("llama3_debug_cpu", "--parallelism.data_parallel_replicate_degree", "partial_dtensor")}
 
 
 @pytest.mark.parametrize("layout", list(_2D))
 def test_torchtitan_2d(tmp_path, titan_assets, layout):
     """torchtitan's own 2-D layouts on 4 ranks: tensor parallel 2 x FSDP 2 (Llama3: parallelize_module, then
-    fully_shard over the dp mesh), and expert parallel 2 (Qwen3 MoE: the experts DTensors over "ep", sharded over
-    "efsdp" through shard_placement_fn's ShardPlacementResult, the rest over "fsdp"); each also under torchtitan's
-    full_dtensor backend (every parameter a DTensor on the full mesh, fully_shard given dp_mesh_dims). Ours equals
-    FSDP2, with the same collectives. Under partial_dtensor, torchtitan's CheckpointManager also resumes ours from
-    FSDP2's checkpoint exactly (the other directions: test_torchtitan_llama3 on 2 ranks; each 4-rank launch costs
-    about a minute of CI, so full_dtensor runs no resume)."""
+    fully_shard over the dp mesh), expert parallel 2 (Qwen3 MoE: the experts DTensors over "ep", sharded over
+    "efsdp" through shard_placement_fn's ShardPlacementResult, the rest over "fsdp"), each also under torchtitan's
+    full_dtensor backend (every parameter a DTensor on the full mesh, fully_shard given dp_mesh_dims), and HSDP 2 x 2
+    (Llama3: replicate x shard, fully_shard given the 2-D mesh). Ours equals FSDP2, with the same collectives. For
+    TP and EP under partial_dtensor, torchtitan's CheckpointManager also resumes ours from FSDP2's checkpoint exactly
+    (the other directions: test_torchtitan_llama3 on 2 ranks; each 4-rank launch costs about a minute of CI, so
+    full_dtensor and HSDP run no resume)."""
     config, degree, backend = _2D[layout]
     tmp = str(tmp_path)
     saved = 2 if config.startswith("llama3") else 1  # of 4 and 2 steps
-    resumes = RESUMES[1:2] if backend == "partial_dtensor" else ()  # ours from FSDP2's checkpoint
+    resumes = RESUMES[1:2] if backend == "partial_dtensor" and layout != "hsdp" else ()  # ours from FSDP2's
     args = (config, degree, "2", "--parallelism.spmd_backend", backend,
             *(["--checkpoint.enable", "--checkpoint.interval", str(saved)] if resumes else []))
     full = {impl: _titan(tmp, titan_assets, f"{layout}_{impl}", impl, *args, counts=True, ranks=4)
