@@ -1194,9 +1194,10 @@ def main(argv=None) -> None:
             except HostMemoryGuard as e:  # every rank raised it, before building anything
                 res = dict(error=str(e))
                 log(f"  {v.name:<24} {e}")
-            except Exception:  # noqa: BLE001 - record and go on (assumes all ranks failed alike, e.g. OOM)
-                res = dict(error=traceback.format_exc())
-                print(f"[rank {rank}] config {cid} {v.name} failed:\n{res['error']}", flush=True)
+            except Exception as e:  # noqa: BLE001 - record and go on (assumes all ranks failed alike, e.g. OOM)
+                # the report keeps what failed; the traceback (this machine's file paths) goes to the log only
+                res = dict(error=f"{type(e).__name__}: {e}")
+                print(f"[rank {rank}] config {cid} {v.name} failed:\n{traceback.format_exc()}", flush=True)
                 free_memory(device)
             entry["variants"][v.name] = res
             if rank == 0:  # after every variant: a run cut short by a timeout keeps what it measured
